@@ -1,0 +1,132 @@
+"""User-facing records: engine config, generation config and responses.
+
+These are the only types a `pipeline` user has to know. Configs are frozen and validated on construction so a bad
+value fails before any model is loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+_DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
+_DEVICES = ('cuda', 'cpu')
+FinishReason = Literal['stop', 'length', 'abort', 'error']
+
+
+def _default_device() -> str:
+    try:
+        import torch
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return 'cpu'
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class PytorchEngineConfig:
+    """Configuration of the PyTorch engine.
+
+    Memory: the KV pool is sized from `num_gpu_blocks` when it is positive, otherwise from
+    `cache_max_entry_count` times the device memory left after weights and the state pool (on CPU a fixed budget).
+    """
+    device_type: str = field(default_factory=_default_device)
+    dtype: str = 'auto'
+    block_size: int = 64
+    kernel_block_size: int | None = None
+    cache_max_entry_count: float = 0.8
+    num_gpu_blocks: int = 0
+    max_batch_size: int = 128
+    max_prefill_token_num: int = 8192
+    session_len: int | None = None
+    enable_prefix_caching: bool = False
+    eager_mode: bool = False
+    # Recurrent (hybrid) models: dtype of the recurrent state; 'float32' (default) or 'model'.
+    state_dtype: str = 'float32'
+    # Extra state rows reserved for prefix-cache checkpoints on hybrid models.
+    prefix_cache_state_budget: int = 0
+
+    def __post_init__(self):
+        _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
+        _require(self.dtype in _DTYPES, f'dtype must be one of {_DTYPES}, got {self.dtype!r}')
+        _require(isinstance(self.block_size, int) and self.block_size > 0,
+                 f'block_size must be a positive int, got {self.block_size!r}')
+        kbs = self.block_size if self.kernel_block_size is None else self.kernel_block_size
+        _require(isinstance(kbs, int) and kbs > 0 and (kbs & (kbs - 1)) == 0,
+                 f'kernel_block_size must be a positive power of two, got {kbs!r}')
+        _require(self.block_size % kbs == 0,
+                 f'kernel_block_size ({kbs}) must divide block_size ({self.block_size})')
+        _require(0.0 < self.cache_max_entry_count <= 1.0,
+                 f'cache_max_entry_count must be in (0, 1], got {self.cache_max_entry_count!r}')
+        _require(isinstance(self.num_gpu_blocks, int) and self.num_gpu_blocks >= 0,
+                 f'num_gpu_blocks must be >= 0, got {self.num_gpu_blocks!r}')
+        _require(isinstance(self.max_batch_size, int) and self.max_batch_size > 0,
+                 f'max_batch_size must be a positive int, got {self.max_batch_size!r}')
+        _require(isinstance(self.max_prefill_token_num, int) and self.max_prefill_token_num > 0,
+                 f'max_prefill_token_num must be a positive int, got {self.max_prefill_token_num!r}')
+        _require(self.session_len is None or (isinstance(self.session_len, int) and self.session_len > 0),
+                 f'session_len must be None or a positive int, got {self.session_len!r}')
+        _require(self.state_dtype in ('float32', 'model'),
+                 f"state_dtype must be 'float32' or 'model', got {self.state_dtype!r}")
+        _require(isinstance(self.prefix_cache_state_budget, int) and self.prefix_cache_state_budget >= 0,
+                 f'prefix_cache_state_budget must be >= 0, got {self.prefix_cache_state_budget!r}')
+
+    @property
+    def resolved_kernel_block_size(self) -> int:
+        return self.block_size if self.kernel_block_size is None else self.kernel_block_size
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling and stopping parameters of one request."""
+    max_new_tokens: int = 512
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    stop_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    random_seed: int | None = None
+    # Number of top log-probabilities to return per generated token (None: none).
+    logprobs: int | None = None
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the first invalid field."""
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+                 f'max_new_tokens must be a non-negative int, got {self.max_new_tokens!r}')
+        _require(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
+                 f'min_new_tokens must be a non-negative int, got {self.min_new_tokens!r}')
+        _require(self.temperature >= 0, f'temperature must be >= 0, got {self.temperature!r}')
+        _require(0 < self.top_p <= 1, f'top_p must be in (0, 1], got {self.top_p!r}')
+        _require(isinstance(self.top_k, int) and self.top_k >= 0,
+                 f'top_k must be a non-negative int, got {self.top_k!r}')
+        _require(self.repetition_penalty > 0,
+                 f'repetition_penalty must be > 0, got {self.repetition_penalty!r}')
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 64),
+                 f'logprobs must be None or an int in [0, 64], got {self.logprobs!r}')
+        _require(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 f'stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}')
+        _require(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
+                 f'stop_words must be non-empty strings, got {self.stop_words!r}')
+
+
+@dataclass
+class Response:
+    """The result (or, when streaming, the state so far) of one request."""
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] = field(default_factory=list)
+    # Prompt tokens served from the prefix cache.
+    cached_tokens: int = 0
+    # One dict per generated token: {token_id: logprob} of the top-k tokens (the sampled one included).
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    error: str | None = None

@@ -1,0 +1,53 @@
+"""Plain-torch implementations of the small per-token ops (norms, rotary, activations, linear, embedding)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """RMSNorm in float32; `zero_centered` scales by (1 + weight) as Qwen3-Next/Qwen3.5 do."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float() + 1.0 if zero_centered else weight.float()
+    return (x32 * w).to(dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(gate), normalised in float32 (the gated DeltaNet output norm)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    x32 = weight.float() * x32
+    return (x32 * F.silu(gate.float())).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary on the first `rotary_dim = cos.size(-1)` features of q [T, Hq, D] and k [T, Hk, D]."""
+    rotary_dim = cos.size(-1)
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        out = (x_rot.float() * cos + rotated.float() * sin).to(x.dtype)
+        return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, weight)

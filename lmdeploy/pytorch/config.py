@@ -1,0 +1,66 @@
+"""Internal configuration records shared by every layer of the PyTorch engine.
+
+`ModelConfig` is what the engine needs to know about a model (cache geometry, recurrent state shapes, stop ids);
+`CacheConfig` and `SchedulerConfig` are resolved from the user's `PytorchEngineConfig`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Shape and dtype (as a torch dtype name) of one per-sequence recurrent tensor."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    # Full-attention layers that own KV cache (layer indices in forward order).
+    attn_layer_ids: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    # Recurrent layers (hybrid models): layer indices and the per-layer state tensors kept in a state-pool row.
+    recurrent_layer_ids: tuple[int, ...] = ()
+    state_specs: tuple[StateSpec, ...] = ()
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.recurrent_layer_ids) > 0
+
+    @property
+    def num_attn_layers(self) -> int:
+        return len(self.attn_layer_ids)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kernel_block_size: int
+    num_blocks: int
+    # Rows of the state pool (row 0 is a reserved dummy); 0 for models without recurrent layers.
+    num_state_slots: int = 0
+    enable_prefix_caching: bool = False
+    prefix_cache_state_budget: int = 0
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.block_size // self.kernel_block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int
+    max_prefill_token_num: int
+    session_len: int
+    extra: dict = field(default_factory=dict)

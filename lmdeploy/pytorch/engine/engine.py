@@ -1,0 +1,265 @@
+"""The engine: owns the scheduler, the caches and the model agent, and runs one step at a time.
+
+Thread model: `add_request` / `abort_request` may be called from any thread; they only queue commands. `step()`
+runs on one thread (the `EngineLoop` thread, or the caller's in synchronous use): drain commands -> schedule ->
+make inputs -> forward -> update sequences -> emit outputs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ...messages import PytorchEngineConfig
+from ..backends.selector import get_backend
+from ..config import CacheConfig, ModelConfig, SchedulerConfig
+from ..messages import SamplingParams, SchedulerSequence, SequenceStatus
+from ..models.loader import build_model
+from ..paging.scheduler import Scheduler
+from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
+from .inputs_maker import InputsMaker, make_sampling_inputs
+from .model_agent import ModelAgent
+from .request import EngineOutput, OutputCallback
+
+logger = logging.getLogger('lmdeploy')
+_CPU_CACHE_BUDGET = 4 << 30
+
+
+def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
+    if engine_config.dtype != 'auto':
+        return engine_config.dtype
+    return 'bfloat16' if engine_config.device_type == 'cuda' else 'float32'
+
+
+class Engine:
+
+    def __init__(self, model_path: str, engine_config: PytorchEngineConfig | None = None):
+        self.engine_config = engine_config = engine_config or PytorchEngineConfig()
+        if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
+            raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
+        self.device = torch.device(engine_config.device_type)
+        self.model_path = model_path
+        dtype = resolve_dtype(engine_config)
+        self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type)
+        self.cache_config = self._make_cache_config(self.model_config)
+        self.scheduler_config = SchedulerConfig(
+            max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
+            session_len=self._session_len())
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid)
+        self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device)
+        backend = get_backend(engine_config.device_type)
+        self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device)
+        self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
+                                        self.cache_config.kernel_block_size)
+        logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
+                    self.cache_config.num_blocks, self.cache_config.block_size,
+                    self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
+                    self.cache_engine.state_pool_bytes / 2**20)
+        self._lock = threading.Lock()
+        self._commands: list[Callable[[], list[EngineOutput]]] = []
+        self._seqs: dict[int, tuple[SchedulerSequence, OutputCallback | None]] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._collected_logits: dict[int, list[torch.Tensor]] = {}
+        self._ids = itertools.count(1)
+        self.wakeup = threading.Event()
+
+    # ---- sizing -----------------------------------------------------------------------------------------------
+    def _num_state_slots(self, model_config: ModelConfig) -> int:
+        if not model_config.is_hybrid:
+            return 0
+        # dummy row 0 + one per running sequence + a spare for the batch being scheduled.
+        return 1 + self.engine_config.max_batch_size + 1 + self.engine_config.prefix_cache_state_budget
+
+    def _make_cache_config(self, model_config: ModelConfig) -> CacheConfig:
+        cfg = self.engine_config
+        num_slots = self._num_state_slots(model_config)
+        _, row_bytes = state_row_layout(model_config)
+        block_bytes = kv_block_bytes(model_config, cfg.block_size, getattr(torch, model_config.dtype))
+        num_blocks = cfg.num_gpu_blocks or self._blocks_from_memory(block_bytes, num_slots * row_bytes)
+        if num_blocks <= 0:
+            raise ValueError('not enough memory for a single KV block; lower max_batch_size or free memory')
+        return CacheConfig(block_size=cfg.block_size, kernel_block_size=cfg.resolved_kernel_block_size,
+                           num_blocks=num_blocks, num_state_slots=num_slots,
+                           enable_prefix_caching=cfg.enable_prefix_caching,
+                           prefix_cache_state_budget=cfg.prefix_cache_state_budget)
+
+    def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:
+        if self.device.type == 'cuda':
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+            free = min(total // 4, _CPU_CACHE_BUDGET)
+        return int((free - state_bytes) * self.engine_config.cache_max_entry_count) // block_bytes
+
+    def _session_len(self) -> int:
+        capacity = self.cache_config.num_blocks * self.cache_config.block_size
+        limit = min(self.model_config.max_position_embeddings, capacity)
+        wanted = self.engine_config.session_len
+        if wanted is not None and wanted > limit:
+            logger.warning('session_len %d exceeds the KV capacity / max positions (%d); using %d', wanted, limit,
+                           limit)
+        return limit if wanted is None else min(wanted, limit)
+
+    @property
+    def session_len(self) -> int:
+        return self.scheduler_config.session_len
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """Raise `ValueError` for a prompt the engine cannot serve; called before any work starts."""
+        if len(token_ids) == 0:
+            raise ValueError('the prompt is empty')
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f'token ids out of the vocabulary [0, {vocab}): {bad[:8]}')
+        if len(token_ids) >= self.session_len:
+            raise ValueError(f'the prompt has {len(token_ids)} tokens; session_len is {self.session_len} '
+                             '(the prompt must leave room for at least one generated token)')
+
+    def add_request(self, token_ids: list[int], sampling: SamplingParams, callback: OutputCallback | None = None,
+                    collect_logits: bool = False) -> int:
+        """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then)."""
+        token_ids = list(token_ids)
+        self.validate_prompt(token_ids)
+        seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
+                                sampling=sampling)
+
+        def command() -> list[EngineOutput]:
+            self._seqs[seq.seq_id] = (seq, callback)
+            if collect_logits:
+                self._collected_logits[seq.seq_id] = []
+            if sampling.random_seed is not None and not sampling.is_greedy:
+                self._generators[seq.seq_id] = torch.Generator(self.device).manual_seed(sampling.random_seed)
+            if sampling.max_new_tokens == 0:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, 'length'
+                return [self._finish_output(seq)]
+            self.scheduler.add(seq)
+            return []
+
+        self._push(command)
+        return seq.seq_id
+
+    def abort_request(self, seq_id: int) -> None:
+        def command() -> list[EngineOutput]:
+            entry = self._seqs.get(seq_id)
+            if entry is None or entry[0].is_finished:
+                return []
+            self.scheduler.abort(entry[0])
+            return [self._finish_output(entry[0])]
+        self._push(command)
+
+    def _push(self, command: Callable[[], list[EngineOutput]]) -> None:
+        with self._lock:
+            self._commands.append(command)
+        self.wakeup.set()
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._commands) or self.scheduler.has_unfinished
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        outputs = [out for command in commands for out in command()]
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            outputs += self._run_forward(sched)
+        for out in outputs:
+            self._deliver(out)
+        return outputs
+
+    def _run_forward(self, sched) -> list[EngineOutput]:
+        inputs, sampled = self.inputs_maker.make(sched)
+        sampling = make_sampling_inputs(sampled, self._generators)
+        collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
+        try:
+            if any(collect):
+                result = self._forward_collecting(inputs, sampling, sched, collect)
+            else:
+                result = self.agent.forward(inputs, sampling)
+        except Exception as exc:  # a failed forward fails its batch only; the engine keeps serving
+            logger.exception('forward failed')
+            return [self._fail(seq, f'forward failed: {exc}') for seq in sched.seqs]
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            self.scheduler.on_forward_done(seq, n)
+        outputs = []
+        for row, seq in enumerate(sampled):
+            logprobs = result.logprobs[row] if result.logprobs is not None else None
+            outputs.append(self._append_token(seq, result.next_token_ids[row], logprobs))
+        return outputs
+
+    def _forward_collecting(self, inputs, sampling, sched, collect):
+        from .model_agent import ForwardOutput
+        logits = self.agent.forward_logits(inputs).cpu()
+        start = 0
+        for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
+            if keep:
+                self._collected_logits[seq.seq_id].append(logits[start:start + n])
+            start += n
+        rows = logits[inputs.logits_indices].to(self.device)
+        next_ids, logprobs = self.agent._sample(rows, sampling.to(self.device))
+        return ForwardOutput(next_ids.tolist(), logprobs)
+
+    def _append_token(self, seq: SchedulerSequence, token: int, logprobs) -> EngineOutput:
+        params = seq.sampling
+        seq.token_ids.append(token)
+        if params.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+        reason = None
+        if token in params.stop_token_ids and seq.num_generated > params.min_new_tokens - 1:
+            reason = 'stop'
+        elif any(len(s) <= seq.num_generated and tuple(seq.token_ids[-len(s):]) == s
+                 for s in params.stop_sequences):
+            reason = 'stop'
+        elif seq.num_generated >= params.max_new_tokens or seq.num_tokens >= self.session_len:
+            reason = 'length'
+        new_ids = [] if reason == 'stop' and token in params.stop_token_ids else [token]
+        out = EngineOutput(seq.seq_id, new_ids, num_cached=seq.num_cached,
+                           logprobs=[logprobs] if params.logprobs is not None and logprobs and new_ids else None)
+        if reason is not None:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED, reason)
+            out.finished, out.finish_reason = True, reason
+            self._forget(seq.seq_id)
+        return out
+
+    def _fail(self, seq: SchedulerSequence, error: str) -> EngineOutput:
+        self.scheduler.finish(seq, SequenceStatus.ABORTED, 'error')
+        out = self._finish_output(seq)
+        out.error = error
+        return out
+
+    def _finish_output(self, seq: SchedulerSequence) -> EngineOutput:
+        self._forget(seq.seq_id)
+        return EngineOutput(seq.seq_id, finished=True, finish_reason=seq.finish_reason, num_cached=seq.num_cached)
+
+    def _forget(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def _deliver(self, out: EngineOutput) -> None:
+        entry = self._seqs.get(out.seq_id)
+        if entry is None:
+            return
+        if out.finished:
+            del self._seqs[out.seq_id]
+        if entry[1] is not None:
+            entry[1](out)
+
+    # ---- helpers for synchronous use and tests ----------------------------------------------------------------
+    def pop_collected_logits(self, seq_id: int) -> torch.Tensor:
+        """Logits [num_fed_tokens, vocab] of every token this request fed to the model (cached ones excluded)."""
+        chunks = self._collected_logits.pop(seq_id)
+        return torch.cat(chunks) if chunks else torch.empty(0)
+
+    def run_until_idle(self) -> None:
+        while self.has_work:
+            self.step()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

@@ -1,0 +1,90 @@
+"""Turns a scheduler decision into host-side `ModelInputs` and `SamplingInputs` for one forward.
+
+Owns nothing persistent. Runs after `Scheduler.schedule()` and before `ModelAgent.forward()`; reads sequences
+but never mutates them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..messages import SchedulerSequence
+from ..model_inputs import ModelInputs, SamplingInputs
+from ..paging.block_manager import BlockManager
+from ..paging.scheduler import SchedulerOutput
+
+
+class InputsMaker:
+
+    def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int):
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.kernel_block_size = kernel_block_size
+        self.pages_per_block = block_size // kernel_block_size
+
+    def _page_table(self, seq: SchedulerSequence) -> np.ndarray:
+        """Kernel pages of a sequence's blocks, in order."""
+        blocks = self.block_manager.resolve_gpu_block_offsets(seq.block_ids)
+        return (blocks[:, None] * self.pages_per_block + np.arange(self.pages_per_block)[None, :]).reshape(-1)
+
+    def make(self, out: SchedulerOutput) -> tuple[ModelInputs, list[SchedulerSequence]]:
+        """Model inputs for the batch, and the sequences that sample a token after this forward (in row order)."""
+        ids, positions, slots, logits_idx, tables, sampled = [], [], [], [], [], []
+        q_lens, kv_lens, state_ids, fresh = [], [], [], []
+        offset = 0
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            start = seq.num_computed
+            pos = np.arange(start, start + n, dtype=np.int64)
+            pages = self._page_table(seq)
+            ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+            positions.append(pos)
+            slots.append(pages[pos // self.kernel_block_size] * self.kernel_block_size + pos % self.kernel_block_size)
+            tables.append(pages)
+            q_lens.append(n)
+            kv_lens.append(start + n)
+            state_ids.append(seq.state_slot or 0)
+            fresh.append(start == 0)
+            offset += n
+            if start + n == seq.num_tokens:
+                logits_idx.append(offset - 1)
+                sampled.append(seq)
+        max_pages = max(len(t) for t in tables)
+        block_tables = np.zeros((len(tables), max_pages), dtype=np.int64)
+        for row, table in enumerate(tables):
+            block_tables[row, :len(table)] = table
+        cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        cu[1:] = np.cumsum(q_lens)
+        inputs = ModelInputs(
+            input_ids=torch.from_numpy(np.concatenate(ids)), position_ids=torch.from_numpy(np.concatenate(positions)),
+            q_lens=torch.tensor(q_lens, dtype=torch.int64), kv_lens=torch.tensor(kv_lens, dtype=torch.int64),
+            cu_seqlens_q=torch.from_numpy(cu), block_tables=torch.from_numpy(block_tables),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+            state_ids=torch.tensor(state_ids, dtype=torch.int64), is_fresh=torch.tensor(fresh, dtype=torch.bool),
+            q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens))
+        return inputs, sampled
+
+
+def make_sampling_inputs(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]) -> SamplingInputs:
+    """Sampling parameters for the rows of `seqs` (the sequences sampled this forward)."""
+    temperature, top_k, top_p, penalty, penalty_ids, banned, gens = [], [], [], [], [], [], []
+    max_logprobs = -1
+    for seq in seqs:
+        params = seq.sampling
+        temperature.append(0.0 if params.is_greedy else params.temperature)
+        top_k.append(params.top_k)
+        top_p.append(params.top_p)
+        penalty.append(params.repetition_penalty)
+        penalty_ids.append(torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
+                           if params.repetition_penalty != 1.0 else None)
+        banned.append(torch.tensor(params.stop_token_ids, dtype=torch.int64)
+                      if seq.num_generated < params.min_new_tokens and params.stop_token_ids else None)
+        gens.append(generators.get(seq.seq_id))
+        if params.logprobs is not None:
+            max_logprobs = max(max_logprobs, params.logprobs)
+    return SamplingInputs(
+        temperature=torch.tensor(temperature, dtype=torch.float32), top_k=torch.tensor(top_k, dtype=torch.int64),
+        top_p=torch.tensor(top_p, dtype=torch.float32),
+        repetition_penalty=torch.tensor(penalty, dtype=torch.float32), penalty_ids=penalty_ids,
+        banned_ids=banned, generators=gens, max_num_logprobs=max_logprobs,
+        all_greedy=all(t == 0.0 for t in temperature))

@@ -1,0 +1,21 @@
+"""Records that cross the boundary between the engine and its callers."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineOutput:
+    """Incremental output of one request after one engine step."""
+    seq_id: int
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    # Prompt tokens served from the prefix cache.
+    num_cached: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+
+
+OutputCallback = Callable[[EngineOutput], None]

@@ -1,0 +1,91 @@
+"""Per-forward device inputs shared by the engine (producer) and the model/nn/backend layers (consumers).
+
+A forward is a packed varlen batch: sequence b feeds `q_lens[b]` new tokens at positions
+`[kv_lens[b] - q_lens[b], kv_lens[b])`; its KV lives in the kernel pages listed in `block_tables[b]`.
+Decodes are simply sequences with `q_len == 1`, so prefills and decodes mix freely.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor            # [T] int64
+    position_ids: torch.Tensor         # [T] int64
+    q_lens: torch.Tensor               # [B] int64: new tokens per sequence
+    kv_lens: torch.Tensor              # [B] int64: history + new tokens per sequence
+    cu_seqlens_q: torch.Tensor         # [B+1] int64
+    block_tables: torch.Tensor         # [B, max_pages] int64 kernel-page ids (padded with 0)
+    slot_mapping: torch.Tensor         # [T] int64: page * kernel_block_size + offset where each new token's KV goes
+    logits_indices: torch.Tensor       # [S] int64: rows of the hidden states whose logits are sampled
+    state_ids: torch.Tensor            # [B] int64 state-pool rows (hybrid models; 0 = dummy otherwise)
+    is_fresh: torch.Tensor             # [B] bool: recurrent state starts from zero (never read the slot)
+    # Host copies, so default-backend loops never synchronise with the device.
+    q_lens_list: list[int] = field(default_factory=list)
+    kv_lens_list: list[int] = field(default_factory=list)
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens_list)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_seqlen_q == 1
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInputs:
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+        return ModelInputs(**values)
+
+
+@dataclass
+class StepContext:
+    """Everything a model forward reads besides weights: inputs plus views into the cache pools."""
+    inputs: ModelInputs
+    # Per full-attention layer (in `ModelConfig.attn_layer_ids` order): (k_cache, v_cache), each
+    # [num_pages, kernel_block_size, num_kv_heads, head_dim].
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # Per recurrent layer (in `ModelConfig.recurrent_layer_ids` order): name -> [num_slots, *shape] pool view.
+    state_caches: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    kernel_block_size: int = 64
+
+
+@dataclass
+class SamplingInputs:
+    """Per-row sampling parameters for the sequences sampled in one forward (rows of `logits_indices`)."""
+    temperature: torch.Tensor          # [S] float32, 0 = greedy
+    top_k: torch.Tensor                # [S] int64, 0 = off
+    top_p: torch.Tensor                # [S] float32, 1 = off
+    repetition_penalty: torch.Tensor   # [S] float32, 1 = off
+    # Per row: ids already in the sequence (for the repetition penalty), or None when the penalty is off.
+    penalty_ids: list[torch.Tensor | None]
+    # Per row: ids that may not be sampled yet (stop ids before `min_new_tokens`), or None.
+    banned_ids: list[torch.Tensor | None]
+    # Per row: a seeded generator, or None to use the global RNG.
+    generators: list[torch.Generator | None]
+    max_num_logprobs: int = -1  # -1: no logprobs
+    all_greedy: bool = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.temperature, self.top_k, self.top_p, self.repetition_penalty]
+        out += [t for t in self.penalty_ids + self.banned_ids if t is not None]
+        return out
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplingInputs:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+        return SamplingInputs(
+            temperature=move(self.temperature), top_k=move(self.top_k), top_p=move(self.top_p),
+            repetition_penalty=move(self.repetition_penalty), penalty_ids=[move(t) for t in self.penalty_ids],
+            banned_ids=[move(t) for t in self.banned_ids], generators=self.generators,
+            max_num_logprobs=self.max_num_logprobs, all_greedy=self.all_greedy)

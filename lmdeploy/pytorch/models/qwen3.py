@@ -1,0 +1,132 @@
+"""Qwen3 dense decoder (`Qwen3ForCausalLM`): GQA attention with per-head q/k RMSNorm, SwiGLU MLP."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..model_inputs import StepContext
+from ..nn.activation import SiluAndMul
+from ..nn.attention import PagedAttention
+from ..nn.linear import Embedding, Linear
+from ..nn.norm import RMSNorm
+from ..nn.rotary import RotaryEmbedding
+from .weight_loading import load_weights
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, 'head_dim', None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class Qwen3Attention(nn.Module):
+
+    def __init__(self, cfg, cache_index: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        bias = getattr(cfg, 'attention_bias', False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = rotary(q, k, cos_sin)
+        out = self.attn(q, k, v, ctx)
+        return self.o_proj(out.flatten(-2))
+
+
+class Qwen3MLP(nn.Module):
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+
+    def __init__(self, cfg, cache_index: int):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, cache_index)
+        self.mlp = Qwen3MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rotary, cos_sin, ctx: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cos_sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg))
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        x = self.embed_tokens(ctx.inputs.input_ids)
+        cos_sin = self.rotary_emb.cos_sin(ctx.inputs.position_ids)
+        for layer in self.layers:
+            x = layer(x, self.rotary_emb, cos_sin, ctx)
+        return self.norm(x)
+
+
+class Qwen3ForCausalLM(nn.Module):
+
+    stacked_params = [('qkv_proj', 'q_proj', 0), ('qkv_proj', 'k_proj', 1), ('qkv_proj', 'v_proj', 2),
+                      ('gate_up_proj', 'gate_proj', 0), ('gate_up_proj', 'up_proj', 1)]
+
+    def __init__(self, hf_config):
+        super().__init__()
+        unsupported = set(getattr(hf_config, 'layer_types', None) or ['full_attention']) - {'full_attention'}
+        if unsupported:
+            raise NotImplementedError(f'Qwen3 layer types {sorted(unsupported)} are not supported')
+        self.config = hf_config
+        self.model = Qwen3Model(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, 'tie_word_embeddings', False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
+
+    @staticmethod
+    def build_model_config(hf_config, dtype: str) -> ModelConfig:
+        return ModelConfig(
+            architecture='Qwen3ForCausalLM', hidden_size=hf_config.hidden_size,
+            num_layers=hf_config.num_hidden_layers, vocab_size=hf_config.vocab_size,
+            attn_layer_ids=tuple(range(hf_config.num_hidden_layers)), num_kv_heads=hf_config.num_key_value_heads,
+            head_dim=head_dim_of(hf_config), dtype=dtype,
+            max_position_embeddings=getattr(hf_config, 'max_position_embeddings', 32768))
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        attn = self.model.layers[0].self_attn
+        shard_sizes = {'qkv_proj': attn.qkv_sizes,
+                       'gate_up_proj': [self.config.intermediate_size] * 2}
+        skip = (lambda name: name.startswith('lm_head.')) if self.tie_word_embeddings else None
+        loaded = load_weights(self, weights, self.stacked_params, shard_sizes, skip=skip)
+        missing = set(dict(self.named_parameters())) - loaded
+        if missing:
+            raise ValueError(f'checkpoint is missing weights: {sorted(missing)[:8]}')
