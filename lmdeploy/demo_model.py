@@ -14,6 +14,7 @@ import tempfile
 from typing import Any
 
 import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 SUPPORTED_ARCHS = ('qwen3', 'qwen3_5', 'qwen3_next', 'qwen3_5_vl')
 DEMO_MODEL_VERSION = 'v1'
@@ -189,17 +190,6 @@ def _pretokenize_regex(arch: str) -> str:
 @functools.lru_cache(maxsize=4)
 def _train_tokenizer_json(regex: str, vocab_size: int) -> str:
     """Train a byte-level BPE on the built-in corpus; returns the tokenizer serialized as json."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        trainers,
-    )
-
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -222,7 +212,6 @@ def _train_tokenizer_json(regex: str, vocab_size: int) -> str:
 
 def build_tokenizer(arch: str = 'qwen3', vocab_size: int = TOKENIZER_VOCAB_SIZE):
     """Build the demo ChatML tokenizer (a fresh ``PreTrainedTokenizerFast``; the BPE training is cached)."""
-    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(_train_tokenizer_json(_pretokenize_regex(arch), vocab_size))
@@ -302,6 +291,11 @@ def _perturb_(model: torch.nn.Module, scale: float = _PERTURB_SCALE) -> None:
                 param.add_(scale * torch.randn_like(param))
 
 
+def _special_token_ids(tokenizer) -> dict[str, int]:
+    endoftext, im_end = tokenizer.convert_tokens_to_ids([ENDOFTEXT, IM_END])
+    return {'bos_token_id': endoftext, 'eos_token_id': im_end, 'pad_token_id': endoftext}
+
+
 def _set_generation_config(model: torch.nn.Module, token_ids: dict[str, int]) -> None:
     from transformers import GenerationConfig
 
@@ -323,9 +317,7 @@ def save_tiny_model(path: str,
     if dtype not in ('float32', 'bfloat16', 'float16'):
         raise ValueError(f'Unsupported dtype {dtype!r}.')
     tokenizer = build_tokenizer(arch)
-    token_ids = {'bos_token_id': tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-                     'eos_token_id': tokenizer.convert_tokens_to_ids(IM_END),
-                     'pad_token_id': tokenizer.convert_tokens_to_ids(ENDOFTEXT)}
+    token_ids = _special_token_ids(tokenizer)
     text_kwargs = _text_kwargs(arch, len(tokenizer), token_ids, config_overrides)
     torch.manual_seed(seed)
     model = _build_model(arch, text_kwargs)
@@ -353,6 +345,7 @@ def get_demo_model_path(arch: str = 'qwen3') -> str:
         return target
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f'.demo-{arch}-', dir=parent)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be readable
     try:
         save_tiny_model(tmp, arch=arch, config_overrides=_DEMO_OVERRIDES[arch])
         os.rename(tmp, target)

@@ -44,7 +44,8 @@ class Engine:
         self.device = torch.device(engine_config.device_type)
         self.model_path = model_path
         dtype = resolve_dtype(engine_config)
-        self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type)
+        self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
+                                                    engine_config.state_dtype)
         self.cache_config = self._make_cache_config(self.model_config)
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,

@@ -64,8 +64,9 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def build_model(model_path: str, device: torch.device, dtype: str, device_type: str
+def build_model(model_path: str, device: torch.device, dtype: str, device_type: str, state_dtype: str = 'float32'
                 ) -> tuple[nn.Module, ModelConfig]:
+    """Model with weights loaded, and its `ModelConfig`; `state_dtype` is 'float32' or 'model'."""
     hf_config = load_hf_config(model_path)
     model_cls = get_model_class(architecture_of(hf_config))
     with use_backend(device_type), torch.device(device):
@@ -77,7 +78,7 @@ def build_model(model_path: str, device: torch.device, dtype: str, device_type: 
             torch.set_default_dtype(default_dtype)
     model.load_weights(iter_safetensors(model_path))
     model.eval()
-    config = model_cls.build_model_config(hf_config, dtype)
+    config = model_cls.build_model_config(hf_config, dtype, dtype if state_dtype == 'model' else state_dtype)
     eos = read_eos_token_ids(model_path, hf_config)
     bos = getattr(hf_config, 'bos_token_id', None)
     return model, _with_special_ids(config, eos, bos)

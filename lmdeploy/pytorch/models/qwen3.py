@@ -106,7 +106,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
 
     @staticmethod
-    def build_model_config(hf_config, dtype: str) -> ModelConfig:
+    def build_model_config(hf_config, dtype: str, state_dtype: str = 'float32') -> ModelConfig:
         return ModelConfig(
             architecture='Qwen3ForCausalLM', hidden_size=hf_config.hidden_size,
             num_layers=hf_config.num_hidden_layers, vocab_size=hf_config.vocab_size,

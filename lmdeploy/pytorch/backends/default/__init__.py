@@ -1,9 +1,11 @@
 """The `default` backend: plain torch, runs on CPU and GPU. Every other backend falls back to it."""
 from __future__ import annotations
 
+from ...kernels.default import causal_conv1d as _conv
+from ...kernels.default import gated_delta_rule as _gdr
 from ...kernels.default import paged_attention as _attn
 from ..base import Backend, OpType
-from . import elementwise, sampling
+from . import elementwise, moe, sampling
 
 
 def _const(fn):
@@ -21,6 +23,22 @@ def _build_attention(**_kwargs):
     return forward
 
 
+def _build_gated_delta_rule(**_kwargs):
+    def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
+        # Pure decode batches take the token-by-token form; anything with a prefill takes the chunked form.
+        kernel = _gdr.recurrent_gated_delta_rule if inputs.is_decode else _gdr.chunk_gated_delta_rule
+        return kernel(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
+                      use_qk_l2norm=use_qk_l2norm)
+    return forward
+
+
+def _build_causal_conv1d(**_kwargs):
+    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
+        return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
+                                   inputs.cu_seqlens_q, activation=activation)
+    return forward
+
+
 _BUILDERS = {
     OpType.Embedding: _const(elementwise.embedding),
     OpType.Linear: _const(elementwise.linear),
@@ -29,6 +47,9 @@ _BUILDERS = {
     OpType.ApplyRotary: _const(elementwise.apply_rotary),
     OpType.SiluAndMul: _const(elementwise.silu_and_mul),
     OpType.PagedAttention: _build_attention,
+    OpType.GatedDeltaRule: _build_gated_delta_rule,
+    OpType.CausalConv1d: _build_causal_conv1d,
+    OpType.MoE: _const(moe.fused_moe),
     OpType.Sampling: _const(sampling.sample),
 }
 

@@ -1,0 +1,46 @@
+"""Engine flags shared by `chat`, `serve api_server` and `demo`, named as LMDeploy names them."""
+from __future__ import annotations
+
+import argparse
+
+from ..messages import PytorchEngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group('engine')
+    group.add_argument('--device', default=None, choices=['cuda', 'cpu'], help='device type (default: cuda if available)')
+    group.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    group.add_argument('--enable-prefix-caching', action='store_true', help='reuse cached prompt prefixes')
+    group.add_argument('--cache-block-seq-len', type=int, default=64, help='tokens per KV block (block_size)')
+    group.add_argument('--kernel-block-size', type=int, default=None, help='tokens per kernel page')
+    group.add_argument('--cache-max-entry-count', type=float, default=0.8,
+                       help='fraction of free memory given to the KV cache')
+    group.add_argument('--num-gpu-blocks', type=int, default=0, help='fixed number of KV blocks (0: from memory)')
+    group.add_argument('--max-batch-size', type=int, default=128)
+    group.add_argument('--max-prefill-token-num', type=int, default=8192)
+    group.add_argument('--session-len', type=int, default=None)
+    group.add_argument('--prefix-cache-state-budget', type=int, default=0,
+                       help='extra state rows reserved for prefix-cache checkpoints (hybrid models)')
+    group.add_argument('--eager-mode', action='store_true', help='disable CUDA graphs')
+
+
+def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
+    kwargs = dict(dtype=args.dtype, enable_prefix_caching=args.enable_prefix_caching,
+                  block_size=args.cache_block_seq_len, kernel_block_size=args.kernel_block_size,
+                  cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
+                  max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
+                  session_len=args.session_len, prefix_cache_state_budget=args.prefix_cache_state_budget,
+                  eager_mode=args.eager_mode)
+    if args.device is not None:
+        kwargs['device_type'] = args.device
+    return PytorchEngineConfig(**kwargs)
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    if model_path:
+        return model_path
+    from ..demo_model import get_demo_model_path
+    return get_demo_model_path(DEMO_ARCH)
+
+
+DEMO_ARCH = 'qwen3'

@@ -1,0 +1,34 @@
+"""The `lmdeploy` command: `demo`, `chat`, `serve api_server`, `bench`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import chat, demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog='lmdeploy', description='Inference and serving engine for hybrid LLMs')
+    sub = parser.add_subparsers(dest='command', required=True)
+    demo.add_parser(sub)
+    chat.add_parser(sub)
+    try:
+        from . import serve
+        serve.add_parser(sub)
+    except ImportError:  # pragma: no cover - serving extras missing
+        pass
+    try:
+        from . import bench
+        bench.add_parser(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""AsyncEngine: tokenizer + engine + background loop, with sync and asyncio streaming front doors.
+
+Owns one `Engine` and its `EngineLoop`. Each request's engine outputs arrive on the loop thread and are handed to
+the caller through a thread-safe queue (sync) or `call_soon_threadsafe` (asyncio). Validation errors are raised
+in the caller's thread before anything is queued.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from ..messages import GenerationConfig, PytorchEngineConfig, Response
+from ..pytorch.engine.engine import Engine
+from ..pytorch.engine.engine_loop import EngineLoop
+from ..pytorch.engine.request import EngineOutput
+from .request_builder import Prompt, ResponseBuilder, encode_prompt, make_sampling_params
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class PreparedRequest:
+    input_ids: list[int]
+    gen_config: GenerationConfig
+    index: int = 0
+
+
+class AsyncEngine:
+
+    def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None,
+                 model_name: str | None = None):
+        self.model_path = model_path
+        self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
+        self.tokenizer = Tokenizer(model_path)
+        self.engine = Engine(model_path, backend_config)
+        self._loop = EngineLoop(self.engine)
+
+    @property
+    def session_len(self) -> int:
+        return self.engine.session_len
+
+    def prepare(self, prompt: Prompt, gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
+                index: int = 0) -> PreparedRequest:
+        """Tokenize and validate; raises `ValueError` naming the problem."""
+        gen_config = gen_config or GenerationConfig()
+        gen_config.validate()
+        input_ids = encode_prompt(self.tokenizer, prompt, do_preprocess)
+        self.engine.validate_prompt(input_ids)
+        return PreparedRequest(input_ids, gen_config, index)
+
+    def submit(self, request: PreparedRequest, callback) -> int:
+        model_config = self.engine.model_config
+        eos = tuple(model_config.eos_token_ids) or ((self.tokenizer.eos_token_id,)
+                                                    if self.tokenizer.eos_token_id is not None else ())
+        sampling = make_sampling_params(request.gen_config, self.tokenizer, eos, model_config.vocab_size)
+        return self.engine.add_request(request.input_ids, sampling, callback)
+
+    def abort(self, seq_id: int) -> None:
+        self.engine.abort_request(seq_id)
+
+    def stream(self, request: PreparedRequest) -> Iterator[Response]:
+        """Incremental responses of one request (blocking); closing the iterator early aborts the request."""
+        outputs: queue.Queue[EngineOutput] = queue.Queue()
+        builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
+        seq_id = self.submit(request, outputs.put)
+        finished = False
+        try:
+            while not finished:
+                out = outputs.get()
+                finished = out.finished
+                yield builder.update(out)
+        finally:
+            if not finished:
+                self.abort(seq_id)
+
+    async def astream(self, request: PreparedRequest) -> AsyncIterator[Response]:
+        """asyncio flavour of `stream`; cancellation (e.g. a client disconnect) aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
+        seq_id = self.submit(request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield builder.update(out)
+        finally:
+            if not finished:
+                self.abort(seq_id)
+
+    def close(self) -> None:
+        self._loop.close()

@@ -1,0 +1,93 @@
+"""Turns user prompts into token ids and sampling parameters, and engine outputs back into `Response`s."""
+from __future__ import annotations
+
+from ..messages import GenerationConfig, Response
+from ..pytorch.engine.request import EngineOutput
+from ..pytorch.messages import SamplingParams
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = str | list[int] | list[dict]
+
+
+def is_single_prompt(prompts) -> bool:
+    """A str, a list of token ids, or a list of chat messages is one prompt; any other list is a batch."""
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, list | tuple):
+        return len(prompts) == 0 or all(isinstance(p, int) for p in prompts) or all(
+            isinstance(p, dict) for p in prompts)
+    raise ValueError(f'a prompt must be a str, a list of token ids or a list of messages, got {type(prompts)}')
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError('the prompt is empty')
+        if do_preprocess:
+            text = tokenizer.apply_chat_template([{'role': 'user', 'content': prompt}])
+            return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list | tuple) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return list(prompt)
+    if isinstance(prompt, list | tuple) and not prompt:
+        raise ValueError('the prompt is empty')
+    if isinstance(prompt, list | tuple) and all(isinstance(m, dict) for m in prompt):
+        for message in prompt:
+            if 'role' not in message or 'content' not in message:
+                raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
+        text = tokenizer.apply_chat_template(list(prompt))
+        return tokenizer.encode(text, add_special_tokens=False)
+    raise ValueError(f'unsupported prompt: {prompt!r:.80}')
+
+
+def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
+                         vocab_size: int) -> SamplingParams:
+    gen.validate()
+    bad = [t for t in gen.stop_token_ids or () if t >= vocab_size]
+    if bad:
+        raise ValueError(f'stop_token_ids outside the vocabulary [0, {vocab_size}): {bad}')
+    stop_ids = list(gen.stop_token_ids or ())
+    if not gen.ignore_eos:
+        stop_ids += [t for t in eos_token_ids if t not in stop_ids]
+    stop_sequences = tokenizer.stop_sequences(gen.stop_words)
+    stop_ids += [s[0] for s in stop_sequences if len(s) == 1 and s[0] not in stop_ids]
+    return SamplingParams(
+        max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+        temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p, top_k=gen.top_k,
+        repetition_penalty=gen.repetition_penalty, stop_token_ids=tuple(stop_ids),
+        stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
+        logprobs=gen.logprobs)
+
+
+class ResponseBuilder:
+    """Accumulates one request's engine outputs; `update` returns the incremental `Response`."""
+
+    def __init__(self, tokenizer: Tokenizer, input_len: int, gen: GenerationConfig, index: int = 0):
+        self.detok = IncrementalDetokenizer(tokenizer, gen.stop_words)
+        self.input_len = input_len
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = [] if gen.logprobs is not None else None
+        self.cached_tokens = 0
+        self.finish_reason = None
+        self.text = ''
+
+    def update(self, out: EngineOutput) -> Response:
+        self.token_ids += out.new_token_ids
+        if self.logprobs is not None and out.logprobs:
+            self.logprobs += out.logprobs
+        self.cached_tokens = out.num_cached
+        delta = self.detok.update(self.token_ids, final=out.finished)
+        self.text += delta
+        if out.finished:
+            self.finish_reason = 'stop' if self.detok.stopped and out.finish_reason == 'length' else out.finish_reason
+        return Response(text=delta, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
+                        finish_reason=self.finish_reason, token_ids=list(out.new_token_ids),
+                        cached_tokens=self.cached_tokens,
+                        logprobs=list(out.logprobs or []) if self.logprobs is not None else None,
+                        index=self.index, error=out.error)
+
+    def final(self) -> Response:
+        return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
+                        finish_reason=self.finish_reason, token_ids=list(self.token_ids),
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index)

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random-weight checkpoints (built once per session) and numeric comparison."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason='needs a CUDA device')
+    for item in items:
+        if 'gpu' in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-4, rtol: float = 1e-4,
+                 what: str = 'tensor') -> None:
+    """Element-wise closeness; the failure message reports max-abs error and the RMS error ratio."""
+    actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
+    assert actual.shape == expected.shape, f'{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}'
+    diff = (actual - expected).abs()
+    max_abs = diff.max().item() if diff.numel() else 0.0
+    rms_ratio = (diff.pow(2).mean().sqrt() / expected.pow(2).mean().sqrt().clamp(min=1e-12)).item() \
+        if diff.numel() else 0.0
+    ok = torch.allclose(actual, expected, atol=atol, rtol=rtol)
+    assert ok, f'{what}: max abs err {max_abs:.3e}, rms ratio {rms_ratio:.3e} (atol {atol}, rtol {rtol})'
+
+
+@pytest.fixture(scope='session')
+def tiny_model_factory(tmp_path_factory):
+    """`factory(arch, **config_overrides) -> path`, cached per distinct argument set for the session."""
+    from lmdeploy.demo_model import save_tiny_model
+    cache: dict = {}
+
+    def factory(arch: str = 'qwen3', seed: int = 0, **overrides) -> str:
+        key = (arch, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f'{arch}-model')
+            cache[key] = save_tiny_model(str(path), arch=arch, config_overrides=overrides or None, seed=seed)
+        return cache[key]
+
+    return factory
