@@ -48,6 +48,8 @@ class PytorchEngineConfig:
     state_dtype: str = 'float32'
     # Extra state rows reserved for prefix-cache checkpoints on hybrid models.
     prefix_cache_state_budget: int = 0
+    # Where hybrid models keep state checkpoints: 'exact' (any safe step) or 'aligned' (block boundaries only).
+    prefix_cache_checkpoint_mode: str = 'exact'
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -73,6 +75,9 @@ class PytorchEngineConfig:
                  f"state_dtype must be 'float32' or 'model', got {self.state_dtype!r}")
         _require(isinstance(self.prefix_cache_state_budget, int) and self.prefix_cache_state_budget >= 0,
                  f'prefix_cache_state_budget must be >= 0, got {self.prefix_cache_state_budget!r}')
+        _require(self.prefix_cache_checkpoint_mode in ('exact', 'aligned'),
+                 "prefix_cache_checkpoint_mode must be 'exact' or 'aligned', "
+                 f'got {self.prefix_cache_checkpoint_mode!r}')
 
     @property
     def resolved_kernel_block_size(self) -> int:

@@ -8,7 +8,8 @@ from ..messages import PytorchEngineConfig
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group('engine')
-    group.add_argument('--device', default=None, choices=['cuda', 'cpu'], help='device type (default: cuda if available)')
+    group.add_argument('--device', default=None, choices=['cuda', 'cpu'],
+                       help='device type (default: cuda if available)')
     group.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
     group.add_argument('--enable-prefix-caching', action='store_true', help='reuse cached prompt prefixes')
     group.add_argument('--cache-block-seq-len', type=int, default=64, help='tokens per KV block (block_size)')

@@ -52,6 +52,8 @@ class CacheConfig:
     num_state_slots: int = 0
     enable_prefix_caching: bool = False
     prefix_cache_state_budget: int = 0
+    # False restricts state checkpoints to block-aligned steps ('aligned' mode).
+    prefix_cache_exact_steps: bool = True
 
     @property
     def pages_per_block(self) -> int:

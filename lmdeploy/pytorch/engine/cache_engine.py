@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.base import Backend, OpType
 from ..config import CacheConfig, ModelConfig
 
 _ALIGN = 16
@@ -51,7 +52,13 @@ def state_row_layout(model_config: ModelConfig) -> tuple[list[dict[str, tuple[in
 
 class CacheEngine:
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
+                 backend: Backend | None = None):
+        if backend is None:
+            from ..backends.selector import get_backend
+            backend = get_backend('default')
+        self._copy_blocks = backend.build(OpType.CacheBlockCopy)
+        self._copy_slots = backend.build(OpType.StateSlotCopy)
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device
@@ -80,6 +87,15 @@ class CacheEngine:
             raw = self.state_pool[:, offset:offset + size]
             views[spec.name] = raw.view(_dtype(spec.dtype)).view(self.state_pool.size(0), *spec.shape)
         return views
+
+    def copy_logical_blocks(self, plan: torch.Tensor) -> None:
+        """Copy logical blocks `plan[0] -> plan[1]` (validated physical offsets), all pages, every layer."""
+        self._copy_blocks(self.kv_pool, plan[0], plan[1], self.cache_config.pages_per_block)
+
+    def copy_state_slots(self, plan: torch.Tensor) -> None:
+        """Copy whole state rows `plan[0] -> plan[1]`."""
+        if self.state_pool.size(0):
+            self._copy_slots(self.state_pool, plan[0], plan[1])
 
     @property
     def kv_pool_bytes(self) -> int:

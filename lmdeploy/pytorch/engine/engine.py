@@ -51,8 +51,8 @@ class Engine:
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
             session_len=self._session_len())
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid)
-        self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device)
         backend = get_backend(engine_config.device_type)
+        self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device)
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
                                         self.cache_config.kernel_block_size)
@@ -86,7 +86,8 @@ class Engine:
         return CacheConfig(block_size=cfg.block_size, kernel_block_size=cfg.resolved_kernel_block_size,
                            num_blocks=num_blocks, num_state_slots=num_slots,
                            enable_prefix_caching=cfg.enable_prefix_caching,
-                           prefix_cache_state_budget=cfg.prefix_cache_state_budget)
+                           prefix_cache_state_budget=cfg.prefix_cache_state_budget,
+                           prefix_cache_exact_steps=cfg.prefix_cache_checkpoint_mode == 'exact')
 
     def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:
         if self.device.type == 'cuda':
@@ -181,24 +182,28 @@ class Engine:
         sampling = make_sampling_inputs(sampled, self._generators)
         collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
         try:
+            cache_inputs = self.inputs_maker.make_cache_inputs(sched)
             if any(collect):
-                result = self._forward_collecting(inputs, sampling, sched, collect)
+                result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
             else:
-                result = self.agent.forward(inputs, sampling)
+                result = self.agent.forward(inputs, sampling, cache_inputs)
         except Exception as exc:  # a failed forward fails its batch only; the engine keeps serving
             logger.exception('forward failed')
+            if self.scheduler.trie is not None:
+                self.scheduler.cancel_forward(sched)
             return [self._fail(seq, f'forward failed: {exc}') for seq in sched.seqs]
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             self.scheduler.on_forward_done(seq, n)
+        self.scheduler.after_forward(sched)
         outputs = []
         for row, seq in enumerate(sampled):
             logprobs = result.logprobs[row] if result.logprobs is not None else None
             outputs.append(self._append_token(seq, result.next_token_ids[row], logprobs))
         return outputs
 
-    def _forward_collecting(self, inputs, sampling, sched, collect):
+    def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
         from .model_agent import ForwardOutput
-        logits = self.agent.forward_logits(inputs).cpu()
+        logits = self.agent.forward_logits(inputs, cache_inputs).cpu()
         start = 0
         for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
             if keep:
@@ -264,3 +269,18 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    @property
+    def stats(self) -> dict:
+        """Prefix-cache statistics (zeros when prefix caching is off)."""
+        trie = self.scheduler.trie
+        if trie is None:
+            return {'query_tokens': 0, 'hit_tokens': 0, 'hit_rate': 0.0, 'num_requests': 0, 'num_hits': 0,
+                    'live_checkpoints': 0, 'evicted_checkpoints': 0, 'evicted_blocks': 0, 'checkpoints_saved': 0}
+        s = trie.stats
+        cks = trie.checkpoints
+        return {'query_tokens': s.query_tokens, 'hit_tokens': s.hit_tokens, 'hit_rate': s.hit_rate,
+                'num_requests': s.num_requests, 'num_hits': s.num_hits, 'live_checkpoints': trie.num_checkpoints,
+                'evicted_checkpoints': cks.num_evicted if cks is not None else 0,
+                'evicted_blocks': trie.kv.num_evicted, 'checkpoints_saved': s.checkpoints_saved,
+                'evictions_by_cause': dict(cks.evictions_by_cause) if cks is not None else {}}

@@ -12,6 +12,7 @@ from ..messages import SchedulerSequence
 from ..model_inputs import ModelInputs, SamplingInputs
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import SchedulerOutput
+from .cache_inputs import CacheCheckpointInputs
 
 
 class InputsMaker:
@@ -63,6 +64,13 @@ class InputsMaker:
             state_ids=torch.tensor(state_ids, dtype=torch.int64), is_fresh=torch.tensor(fresh, dtype=torch.bool),
             q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens))
         return inputs, sampled
+
+    def make_cache_inputs(self, out: SchedulerOutput) -> CacheCheckpointInputs | None:
+        """This forward's restore/save plans with block ids resolved to validated physical offsets."""
+        if not (out.kv_restores or out.state_restores or out.kv_saves or out.state_saves):
+            return None
+        return CacheCheckpointInputs.build(out.kv_restores, out.state_restores, out.kv_saves, out.state_saves,
+                                           self.block_manager.resolve_gpu_block_offsets)
 
 
 def make_sampling_inputs(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]) -> SamplingInputs:

@@ -1,6 +1,7 @@
-"""Runs one forward on the device: copies inputs over, runs the model, samples.
+"""Runs one forward on the device: copies inputs over, runs the cache copies and the model, samples.
 
-Owns the model and the device side of a step. Order inside `forward`: inputs to device -> model forward ->
+Owns the model and the device side of a step. Order inside `forward`, all on the forward stream: inputs to
+device -> KV restore copies -> state restore copies -> model forward -> KV save copies -> state save copies ->
 logits of the sampled rows -> sampling. It never touches scheduler state.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from .cache_engine import CacheEngine
+from .cache_inputs import CacheCheckpointInputs
 
 
 class ForwardOutput:
@@ -34,11 +36,36 @@ class ModelAgent:
                            state_caches=self.cache_engine.state_caches,
                            kernel_block_size=self.cache_engine.cache_config.kernel_block_size)
 
+    def restore(self, cache_inputs: CacheCheckpointInputs | None) -> None:
+        if cache_inputs is None:
+            return
+        if cache_inputs.kv_restore_plan is not None:
+            self.cache_engine.copy_logical_blocks(cache_inputs.kv_restore_plan)
+        if cache_inputs.state_restore_plan is not None:
+            self.cache_engine.copy_state_slots(cache_inputs.state_restore_plan)
+
+    def save(self, cache_inputs: CacheCheckpointInputs | None) -> None:
+        if cache_inputs is None:
+            return
+        if cache_inputs.kv_save_plan is not None:
+            self.cache_engine.copy_logical_blocks(cache_inputs.kv_save_plan)
+        if cache_inputs.state_save_plan is not None:
+            self.cache_engine.copy_state_slots(cache_inputs.state_save_plan)
+
+    def run_model(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None) -> torch.Tensor:
+        """restore copies -> model -> save copies; returns the hidden states."""
+        self.restore(cache_inputs)
+        hidden = self.model(self._context(inputs))
+        self.save(cache_inputs)
+        return hidden
+
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs, sampling: SamplingInputs) -> ForwardOutput:
+    def forward(self, inputs: ModelInputs, sampling: SamplingInputs,
+                cache_inputs: CacheCheckpointInputs | None = None) -> ForwardOutput:
         inputs = inputs.to(self.device)
         sampling = sampling.to(self.device)
-        hidden = self.model(self._context(inputs))
+        cache_inputs = cache_inputs.to(self.device) if cache_inputs is not None else None
+        hidden = self.run_model(inputs, cache_inputs)
         if inputs.logits_indices.numel() == 0:
             return ForwardOutput([], None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -46,8 +73,9 @@ class ModelAgent:
         return ForwardOutput(next_ids.tolist(), logprobs)
 
     @torch.inference_mode()
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
+    def forward_logits(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None = None
+                       ) -> torch.Tensor:
         """Logits of every fed token (teacher forcing, for tests and scoring); caches are updated as usual."""
         inputs = inputs.to(self.device)
-        hidden = self.model(self._context(inputs))
-        return self.model.compute_logits(hidden)
+        cache_inputs = cache_inputs.to(self.device) if cache_inputs is not None else None
+        return self.model.compute_logits(self.run_model(inputs, cache_inputs))

@@ -1,27 +1,42 @@
 """Continuous-batching scheduler.
 
 Owns: the waiting queue and the running list, and every sequence's KV blocks and runtime state slot (through the
-BlockManager and StateManager). It decides, per forward, how many tokens each sequence feeds; it never touches
-device memory.
+BlockManager and StateManager); with prefix caching, the `BlockTrie` too. It decides, per forward, how many tokens
+each sequence feeds and which cache copies surround the forward; it never touches device memory.
 
-Order of operations in one engine step: `schedule()` -> (inputs maker, model agent) -> `on_forward_done()` for
-every scheduled sequence -> `finish()` for sequences that stopped.
+Order of operations in one engine step: `schedule()` -> (inputs maker, model agent: restore copies, forward, save
+copies) -> `on_forward_done()` per scheduled sequence -> `after_forward()` (attach blocks, publish checkpoints,
+drop restore pins) -> `finish()` for sequences that stopped.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 from ..config import CacheConfig, SchedulerConfig
 from ..messages import SchedulerSequence, SequenceStatus
 from .block_manager import BlockManager
+from .block_trie.block_trie import BlockTrie, PrefixMatch
+from .block_trie.node import NodeStateCheckpoint
 from .state_manager import StateManager
 
+CopyPairs = list[tuple[int, int]]
 
-class SchedulerOutput(NamedTuple):
-    seqs: list[SchedulerSequence]
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[SchedulerSequence] = field(default_factory=list)
     # Tokens each sequence feeds in this forward: token_ids[num_computed : num_computed + n].
-    num_new_tokens: list[int]
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Copy plans as (src, dst) logical ids: KV blocks and state slots. Restores run before the forward (checkpoint
+    # -> request), saves after it (request -> checkpoint).
+    kv_restores: CopyPairs = field(default_factory=list)
+    state_restores: CopyPairs = field(default_factory=list)
+    kv_saves: CopyPairs = field(default_factory=list)
+    state_saves: CopyPairs = field(default_factory=list)
+    # Checkpoints pinned for this forward's restores, and checkpoints reserved for its saves.
+    pinned: list[NodeStateCheckpoint] = field(default_factory=list)
+    reserved: list[tuple[SchedulerSequence, NodeStateCheckpoint]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -36,6 +51,9 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.pages_per_block)
         self.state_manager = StateManager(cache_config.num_state_slots) if needs_state else None
+        self.trie = BlockTrie(self.block_manager, self.state_manager, self.block_size,
+                              exact_steps=cache_config.prefix_cache_exact_steps) \
+            if cache_config.enable_prefix_caching else None
         self.waiting: list[SchedulerSequence] = []
         self.running: list[SchedulerSequence] = []
         self._arrivals = 0
@@ -69,68 +87,144 @@ class Scheduler:
         """Pick this forward's batch.
 
         Running sequences come first in arrival order (a decode feeds 1 token, a prefill in progress its next
-        chunk). When KV runs short, the latest-arrived running sequence is preempted (recomputed later). Then
-        waiting sequences are admitted in order while the token budget, the batch size, KV blocks and state
-        slots allow; only the first prefill of a batch may be cut into a chunk, so budgets are not frittered
-        away on slivers.
+        chunk). When KV runs short, cached prefixes are evicted first, then the latest-arrived running sequence is
+        preempted (recomputed later). Then waiting sequences are admitted in order while the token budget, the
+        batch size, KV blocks and state slots allow; admission matches the prefix cache first. Only the first
+        prefill of a batch may be cut into a chunk. Finally prefill and chunk ends reserve state checkpoints.
         """
+        out = SchedulerOutput()
         budget = self.config.max_prefill_token_num
-        seqs: list[SchedulerSequence] = []
-        num_new: list[int] = []
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING or len(seqs) >= self.config.max_batch_size:
+            if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= self.config.max_batch_size:
                 continue
             n = 1 if seq.num_remaining == 1 else min(seq.num_remaining, budget)
-            if n == 0 or not self._reserve_blocks(seq, n, scheduled=seqs):
+            if n == 0 or not self._reserve_blocks(seq, n, scheduled=out.seqs):
                 continue
-            seqs.append(seq)
-            num_new.append(n)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
             budget -= min(n, budget)
-        has_prefill = any(n > 1 for n in num_new)
-        while self.waiting and budget > 0 and len(seqs) < self.config.max_batch_size:
+        has_prefill = any(n > 1 for n in out.num_new_tokens)
+        while self.waiting and budget > 0 and len(out.seqs) < self.config.max_batch_size:
             seq = self.waiting[0]
-            n = seq.num_remaining
-            if n > budget:
-                if has_prefill:
-                    break
-                n = budget
-            if not self._admit(seq, n):
+            n = self._admit(seq, budget, chunk_ok=not has_prefill, out=out)
+            if n == 0:
                 break
             self.waiting.pop(0)
             self.running.append(seq)
-            seqs.append(seq)
-            num_new.append(n)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
             budget -= n
             has_prefill = True
-        return SchedulerOutput(seqs, num_new)
+        if self.trie is not None and self.trie.is_hybrid:
+            for seq, n in zip(out.seqs, out.num_new_tokens):
+                self._plan_checkpoint(seq, n, out)
+        return out
 
     def on_forward_done(self, seq: SchedulerSequence, n: int) -> None:
         seq.num_computed += n
 
-    # ---- memory -----------------------------------------------------------------------------------------------
+    def after_forward(self, out: SchedulerOutput) -> None:
+        """The forward and its save copies are queued: attach blocks, publish checkpoints, drop restore pins."""
+        if self.trie is None:
+            return
+        for seq in out.seqs:
+            if not seq.is_finished:
+                self.trie.attach(seq)
+        for seq, ck in out.reserved:
+            self.trie.publish_checkpoint(seq, ck)
+        for ck in out.pinned:
+            self.trie.checkpoints.unpin(ck)
+
+    def cancel_forward(self, out: SchedulerOutput) -> None:
+        """The forward failed: drop its reservations and pins (nothing was published)."""
+        for _, ck in out.reserved:
+            self.trie.checkpoints.release(ck)
+        for ck in out.pinned:
+            self.trie.checkpoints.unpin(ck)
+
+    # ---- admission --------------------------------------------------------------------------------------------
     def _num_blocks_needed(self, seq: SchedulerSequence, n: int) -> int:
         total = -(-(seq.num_computed + n) // self.block_size)
         return max(0, total - len(seq.block_ids))
 
-    def _admit(self, seq: SchedulerSequence, n: int) -> bool:
-        """Give a waiting sequence its blocks and state slot; all or nothing."""
-        need = self._num_blocks_needed(seq, n)
-        if not self.block_manager.can_allocate(need):
-            return False
-        if self.state_manager is not None:
-            slot = self.state_manager.allocate()
-            if slot is None:
-                return False
-            seq.state_slot = slot
-        seq.block_ids.extend(self.block_manager.allocate(need))
+    def _admit(self, seq: SchedulerSequence, budget: int, chunk_ok: bool, out: SchedulerOutput) -> int:
+        """Match the prefix cache, then give a waiting sequence its blocks and state slot; all or nothing.
+        Returns the number of tokens it feeds in this forward (0: not admitted, nothing changed)."""
+        match = self.trie.match(seq) if self.trie is not None else PrefixMatch(0, [], None)
+        remaining = seq.num_tokens - match.num_tokens
+        n = remaining if remaining <= budget else (budget if chunk_ok else 0)
+        if n == 0:
+            return 0
+        ck = match.checkpoint
+        if ck is not None:
+            self.trie.checkpoints.pin(ck, self.trie.tick())
+        shared = [node.block_id for node in match.nodes]
+        self.block_manager.add_ref(shared)
+        total = -(-(match.num_tokens + n) // self.block_size)
+        need = total - len(shared)
+        slot = None
+        ok = self.block_manager.can_allocate(need) or (self.trie is not None and self.trie.evict_blocks(need))
+        if ok and self.state_manager is not None:
+            slot = self._allocate_slot()
+            ok = slot is not None
+        if not ok:
+            self.block_manager.free(shared)
+            if ck is not None:
+                self.trie.checkpoints.unpin(ck)
+            return 0
+        seq.block_ids = shared + self.block_manager.allocate(need)
+        seq.state_slot = slot
+        seq.num_computed = match.num_tokens
         seq.status = SequenceStatus.RUNNING
-        seq.num_cached = 0
-        return True
+        first = seq.num_preemptions == 0
+        if first:
+            seq.num_cached = match.num_tokens
+        if self.trie is not None:
+            self.trie.on_admitted(seq, match, first_admission=first)
+        if ck is not None:
+            out.pinned.append(ck)
+            out.state_restores.append((ck.slot, slot))
+            if ck.frozen_block_id is not None:
+                out.kv_restores.append((ck.frozen_block_id, seq.block_ids[ck.step // self.block_size]))
+        return n
 
+    def _allocate_slot(self) -> int | None:
+        slot = self.state_manager.allocate()
+        while slot is None and self.trie is not None and self.trie.evict_slot():
+            slot = self.state_manager.allocate()
+        return slot
+
+    def _plan_checkpoint(self, seq: SchedulerSequence, n: int, out: SchedulerOutput) -> None:
+        """Reserve a checkpoint at the end of a prefill piece (prompt end or chunk end), if wanted and affordable."""
+        step = seq.num_computed + n
+        if seq.num_computed >= seq.num_prompt_tokens and n == 1:
+            return  # a decode step
+        if not self.trie.wants_checkpoint(seq, step):
+            return
+        partial = step % self.block_size != 0
+        slot = self._allocate_slot()
+        if slot is None:
+            return
+        frozen = None
+        if partial:
+            if not (self.block_manager.can_allocate(1) or self.trie.evict_blocks(1)):
+                self.state_manager.free(slot)
+                return
+            frozen = self.block_manager.allocate(1)[0]
+        ck = self.trie.reserve_checkpoint(seq, step, slot, frozen)
+        out.reserved.append((seq, ck))
+        out.state_saves.append((seq.state_slot, slot))
+        if frozen is not None:
+            out.kv_saves.append((seq.block_ids[step // self.block_size], frozen))
+
+    # ---- memory -----------------------------------------------------------------------------------------------
     def _reserve_blocks(self, seq: SchedulerSequence, n: int, scheduled: list[SchedulerSequence]) -> bool:
-        """Make room for `n` more tokens of a running sequence, preempting from the tail of `running`."""
+        """Make room for `n` more tokens of a running sequence: evict cached prefixes, then preempt from the tail
+        of `running`."""
         need = self._num_blocks_needed(seq, n)
         while not self.block_manager.can_allocate(need):
+            if self.trie is not None and self.trie.evict_blocks(need):
+                break
             victims = [s for s in self.running if s is not seq and s not in scheduled]
             if not victims:
                 self.preempt(seq)
@@ -150,6 +244,8 @@ class Scheduler:
         self.waiting.insert(index, seq)
 
     def _release(self, seq: SchedulerSequence) -> None:
+        if self.trie is not None:
+            self.trie.on_released(seq)
         if seq.block_ids:
             self.block_manager.free(seq.block_ids)
             seq.block_ids = []
@@ -159,13 +255,17 @@ class Scheduler:
 
     # ---- invariants -------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """free + request-owned (+ later trie/checkpoint-owned) = total, for KV blocks and state slots."""
+        """free + request-owned + trie-owned + checkpoint-owned = total, for KV blocks and for state slots."""
         block_owners: Counter = Counter()
         slot_owners: Counter = Counter()
         for seq in self.running + self.waiting:
             block_owners.update(seq.block_ids)
             if seq.state_slot is not None:
                 slot_owners[seq.state_slot] += 1
+        if self.trie is not None:
+            trie_blocks, ck_slots = self.trie.owners()
+            block_owners.update(trie_blocks)
+            slot_owners.update(ck_slots)
         self.block_manager.check_integrity(block_owners)
         if self.state_manager is not None:
             self.state_manager.check_integrity(slot_owners)

@@ -1,6 +1,7 @@
 """The `default` backend: plain torch, runs on CPU and GPU. Every other backend falls back to it."""
 from __future__ import annotations
 
+from ...kernels.default import cache_copy as _cache_copy
 from ...kernels.default import causal_conv1d as _conv
 from ...kernels.default import gated_delta_rule as _gdr
 from ...kernels.default import paged_attention as _attn
@@ -51,6 +52,8 @@ _BUILDERS = {
     OpType.CausalConv1d: _build_causal_conv1d,
     OpType.MoE: _const(moe.fused_moe),
     OpType.Sampling: _const(sampling.sample),
+    OpType.CacheBlockCopy: _const(_cache_copy.copy_packed_cache),
+    OpType.StateSlotCopy: _const(_cache_copy.copy_state_slots),
 }
 
 BACKEND = Backend('default', _BUILDERS)

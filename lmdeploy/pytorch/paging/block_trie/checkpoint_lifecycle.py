@@ -1,0 +1,126 @@
+"""State-checkpoint lifecycle: reserve -> publish -> (pin/unpin)* -> release; eviction picks among the unpinned.
+
+Owns: every checkpoint record, its state slot and its frozen partial block (one KV ref each). A RESERVED record
+holds resources for save copies that are not queued yet and is never evicted; a PUBLISHED one is matchable;
+a pinned one (restore copies pending) is never evicted or released. Eviction order: least recently used first;
+under KV pressure only partial (frozen-block) checkpoints are candidates here, before any trie leaf.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+import numpy as np
+
+from ..block_manager import BlockManager
+from ..state_manager import StateManager
+from .checkpoint_index import StateCheckpointIndex
+from .node import CheckpointState, MMIdentity, Node, NodeStateCheckpoint
+
+
+class StateCheckpointLifecycle:
+
+    def __init__(self, block_manager: BlockManager, state_manager: StateManager, index: StateCheckpointIndex):
+        self.block_manager = block_manager
+        self.state_manager = state_manager
+        self.index = index
+        self._live: set[NodeStateCheckpoint] = set()
+        # Published and unpinned, least recently used first.
+        self._evictable: OrderedDict[NodeStateCheckpoint, None] = OrderedDict()
+        self.num_evicted = 0
+        self.evictions_by_cause: Counter = Counter()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def num_published(self) -> int:
+        return len(self.index)
+
+    def reserve(self, slot: int, frozen_block_id: int | None, step: int, adapter_name: str | None,
+                token_ids: np.ndarray, mm_identity: MMIdentity, tail: int, now: int) -> NodeStateCheckpoint:
+        """Take ownership of an allocated slot and frozen block for a checkpoint whose save copies are planned."""
+        ck = NodeStateCheckpoint(slot=slot, step=step, frozen_block_id=frozen_block_id, adapter_name=adapter_name,
+                                 token_ids=token_ids, mm_identity=mm_identity, tail_hash=tail, last_access=now)
+        self._live.add(ck)
+        return ck
+
+    def publish(self, ck: NodeStateCheckpoint, anchor: Node, block_ids: tuple[int, ...], now: int) -> None:
+        """The save copies are queued: fix the anchor and block path and make the checkpoint matchable."""
+        assert ck.state == CheckpointState.RESERVED
+        ck.anchor, ck.block_ids = anchor, block_ids
+        ck.state = CheckpointState.PUBLISHED
+        ck.last_access = now
+        anchor.checkpoints[(ck.step, ck.tail_hash)] = ck
+        self.index.add(ck)
+        if ck.pin_count == 0:
+            self._evictable[ck] = None
+
+    def pin(self, ck: NodeStateCheckpoint, now: int) -> None:
+        ck.pin_count += 1
+        ck.last_access = now
+        self._evictable.pop(ck, None)
+
+    def unpin(self, ck: NodeStateCheckpoint) -> None:
+        assert ck.pin_count > 0, 'unpin without pin'
+        ck.pin_count -= 1
+        if ck.pin_count == 0 and ck.published:
+            self._evictable[ck] = None
+            self._evictable.move_to_end(ck)
+
+    def touch(self, ck: NodeStateCheckpoint, now: int) -> None:
+        ck.last_access = now
+        if ck in self._evictable:
+            self._evictable.move_to_end(ck)
+
+    def release(self, ck: NodeStateCheckpoint) -> None:
+        """Return the slot and frozen block; the record dies. Never called on a pinned checkpoint."""
+        assert ck.pin_count == 0, 'release of a pinned checkpoint'
+        if ck.state == CheckpointState.RELEASED:
+            return
+        if ck.published:
+            self.index.remove(ck)
+            if ck.anchor.checkpoints.get((ck.step, ck.tail_hash)) is ck:
+                del ck.anchor.checkpoints[(ck.step, ck.tail_hash)]
+        ck.state = CheckpointState.RELEASED
+        self._evictable.pop(ck, None)
+        self._live.discard(ck)
+        self.state_manager.free(ck.slot)
+        if ck.frozen_block_id is not None:
+            self.block_manager.free([ck.frozen_block_id])
+
+    def evict_one(self, partial_only: bool, cause: str) -> bool:
+        """Release the least recently used unpinned published checkpoint (only partial ones if asked)."""
+        for ck in self._evictable:
+            if not partial_only or ck.is_partial:
+                self.release(ck)
+                self.num_evicted += 1
+                self.evictions_by_cause[cause] += 1
+                return True
+        return False
+
+    def is_evictable(self, ck: NodeStateCheckpoint) -> bool:
+        return ck in self._evictable
+
+    def verify(self, ck: NodeStateCheckpoint) -> bool:
+        """A published record still refers to live trie nodes holding exactly its frozen block ids."""
+        if not ck.published or not ck.anchor.attached:
+            return False
+        node, ids = ck.anchor, []
+        while not node.is_root:
+            if not node.attached:
+                return False
+            ids.append(node.block_id)
+            node = node.parent
+        return tuple(reversed(ids)) == ck.block_ids
+
+    def owners(self) -> tuple[Counter, Counter]:
+        """(KV block owners, state slot owners) held by checkpoints, for the integrity check."""
+        blocks, slots = Counter(), Counter()
+        for ck in self._live:
+            slots[ck.slot] += 1
+            if ck.frozen_block_id is not None:
+                blocks[ck.frozen_block_id] += 1
+        return blocks, slots
+
+    def live(self) -> list[NodeStateCheckpoint]:
+        return list(self._live)

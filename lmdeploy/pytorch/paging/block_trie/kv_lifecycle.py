@@ -1,0 +1,92 @@
+"""KV block lifecycle inside the trie: attach full blocks as nodes, find them by chained hash, drop leaves.
+
+Owns: one reference on the block of every attached node. Topology only grows by new leaves or shrinks by
+removing leaves. A leaf can be evicted when nothing else references its block (ref count 1 = the trie's own) and
+none of its checkpoints is pinned or reserved; its unpinned checkpoints go with it.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ..block_manager import BlockManager
+from .node import MMIdentity, Node, block_hash, root_hash
+
+
+class TrieKVLifecycle:
+
+    def __init__(self, block_manager: BlockManager, block_size: int):
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.roots: dict[str | None, Node] = {}
+        self._by_hash: dict[int, Node] = {}
+        self._leaves: set[Node] = set()
+        self.num_nodes = 0
+        self.num_evicted = 0
+
+    def root(self, adapter_name: str | None) -> Node:
+        node = self.roots.get(adapter_name)
+        if node is None:
+            node = Node(block_id=None, token_ids=np.zeros(0, dtype=np.int64), hash=root_hash(adapter_name), depth=0,
+                        adapter_name=adapter_name)
+            self.roots[adapter_name] = node
+        return node
+
+    def find_child(self, parent: Node, tokens: np.ndarray, mm_identity: MMIdentity) -> Node | None:
+        """The attached child of `parent` holding exactly `tokens` (hash lookup, then exact verification)."""
+        child = parent.children.get(block_hash(parent.hash, tokens, mm_identity))
+        if child is None or child.mm_identity != mm_identity or not np.array_equal(child.token_ids, tokens):
+            return None
+        return child
+
+    def lookup(self, hash_value: int) -> Node | None:
+        return self._by_hash.get(hash_value)
+
+    def attach(self, parent: Node, block_id: int, tokens: np.ndarray, mm_identity: MMIdentity, now: int
+               ) -> Node | None:
+        """Attach a full block as a child of `parent` (the trie takes one ref); None on a hash collision."""
+        h = block_hash(parent.hash, tokens, mm_identity)
+        existing = parent.children.get(h)
+        if existing is not None:
+            same = existing.mm_identity == mm_identity and np.array_equal(existing.token_ids, tokens)
+            return existing if same else None
+        node = Node(block_id=block_id, token_ids=np.array(tokens, dtype=np.int64, copy=True), hash=h,
+                    depth=parent.depth + 1, parent=parent, adapter_name=parent.adapter_name,
+                    mm_identity=mm_identity, last_access=now)
+        self.block_manager.add_ref([block_id])
+        parent.children[h] = node
+        self._by_hash[h] = node
+        self._leaves.discard(parent)
+        self._leaves.add(node)
+        self.num_nodes += 1
+        return node
+
+    def touch_path(self, nodes: list[Node], now: int) -> None:
+        for node in nodes:
+            node.last_access = now
+
+    def evictable_leaves(self) -> list[Node]:
+        """Leaves whose block only the trie references and whose checkpoints are all evictable, LRU first."""
+        leaves = [n for n in self._leaves if self.block_manager.ref_count(n.block_id) == 1]
+        return sorted(leaves, key=lambda n: n.last_access)
+
+    def detach(self, node: Node) -> None:
+        """Remove a leaf and drop the trie's reference on its block."""
+        assert node.is_leaf and not node.is_root and not node.checkpoints
+        parent = node.parent
+        del parent.children[node.hash]
+        self._by_hash.pop(node.hash, None)
+        self._leaves.discard(node)
+        if not parent.is_root and parent.is_leaf:
+            self._leaves.add(parent)
+        node.attached = False
+        self.block_manager.free([node.block_id])
+        self.num_nodes -= 1
+        self.num_evicted += 1
+
+    def owners(self) -> Counter:
+        blocks: Counter = Counter()
+        for node in self._by_hash.values():
+            blocks[node.block_id] += 1
+        return blocks
