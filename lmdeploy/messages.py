@@ -50,6 +50,8 @@ class PytorchEngineConfig:
     prefix_cache_state_budget: int = 0
     # Where hybrid models keep state checkpoints: 'exact' (any safe step) or 'aligned' (block boundaries only).
     prefix_cache_checkpoint_mode: str = 'exact'
+    # Decode checkpoints (hybrid models): every this many tokens (a multiple of block_size); 0 = off.
+    prefix_cache_decode_state_interval: int = 0
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -78,6 +80,10 @@ class PytorchEngineConfig:
         _require(self.prefix_cache_checkpoint_mode in ('exact', 'aligned'),
                  "prefix_cache_checkpoint_mode must be 'exact' or 'aligned', "
                  f'got {self.prefix_cache_checkpoint_mode!r}')
+        interval = self.prefix_cache_decode_state_interval
+        _require(isinstance(interval, int) and interval >= 0 and interval % self.block_size == 0,
+                 f'prefix_cache_decode_state_interval must be a non-negative multiple of block_size '
+                 f'({self.block_size}), got {interval!r}')
 
     @property
     def resolved_kernel_block_size(self) -> int:

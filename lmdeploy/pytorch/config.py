@@ -54,6 +54,8 @@ class CacheConfig:
     prefix_cache_state_budget: int = 0
     # False restricts state checkpoints to block-aligned steps ('aligned' mode).
     prefix_cache_exact_steps: bool = True
+    # Block-aligned decode checkpoints every this many tokens; 0 = off.
+    prefix_cache_decode_state_interval: int = 0
 
     @property
     def pages_per_block(self) -> int:

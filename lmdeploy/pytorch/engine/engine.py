@@ -87,7 +87,8 @@ class Engine:
                            num_blocks=num_blocks, num_state_slots=num_slots,
                            enable_prefix_caching=cfg.enable_prefix_caching,
                            prefix_cache_state_budget=cfg.prefix_cache_state_budget,
-                           prefix_cache_exact_steps=cfg.prefix_cache_checkpoint_mode == 'exact')
+                           prefix_cache_exact_steps=cfg.prefix_cache_checkpoint_mode == 'exact',
+                           prefix_cache_decode_state_interval=cfg.prefix_cache_decode_state_interval)
 
     def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:
         if self.device.type == 'cuda':

@@ -198,7 +198,9 @@ class Scheduler:
         """Reserve a checkpoint at the end of a prefill piece (prompt end or chunk end), if wanted and affordable."""
         step = seq.num_computed + n
         if seq.num_computed >= seq.num_prompt_tokens and n == 1:
-            return  # a decode step
+            interval = self.cache_config.prefix_cache_decode_state_interval
+            if not interval or step % interval:
+                return  # a decode step off the opt-in interval
         if not self.trie.wants_checkpoint(seq, step):
             return
         partial = step % self.block_size != 0
