@@ -123,6 +123,9 @@ class GenerationConfig:
                  f'logprobs must be None or an int in [0, 64], got {self.logprobs!r}')
         _require(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  f'stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}')
+        _require(self.random_seed is None or (isinstance(self.random_seed, int)
+                                              and -2**63 <= self.random_seed < 2**64),
+                 f'random_seed must be None or an int in [-2**63, 2**64), got {self.random_seed!r}')
         _require(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
                  f'stop_words must be non-empty strings, got {self.stop_words!r}')
 

@@ -15,6 +15,7 @@ from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
 from ..pytorch.engine.request import EngineOutput
+from ..pytorch.messages import SamplingParams
 from .request_builder import Prompt, ResponseBuilder, encode_prompt, make_sampling_params
 from .tokenizer import Tokenizer
 
@@ -32,8 +33,9 @@ class AsyncEngine:
                  model_name: str | None = None):
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
-        self.tokenizer = Tokenizer(model_path)
+        # the engine first: it names a bad model folder with a ValueError, the tokenizer with a hub error
         self.engine = Engine(model_path, backend_config)
+        self.tokenizer = Tokenizer(model_path)
         self._loop = EngineLoop(self.engine)
 
     @property
@@ -44,17 +46,19 @@ class AsyncEngine:
                 index: int = 0) -> PreparedRequest:
         """Tokenize and validate; raises `ValueError` naming the problem."""
         gen_config = gen_config or GenerationConfig()
-        gen_config.validate()
+        self._sampling_params(gen_config)  # validates, including checks against the vocabulary
         input_ids = encode_prompt(self.tokenizer, prompt, do_preprocess)
         self.engine.validate_prompt(input_ids)
         return PreparedRequest(input_ids, gen_config, index)
 
-    def submit(self, request: PreparedRequest, callback) -> int:
+    def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
         model_config = self.engine.model_config
         eos = tuple(model_config.eos_token_ids) or ((self.tokenizer.eos_token_id,)
                                                     if self.tokenizer.eos_token_id is not None else ())
-        sampling = make_sampling_params(request.gen_config, self.tokenizer, eos, model_config.vocab_size)
-        return self.engine.add_request(request.input_ids, sampling, callback)
+        return make_sampling_params(gen_config, self.tokenizer, eos, model_config.vocab_size)
+
+    def submit(self, request: PreparedRequest, callback) -> int:
+        return self.engine.add_request(request.input_ids, self._sampling_params(request.gen_config), callback)
 
     def abort(self, seq_id: int) -> None:
         self.engine.abort_request(seq_id)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import queue
-import threading
 from collections.abc import Iterator
 
 from tqdm import tqdm
@@ -57,25 +56,26 @@ class Pipeline:
 
     def stream_infer(self, prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
                      do_preprocess: bool = True) -> Iterator[Response]:
-        """Incremental `Response`s of all prompts as they arrive (`Response.index` tells which prompt)."""
+        """Incremental `Response`s of all prompts as they arrive (`Response.index` tells which prompt).
+
+        Closing the iterator early aborts the requests that have not finished.
+        """
         _, requests = self._prepare_all(prompts, gen_config, do_preprocess)
         merged: queue.Queue = queue.Queue()
-
-        def pump(request):
-            for response in self.async_engine.stream(request):
-                merged.put(response)
-            merged.put(None)
-
-        threads = [threading.Thread(target=pump, args=(r,), daemon=True) for r in requests]
-        for thread in threads:
-            thread.start()
-        remaining = len(threads)
-        while remaining:
-            item = merged.get()
-            if item is None:
-                remaining -= 1
-            else:
-                yield item
+        unfinished: dict[int, int] = {}  # prompt index -> seq id
+        for request in requests:
+            builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
+            unfinished[request.index] = self.async_engine.submit(
+                request, lambda out, b=builder: merged.put((b, out)))
+        try:
+            while unfinished:
+                builder, out = merged.get()
+                if out.finished:
+                    del unfinished[builder.index]
+                yield builder.update(out)
+        finally:
+            for seq_id in unfinished.values():
+                self.async_engine.abort(seq_id)
 
     @property
     def session_len(self) -> int:

@@ -61,7 +61,8 @@ class Engine:
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
                     self.cache_engine.state_pool_bytes / 2**20)
         self._lock = threading.Lock()
-        self._commands: list[Callable[[], list[EngineOutput]]] = []
+        # (request id, command): commands run on the engine thread at the start of a step.
+        self._commands: list[tuple[int, Callable[[], list[EngineOutput]]]] = []
         self._seqs: dict[int, tuple[SchedulerSequence, OutputCallback | None]] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._collected_logits: dict[int, list[torch.Tensor]] = {}
@@ -144,7 +145,7 @@ class Engine:
             self.scheduler.add(seq)
             return []
 
-        self._push(command)
+        self._push(seq.seq_id, command)
         return seq.seq_id
 
     def abort_request(self, seq_id: int) -> None:
@@ -154,12 +155,28 @@ class Engine:
                 return []
             self.scheduler.abort(entry[0])
             return [self._finish_output(entry[0])]
-        self._push(command)
+        self._push(seq_id, command)
 
-    def _push(self, command: Callable[[], list[EngineOutput]]) -> None:
+    def _push(self, seq_id: int, command: Callable[[], list[EngineOutput]]) -> None:
         with self._lock:
-            self._commands.append(command)
+            self._commands.append((seq_id, command))
         self.wakeup.set()
+
+    def _run_command(self, seq_id: int, command: Callable[[], list[EngineOutput]]) -> list[EngineOutput]:
+        """A failing command fails its own request only."""
+        try:
+            return command()
+        except Exception as exc:
+            logger.exception('request %d: command failed', seq_id)
+            entry = self._seqs.get(seq_id)
+            if entry is not None and not entry[0].is_finished:
+                if entry[0] in self.scheduler.waiting or entry[0] in self.scheduler.running:
+                    return [self._fail(entry[0], f'request failed: {exc}')]
+                entry[0].status, entry[0].finish_reason = SequenceStatus.ABORTED, 'error'
+                out = self._finish_output(entry[0])
+                out.error = f'request failed: {exc}'
+                return [out]
+            return []
 
     @property
     def has_work(self) -> bool:
@@ -170,7 +187,7 @@ class Engine:
     def step(self) -> list[EngineOutput]:
         with self._lock:
             commands, self._commands = self._commands, []
-        outputs = [out for command in commands for out in command()]
+        outputs = [out for seq_id, command in commands for out in self._run_command(seq_id, command)]
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             outputs += self._run_forward(sched)

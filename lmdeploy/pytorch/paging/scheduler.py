@@ -70,14 +70,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, seq: SchedulerSequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
         self.finish(seq, SequenceStatus.ABORTED, 'abort')
 
     def finish(self, seq: SchedulerSequence, status: SequenceStatus, reason: str) -> None:
         """Release everything `seq` owns and mark it finished."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self._release(seq)
         seq.status = status
         seq.finish_reason = reason

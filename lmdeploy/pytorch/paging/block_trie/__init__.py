@@ -1,0 +1,1 @@
+"""Prefix cache: block trie with exact-step state checkpoints (see README.md)."""

@@ -1,0 +1,316 @@
+"""OpenAI wire format: the request and response records of /v1/chat/completions, /v1/completions and /v1/models.
+
+Requests check types and ranges here (pydantic errors become 400s in the server); what only the engine can judge
+(prompt length against the session, token ids against the vocabulary) is checked by `AsyncEngine.prepare`.
+Unknown OpenAI fields (`user`, `metadata`, ...) are accepted and ignored; known features the engine lacks
+(`n > 1`, `echo`, `best_of`, `suffix`, penalties other than `repetition_penalty`) are rejected with a message.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+
+from ...messages import GenerationConfig, Response
+
+SEED_RANGE = (-2**63, 2**64 - 1)
+
+
+def new_id(prefix: str) -> str:
+    return f'{prefix}-{uuid.uuid4().hex}'
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra='ignore')
+
+
+class StreamOptions(_Record):
+    include_usage: bool = False
+
+
+# ---- requests --------------------------------------------------------------------------------------------------
+class _SamplingRequest(_Record):
+    """Fields shared by chat and text completions; `None` means the OpenAI default."""
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    # Extensions (vLLM / LMDeploy names).
+    top_k: int = Field(0, ge=-1, description='0 or -1: off')
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+
+    @field_validator('n')
+    @classmethod
+    def _only_one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f'only n=1 is supported, got n={n}')
+        return n
+
+    @field_validator('presence_penalty', 'frequency_penalty')
+    @classmethod
+    def _no_openai_penalties(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError('presence/frequency penalties are not supported; use repetition_penalty')
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def generation_config(self, logprobs: int | None) -> GenerationConfig:
+        """`max_new_tokens` is left for the server: it is `max_tokens` clamped to what the session leaves."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return GenerationConfig(
+            min_new_tokens=self.min_tokens,
+            do_sample=temperature > 0, temperature=temperature or 1.0,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k, 0),
+            repetition_penalty=self.repetition_penalty, stop_words=stop or None, ignore_eos=self.ignore_eos,
+            random_seed=self.seed, logprobs=logprobs)
+
+
+class TextContentPart(_Record):
+    type: Literal['text']
+    text: str
+
+
+class ChatMessage(_Record):
+    role: Literal['system', 'developer', 'user', 'assistant', 'tool']
+    content: StrictStr | list[TextContentPart] | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content if isinstance(self.content, str) else ''.join(p.text for p in self.content or ())
+        return {'role': 'system' if self.role == 'developer' else self.role, 'content': content}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode='after')
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError('top_logprobs requires logprobs=true')
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_generation_config(self) -> GenerationConfig:
+        return self.generation_config(self.num_logprobs)
+
+    def prompt(self) -> list[dict]:
+        return [m.as_template_message() for m in self.messages]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator('prompt')
+    @classmethod
+    def _single_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(f'batched prompts are not supported: send one prompt per request, got {len(prompt)}')
+            return prompt[0]
+        return prompt
+
+    @model_validator(mode='after')
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError('echo is not supported')
+        if self.best_of not in (None, 1):
+            raise ValueError('best_of > 1 is not supported')
+        if self.suffix:
+            raise ValueError('suffix is not supported')
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_generation_config(self) -> GenerationConfig:
+        return self.generation_config(self.logprobs)
+
+
+# ---- responses -------------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, response: Response) -> UsageInfo:
+        return cls(prompt_tokens=response.input_token_len, completion_tokens=response.generate_token_len,
+                   total_tokens=response.input_token_len + response.generate_token_len,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=response.cached_tokens))
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal['assistant'] = 'assistant'
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal['chat.completion'] = 'chat.completion'
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal['assistant'] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal['chat.completion.chunk'] = 'chat.completion.chunk'
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the streamed chunk (OpenAI uses the same `text_completion` object for both)."""
+    id: str
+    object: Literal['text_completion'] = 'text_completion'
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal['model'] = 'model'
+    created: int
+    owned_by: str = 'lmdeploy'
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal['list'] = 'list'
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = 'invalid_request_error'
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- logprobs: engine dicts {token_id: logprob} -> wire format ---------------------------------------------------
+def _ranked(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # The engine may return more than k alternatives (the batch's largest k) plus the sampled token.
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def chat_logprobs(response: Response, k: int, decode: Callable[[int], str]) -> ChatLogprobs:
+    def item(token_id: int, logprob: float) -> TopLogprob:
+        token = decode(token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    content = []
+    for token_id, entry in zip(response.token_ids, response.logprobs or ()):
+        chosen = item(token_id, entry.get(token_id, float('-inf')))
+        content.append(ChatLogprobToken(**chosen.model_dump(),
+                                        top_logprobs=[item(t, lp) for t, lp in _ranked(entry, k)]))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(response: Response, k: int, decode: Callable[[int], str],
+                        offset: int) -> CompletionLogprobs:
+    """`offset`: characters of completion text before this delta (for `text_offset`)."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(response.token_ids, response.logprobs or ()):
+        token = decode(token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(entry.get(token_id, float('-inf')))
+        out.top_logprobs.append({decode(t): lp for t, lp in _ranked(entry, k)})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
