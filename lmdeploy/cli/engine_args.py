@@ -44,4 +44,4 @@ def resolve_model_path(model_path: str | None) -> str:
     return get_demo_model_path(DEMO_ARCH)
 
 
-DEMO_ARCH = 'qwen3'
+DEMO_ARCH = 'qwen3_5'
