@@ -96,6 +96,9 @@ def run_hf(hf_fn, case: GdrCase, inputs, pool, use_qk_l2norm: bool = True):
     for b, (slot, fresh) in enumerate(zip(case.slots, case.fresh, strict=True)):
         init = torch.zeros_like(pool[slot], dtype=torch.float32) if fresh else pool[slot].float()
         seq = [x[bounds[b]:bounds[b + 1]] for x in inputs]
+        ratio = seq[2].size(1) // seq[0].size(1)
+        if ratio > 1:  # older transformers references expect q/k already expanded to the value heads
+            seq[0], seq[1] = (x.repeat_interleave(ratio, dim=1) for x in seq[:2])
         if not case.lens[b]:
             outs.append(seq[2])
             finals.append(init)

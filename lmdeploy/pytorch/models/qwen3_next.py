@@ -1,0 +1,336 @@
+"""Qwen3-Next (`Qwen3NextForCausalLM`) and the hybrid blocks it shares with Qwen3.5.
+
+A decoder layer mixes tokens with either gated DeltaNet (`linear_attention`, recurrent state in the state pool)
+or gated full attention (`full_attention`, KV in the KV pool), chosen by `config.layer_types`; then a dense SwiGLU
+MLP or a sparse MoE. All norms are zero-centred RMSNorm (scale 1 + w) except the DeltaNet output norm, a gated
+RMSNorm. Full attention has per-head q/k norm, partial rotary and a sigmoid output gate that `q_proj` emits next to
+the query (per head: [query, gate]).
+
+Internal weight layout (shared by every hybrid model here): the DeltaNet input projection is one matrix
+`in_proj_qkvz` with rows [q (all key heads), k, v (all value heads), z] and `in_proj_ba` with rows [b, a].
+Qwen3-Next checkpoints interleave those per key head; `Qwen3NextForCausalLM` reorders them at load time.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig, StateSpec
+from ..model_inputs import StepContext
+from ..nn.activation import SiluAndMul
+from ..nn.attention import PagedAttention
+from ..nn.gated_delta import CausalConv1d, GatedDeltaRule, gated_delta_gating
+from ..nn.linear import Embedding, Linear
+from ..nn.moe import FusedExperts, SparseMoeBlock
+from ..nn.norm import GatedRMSNorm, RMSNorm
+from ..nn.rotary import RotaryEmbedding
+from .weight_loading import StackedMapping, copy_param, copy_shard
+
+LINEAR_ATTENTION = 'linear_attention'
+FULL_ATTENTION = 'full_attention'
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, 'head_dim', None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def layer_types_of(cfg) -> list[str]:
+    """`config.layer_types`, or the classic pattern of one full-attention layer every `full_attention_interval`."""
+    types = getattr(cfg, 'layer_types', None)
+    if not types:
+        interval = getattr(cfg, 'full_attention_interval', 4)
+        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                 for i in range(cfg.num_hidden_layers)]
+    types = list(types)[:cfg.num_hidden_layers]
+    unknown = set(types) - {LINEAR_ATTENTION, FULL_ATTENTION}
+    if unknown:
+        raise NotImplementedError(f'layer types {sorted(unknown)} are not supported')
+    return types
+
+
+class MergedLinear(Linear):
+    """A linear layer whose output rows concatenate several checkpoint projections (`shard_sizes`, in order)."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False):
+        super().__init__(in_features, sum(shard_sizes), bias)
+        self.shard_sizes = list(shard_sizes)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with a fused gate/up projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class GatedAttention(nn.Module):
+    """GQA full attention with zero-centred q/k norm, partial rotary and a sigmoid output gate."""
+
+    def __init__(self, cfg, cache_index: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        bias = getattr(cfg, 'attention_bias', False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q_proj emits [query, gate] per head, hence twice the query width.
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [2 * q_size, kv_size, kv_size], bias=bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
+        q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = rotary(q, k, cos_sin)
+        out = self.attn(q, k, v, ctx) * torch.sigmoid(gate)
+        return self.o_proj(out.flatten(-2))
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer; `state_index` is this layer's position in `ModelConfig.recurrent_layer_ids`."""
+
+    def __init__(self, cfg, state_index: int):
+        super().__init__()
+        self.state_index = state_index
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f'linear_num_value_heads ({self.num_v_heads}) must be a multiple of '
+                             f'linear_num_key_heads ({self.num_k_heads})')
+        key_dim = self.num_k_heads * self.head_k_dim
+        value_dim = self.num_v_heads * self.head_v_dim
+        self.qkv_sizes = [key_dim, key_dim, value_dim]
+        self.conv_dim = 2 * key_dim + value_dim
+        activation = getattr(cfg, 'hidden_act', 'silu')
+        if activation != 'silu':
+            raise NotImplementedError(f'gated DeltaNet conv activation {activation!r} is not supported')
+        self.in_proj_qkvz = MergedLinear(cfg.hidden_size, [self.conv_dim, value_dim])
+        self.in_proj_ba = MergedLinear(cfg.hidden_size, [self.num_v_heads, self.num_v_heads])
+        self.conv1d = CausalConv1d(self.conv_dim, cfg.linear_conv_kernel_dim, bias=False, activation='silu')
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.gated_delta_rule = GatedDeltaRule(use_qk_l2norm=True)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(value_dim, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        states = ctx.state_caches[self.state_index]
+        mixed_qkv, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.shard_sizes, dim=-1)
+        b, a = self.in_proj_ba(x).split(self.in_proj_ba.shard_sizes, dim=-1)
+        mixed_qkv = self.conv1d(mixed_qkv, states['conv'], ctx.inputs)
+        q, k, v = mixed_qkv.split(self.qkv_sizes, dim=-1)
+        q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        g, beta = gated_delta_gating(a, b, self.A_log, self.dt_bias)
+        out = self.gated_delta_rule(q, k, v, g, beta, states['recurrent'], ctx.inputs)
+        out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+        return self.out_proj(out.flatten(-2))
+
+
+class HybridDecoderLayer(nn.Module):
+
+    def __init__(self, cfg, layer_type: str, cache_index: int, mlp: nn.Module):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(cfg, cache_index)
+        else:
+            self.self_attn = GatedAttention(cfg, cache_index)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == LINEAR_ATTENTION:
+            h = self.linear_attn(h, ctx)
+        else:
+            h = self.self_attn(h, rotary, cos_sin, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    """Embedding, decoder layers and final norm; `make_mlp(layer_id)` builds each layer's MLP."""
+
+    def __init__(self, cfg, make_mlp: Callable[[int], nn.Module]):
+        super().__init__()
+        self.layer_types = layer_types_of(cfg)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Attention layers index the KV pool, DeltaNet layers the state pool, each by its rank among its kind.
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, kind, self.layer_types[:i].count(kind), make_mlp(i))
+            for i, kind in enumerate(self.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg))
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        x = self.embed_tokens(ctx.inputs.input_ids)
+        cos_sin = self.rotary_emb.cos_sin(ctx.inputs.position_ids)
+        for layer in self.layers:
+            x = layer(x, self.rotary_emb, cos_sin, ctx)
+        return self.norm(x)
+
+
+class HybridForCausalLM(nn.Module):
+    """Shared causal-LM wrapper of the hybrid models; subclasses choose the MLPs and map checkpoint names."""
+
+    stacked_params: StackedMapping = [
+        ('qkv_proj', 'q_proj', 0), ('qkv_proj', 'k_proj', 1), ('qkv_proj', 'v_proj', 2),
+        ('gate_up_proj', 'gate_proj', 0), ('gate_up_proj', 'up_proj', 1)]
+
+    def __init__(self, hf_config):
+        super().__init__()
+        self.config = cfg = self.text_config_of(hf_config)
+        self.model = HybridModel(cfg, self.make_mlp)
+        tie = getattr(hf_config, 'tie_word_embeddings', None)  # the top-level config decides for VL checkpoints
+        self.tie_word_embeddings = bool(getattr(cfg, 'tie_word_embeddings', False) if tie is None else tie)
+        self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    @staticmethod
+    def text_config_of(hf_config):
+        return getattr(hf_config, 'text_config', None) or hf_config
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size)
+
+    @classmethod
+    def build_model_config(cls, hf_config, dtype: str, state_dtype: str = 'float32') -> ModelConfig:
+        cfg = cls.text_config_of(hf_config)
+        types = layer_types_of(cfg)
+        linear = tuple(i for i, kind in enumerate(types) if kind == LINEAR_ATTENTION)
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim \
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        specs = (StateSpec('conv', (conv_dim, cfg.linear_conv_kernel_dim - 1), dtype),
+                 StateSpec('recurrent', (cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                         cfg.linear_value_head_dim), state_dtype)) if linear else ()
+        full = tuple(i for i, kind in enumerate(types) if kind == FULL_ATTENTION)
+        return ModelConfig(
+            architecture=cls.__name__, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+            vocab_size=cfg.vocab_size, attn_layer_ids=full,
+            num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim_of(cfg), dtype=dtype,
+            max_position_embeddings=getattr(cfg, 'max_position_embeddings', 32768),
+            recurrent_layer_ids=linear, state_specs=specs)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def rename_weight(self, name: str) -> str | None:
+        """Checkpoint name -> model name, or None to drop it (multi-token-prediction heads, tied lm_head)."""
+        if name.startswith('mtp.') or (self.tie_word_embeddings and name.startswith('lm_head.')):
+            return None
+        return name
+
+    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Hook for checkpoint tensors whose layout differs from ours (identity here)."""
+        return tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loaded = load_hybrid_weights(self, self._renamed(weights), self.stacked_params)
+        missing = set(dict(self.named_parameters())) - loaded
+        if missing:
+            raise ValueError(f'checkpoint is missing weights: {sorted(missing)[:8]}')
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            name = self.rename_weight(name)
+            if name is not None:
+                yield name, self.convert_weight(name, tensor)
+
+
+def load_hybrid_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                        stacked: StackedMapping) -> set[str]:
+    """Copy checkpoint tensors into `model`; returns the names of the parameters written.
+
+    Three routes: expert weights go to their `FusedExperts` (per-expert or fused keys); shards of a stacked
+    projection go into the `MergedLinear` that owns them (shard sizes come from that layer); the rest copy 1:1.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        prefix, sep, key = name.partition('.experts.')
+        if sep and isinstance(modules.get(prefix + '.experts'), FusedExperts):
+            written = modules[prefix + '.experts'].load_weight(key, tensor)
+            loaded.update(f'{prefix}.experts.{p}' for p in written)
+            continue
+        for fused, part, index in stacked:
+            suffix = next((s for s in ('weight', 'bias') if name.endswith(f'.{part}.{s}')), None)
+            if suffix is None:
+                continue
+            target = name[:-len(f'{part}.{suffix}')] + f'{fused}.{suffix}'
+            owner = modules.get(target.rsplit('.', 1)[0])
+            if target in params and isinstance(owner, MergedLinear):
+                copy_shard(params[target], tensor, owner.shard_sizes, index, name)
+                loaded.add(target)
+                break
+        else:
+            if name not in params:
+                raise ValueError(f'unexpected checkpoint weight {name!r}')
+            copy_param(params[name], tensor, name)
+            loaded.add(name)
+    return loaded
+
+
+# ---- Qwen3-Next ---------------------------------------------------------------------------------------------------
+def interleaved_qkvz_to_blocked(weight: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int,
+                                head_v_dim: int) -> torch.Tensor:
+    """Qwen3-Next `in_proj_qkvz` rows, grouped per key head as [q, k, v (r heads), z (r heads)] with
+    r = num_v_heads / num_k_heads, -> rows [q all, k all, v all, z all] (value head order kept)."""
+    r = num_v_heads // num_k_heads
+    grouped = weight.reshape(num_k_heads, 2 * head_k_dim + 2 * r * head_v_dim, -1)
+    parts = grouped.split([head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim], dim=1)
+    return torch.cat([p.reshape(-1, weight.size(-1)) for p in parts])
+
+
+def interleaved_ba_to_blocked(weight: torch.Tensor, num_k_heads: int, num_v_heads: int) -> torch.Tensor:
+    """Qwen3-Next `in_proj_ba` rows, grouped per key head as [b (r heads), a (r heads)] -> rows [b all, a all]."""
+    r = num_v_heads // num_k_heads
+    b, a = weight.reshape(num_k_heads, 2 * r, -1).split([r, r], dim=1)
+    return torch.cat([b.reshape(-1, weight.size(-1)), a.reshape(-1, weight.size(-1))])
+
+
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    """Qwen3-Next: sparse MoE (softmax top-k + gated shared expert) except in `mlp_only_layers`, and layers
+    skipped by `decoder_sparse_step`, which use a dense MLP."""
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        cfg = self.config
+        dense_layers = getattr(cfg, 'mlp_only_layers', None) or []
+        is_sparse = (getattr(cfg, 'num_experts', 0) > 0 and layer_id not in dense_layers
+                     and (layer_id + 1) % getattr(cfg, 'decoder_sparse_step', 1) == 0)
+        if not is_sparse:
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                              norm_topk_prob=getattr(cfg, 'norm_topk_prob', True),
+                              shared_expert=GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size))
+
+    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if name.endswith('linear_attn.in_proj_qkvz.weight'):
+            return interleaved_qkvz_to_blocked(tensor, cfg.linear_num_key_heads, cfg.linear_key_head_dim,
+                                               cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        if name.endswith('linear_attn.in_proj_ba.weight'):
+            return interleaved_ba_to_blocked(tensor, cfg.linear_num_key_heads, cfg.linear_num_value_heads)
+        return tensor

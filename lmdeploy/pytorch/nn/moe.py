@@ -1,0 +1,105 @@
+"""Sparse mixture-of-experts: softmax top-k router, SwiGLU experts as stacked weights, optional gated shared expert.
+
+Expert weights are stacked like transformers' fused layout: `gate_up_proj` [E, 2I, H] (gate rows, then up rows)
+and `down_proj` [E, H, I]. Checkpoints with per-expert keys (`experts.{e}.gate_proj.weight` ...) load through
+`FusedExperts.load_weight`. The expert computation comes from the backend (`OpType.MoE`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..backends.base import OpType
+from ..backends.selector import current_backend
+from .linear import Linear
+
+
+class TopKRouter(nn.Module):
+    """Softmax over expert logits (float32), top-k, optionally renormalised to sum to one per token."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool = True):
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
+        logits = torch.nn.functional.linear(x, self.weight)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+
+class FusedExperts(nn.Module):
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self._impl = current_backend().build(OpType.MoE)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+    def load_weight(self, key: str, tensor: torch.Tensor) -> list[str]:
+        """Copy one checkpoint tensor addressed relative to this module; returns the parameter names written.
+
+        Accepts per-expert keys `{e}.gate_proj.weight`, `{e}.up_proj.weight`, `{e}.down_proj.weight` and the fused
+        `gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] (also stored transposed, as some exports do).
+        """
+        parts = key.split('.')
+        if key in ('gate_up_proj', 'down_proj'):
+            param = getattr(self, key)
+            if tensor.shape != param.shape and tensor.transpose(1, 2).shape == param.shape:
+                tensor = tensor.transpose(1, 2)
+            _copy(param.data, tensor, key)
+            return [key]
+        if len(parts) == 3 and parts[0].isdigit() and parts[2] == 'weight':
+            expert_id, proj = int(parts[0]), parts[1]
+            if not 0 <= expert_id < self.num_experts:
+                raise ValueError(f'expert weight {key!r}: expert id out of range [0, {self.num_experts})')
+            size = self.intermediate_size
+            if proj == 'gate_proj':
+                _copy(self.gate_up_proj.data[expert_id, :size], tensor, key)
+                return ['gate_up_proj']
+            if proj == 'up_proj':
+                _copy(self.gate_up_proj.data[expert_id, size:], tensor, key)
+                return ['gate_up_proj']
+            if proj == 'down_proj':
+                _copy(self.down_proj.data[expert_id], tensor, key)
+                return ['down_proj']
+        raise ValueError(f'unexpected expert weight {key!r}')
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if target.shape != tensor.shape:
+        raise ValueError(f'weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}')
+    target.copy_(tensor.to(target.dtype))
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts plus an optional shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+    Submodule names follow the Qwen-MoE checkpoints: `gate`, `experts`, `shared_expert`, `shared_expert_gate`.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool = True, shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        out = self.experts(x, *self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
