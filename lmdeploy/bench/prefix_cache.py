@@ -1,0 +1,326 @@
+"""`lmdeploy bench prefix-cache`: replay seeded traces against the engine with the prefix cache off, in 'aligned'
+and in 'exact' checkpoint mode, and report hit rate against a capacity-free oracle, TTFT, throughput, matching
+cost, checkpoint memory and why prompt tokens were missed.
+
+Per (workload, mode) a fresh pipeline is built, warmed up with one unrelated request, and the trace is driven in
+rounds: each round sends the next turn of up to `concurrency` active conversations at once (all submitted before
+any is awaited) and waits for all of them, so the submission order, and thus the oracle, is the same in every
+mode. Decoding is greedy with `ignore_eos` and a fixed `max_new_tokens`, so every mode must generate the same
+tokens; the report says whether it did. Engine internals are read only from the engine loop thread (inside
+output callbacks) or after the run.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..messages import GenerationConfig, PytorchEngineConfig
+from .oracle import RequestTiming, attribute_misses, oracle_hits
+from .report import RunResult, compare_outputs, format_table, format_verdicts, summary_json, write_outputs
+from .workloads import WORKLOADS, Workload, WorkloadSizing, build_workload, conversation_messages
+
+MODES = ('off', 'aligned', 'exact')
+DEMO_ARCH = 'qwen3_5'
+_CPU_NUM_BLOCKS = 4096  # the engine's CPU default allocates GiBs of zeros; the demo traces need far less
+_MIB = float(1 << 20)
+_REQUEST_TIMEOUT_S = 600.0  # a stuck engine fails the bench instead of hanging it
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--model', default=None, help=f'HF folder (default: the {DEMO_ARCH} hybrid demo model)')
+    parser.add_argument('--device', default=None, choices=['cpu', 'cuda'], help='default: cuda if available')
+    parser.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    parser.add_argument('--workload', default='multi_turn', choices=WORKLOADS + ('all',))
+    parser.add_argument('--mode', default='all', choices=MODES + ('all',), help='prefix cache: off/aligned/exact')
+    parser.add_argument('--requests', type=int, default=16, help='requests per workload')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--max-new-tokens', type=int, default=16)
+    parser.add_argument('--block-size', type=int, default=16, help='tokens per KV block (small so boundaries matter)')
+    parser.add_argument('--max-prefill-token-num', type=int, default=256, help='prefill chunk (token budget)')
+    parser.add_argument('--concurrency', type=int, default=4, help='conversations in flight at once')
+    parser.add_argument('--num-blocks', type=int, default=None,
+                        help=f'KV blocks (default: {_CPU_NUM_BLOCKS} on cpu, sized from memory on cuda)')
+    parser.add_argument('--max-batch-size', type=int, default=128)
+    parser.add_argument('--state-budget', type=int, default=0, help='extra state rows for checkpoints')
+    parser.add_argument('--decode-state-interval', type=int, default=0,
+                        help='decode checkpoints every N tokens (multiple of --block-size; 0 = off)')
+    parser.add_argument('--out', default=None, help='folder for report.md and hit_rate.png')
+    parser.add_argument('--json', action='store_true', help='print one JSON summary as the last stdout line')
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model_path: str
+    device: str
+    dtype: str
+    workloads: tuple[str, ...]
+    modes: tuple[str, ...]
+    num_requests: int
+    seed: int
+    max_new_tokens: int
+    block_size: int
+    max_prefill_token_num: int
+    concurrency: int
+    num_blocks: int
+    max_batch_size: int
+    state_budget: int
+    decode_state_interval: int
+
+    def __post_init__(self):
+        for name in ('num_requests', 'max_new_tokens', 'concurrency'):
+            if getattr(self, name) <= 0:
+                raise ValueError(f'{name} must be positive, got {getattr(self, name)}')
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
+        from ..demo_model import get_demo_model_path
+        device = args.device or ('cuda' if _has_cuda() else 'cpu')
+        num_blocks = args.num_blocks if args.num_blocks is not None else (_CPU_NUM_BLOCKS if device == 'cpu' else 0)
+        return cls(model_path=args.model or get_demo_model_path(DEMO_ARCH), device=device, dtype=args.dtype,
+                   workloads=WORKLOADS if args.workload == 'all' else (args.workload,),
+                   modes=MODES if args.mode == 'all' else (args.mode,), num_requests=args.requests, seed=args.seed,
+                   max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                   max_prefill_token_num=args.max_prefill_token_num, concurrency=args.concurrency,
+                   num_blocks=num_blocks, max_batch_size=args.max_batch_size, state_budget=args.state_budget,
+                   decode_state_interval=args.decode_state_interval)
+
+    def engine_config(self, mode: str) -> PytorchEngineConfig:
+        return PytorchEngineConfig(
+            device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=self.num_blocks,
+            max_batch_size=self.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
+            enable_prefix_caching=mode != 'off',
+            prefix_cache_checkpoint_mode='aligned' if mode == 'aligned' else 'exact',
+            prefix_cache_state_budget=self.state_budget, prefix_cache_decode_state_interval=self.decode_state_interval)
+
+    def header(self) -> list[str]:
+        return [f'model: `{self.model_path}`, device {self.device}, dtype {self.dtype}',
+                f'block size {self.block_size}, max prefill tokens {self.max_prefill_token_num}, KV blocks '
+                f'{self.num_blocks or "from memory"}, max batch {self.max_batch_size}, state budget '
+                f'{self.state_budget}, decode checkpoint interval {self.decode_state_interval}',
+                f'{self.num_requests} requests per workload, concurrency {self.concurrency}, seed {self.seed}, '
+                f'greedy, {self.max_new_tokens} new tokens per request (ignore_eos)']
+
+
+class EngineProbe:
+    """Engine internals the report needs: times `BlockTrie.match`, samples checkpoint memory, reads evictions.
+
+    `sample()` and `evictions()` run on the engine loop thread (from output callbacks), where the trie is stable.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.trie = engine.scheduler.trie
+        cache = engine.cache_engine
+        self.row_bytes = cache.state_pool.size(1) if cache.state_pool.size(0) else 0
+        self.block_bytes = cache.kv_pool_bytes // engine.cache_config.num_blocks
+        self.match_s = 0.0
+        self.match_calls = 0
+        self.peak_bytes = 0
+        self.eviction_base = 0
+        self.stats_base: dict = {}
+        # Checkpoints that existed before the trace (the warm-up's) are left out of the memory figures.
+        self._baseline: set = set()
+        if self.trie is not None:
+            self._wrap_match()
+
+    def _wrap_match(self) -> None:
+        original = self.trie.match
+
+        def timed_match(seq):
+            start = time.thread_time()
+            try:
+                return original(seq)
+            finally:
+                self.match_s += time.thread_time() - start
+                self.match_calls += 1
+
+        self.trie.match = timed_match  # shadows the method on this instance only
+
+    def reset(self) -> None:
+        """Start counting from here (after the warm-up; the engine must be idle)."""
+        self.match_s, self.match_calls, self.peak_bytes = 0.0, 0, 0
+        self.eviction_base = self._raw_evictions()
+        self.stats_base = dict(self.engine.stats)
+        self._baseline = set(self.live_checkpoints())
+
+    def live_checkpoints(self) -> list:
+        if self.trie is None or self.trie.checkpoints is None:
+            return []
+        return [ck for ck in self.trie.checkpoints.live() if ck not in self._baseline]
+
+    def checkpoint_bytes(self) -> int:
+        live = self.live_checkpoints()
+        return len(live) * self.row_bytes + sum(ck.frozen_block_id is not None for ck in live) * self.block_bytes
+
+    def sample(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.checkpoint_bytes())
+
+    def stat_delta(self, key: str) -> int:
+        """Growth of an engine counter since `reset()`."""
+        return self.engine.stats[key] - self.stats_base.get(key, 0)
+
+    def _raw_evictions(self) -> int:
+        stats = self.engine.stats
+        return stats['evicted_checkpoints'] + stats['evicted_blocks']
+
+    def evictions(self) -> int:
+        return self._raw_evictions() - self.eviction_base
+
+
+class _Flight:
+    """One submitted request; `on_output` runs on the engine loop thread."""
+
+    def __init__(self, probe: EngineProbe):
+        self.probe = probe
+        self.token_ids: list[int] = []
+        self.submit_s = self.first_token_s = self.finish_s = 0.0
+        self.evictions_at_first_token = 0
+        self.cached_tokens = 0
+        self.error: str | None = None
+        self.done = threading.Event()
+
+    def on_output(self, out) -> None:
+        now = time.perf_counter()
+        if not self.first_token_s and (out.new_token_ids or out.finished):
+            self.first_token_s = now
+            self.evictions_at_first_token = self.probe.evictions()
+        self.token_ids += out.new_token_ids
+        self.cached_tokens = out.num_cached
+        if out.finished:
+            self.probe.sample()
+            self.finish_s, self.error = now, out.error
+            self.done.set()
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    conv_id: int
+    turn: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    cached_tokens: int
+    timing: RequestTiming
+    finish_s: float
+
+
+def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, probe: EngineProbe
+          ) -> list[RequestRecord]:
+    """Run the trace in rounds (see the module docstring); records come back in submission order."""
+    engine, tokenizer = pipe.async_engine, pipe.tokenizer
+    pending, active, records = deque(workload.conversations), [], []
+    while pending or active:
+        while pending and len(active) < concurrency:
+            active.append((pending.popleft(), []))
+        batch = [(conv, replies, engine.prepare(conversation_messages(conv, len(replies), replies), gen))
+                 for conv, replies in active]
+        flights = []
+        for _, _, request in batch:
+            flight = _Flight(probe)
+            flight.submit_s = time.perf_counter()
+            engine.submit(request, flight.on_output)
+            flights.append(flight)
+        for (conv, replies, request), flight in zip(batch, flights):
+            if not flight.done.wait(_REQUEST_TIMEOUT_S):
+                raise RuntimeError(f'{workload.name} conversation {conv.conv_id}: no result in {_REQUEST_TIMEOUT_S} s')
+            if flight.error:
+                raise RuntimeError(f'{workload.name} conversation {conv.conv_id}: {flight.error}')
+            records.append(RequestRecord(conv.conv_id, len(replies), request.input_ids, flight.token_ids,
+                                         flight.cached_tokens, RequestTiming(flight.submit_s, flight.first_token_s,
+                                                                             flight.evictions_at_first_token),
+                                         flight.finish_s))
+            replies.append(tokenizer.decode(flight.token_ids))
+        active = [(conv, replies) for conv, replies in active if len(replies) < len(conv.user_turns)]
+    return records
+
+
+def _outputs_digest(records: list[RequestRecord]) -> str:
+    keyed = sorted((r.conv_id, r.turn, r.output_ids) for r in records)
+    return hashlib.sha1(json.dumps(keyed).encode()).hexdigest()[:12]
+
+
+def summarize(workload: str, mode: str, records: list[RequestRecord], probe: EngineProbe) -> RunResult:
+    prompt_lens = [len(r.prompt_ids) for r in records]
+    cached = [r.cached_tokens for r in records]
+    hits = oracle_hits([r.prompt_ids for r in records], [r.output_ids for r in records])
+    stats = probe.engine.stats
+    engine_reasons = stats.get('miss_reasons')
+    reasons = dict(engine_reasons) if engine_reasons else attribute_misses(
+        prompt_lens, cached, hits, [r.timing for r in records], is_cache_enabled=probe.trie is not None)
+    ttft_ms = np.array([(r.timing.first_token_s - r.timing.submit_s) * 1000 for r in records])
+    wall = max(r.finish_s for r in records) - min(r.timing.submit_s for r in records)
+    generated = sum(len(r.output_ids) for r in records)
+    total = sum(prompt_lens)
+    return RunResult(
+        workload=workload, mode=mode, num_requests=len(records), prompt_tokens=total, cached_tokens=sum(cached),
+        generated_tokens=generated, hit_rate=sum(cached) / total,
+        oracle_hit_rate=sum(h.num_tokens for h in hits) / total,
+        ttft_p50_ms=float(np.percentile(ttft_ms, 50)), ttft_p95_ms=float(np.percentile(ttft_ms, 95)),
+        throughput_tok_s=generated / wall if wall > 0 else 0.0, wall_s=wall,
+        match_ms_per_request=probe.match_s * 1000 / len(records), match_calls=probe.match_calls,
+        checkpoint_mib_peak=probe.peak_bytes / _MIB, checkpoint_mib_final=probe.checkpoint_bytes() / _MIB,
+        live_checkpoints=len(probe.live_checkpoints()), checkpoints_saved=probe.stat_delta('checkpoints_saved'),
+        evicted_checkpoints=probe.stat_delta('evicted_checkpoints'), evicted_blocks=probe.stat_delta('evicted_blocks'),
+        miss_reasons=reasons, miss_reasons_source='engine' if engine_reasons else 'bench',
+        outputs_digest=_outputs_digest(records))
+
+
+def _warm_up(pipe) -> None:
+    """One short request without the chat template, so it shares no prefix with the (templated) traces."""
+    ids = pipe.tokenizer.encode('warm up the kernels before timing anything', add_special_tokens=False)
+    pipe(ids, GenerationConfig(max_new_tokens=2, ignore_eos=True), do_preprocess=False)
+
+
+def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workload | None
+             ) -> tuple[RunResult, Workload]:
+    """One (workload, mode) run on a fresh engine; builds the workload on first use (it needs the tokenizer)."""
+    from ..serve.pipeline import pipeline
+    gen = GenerationConfig(max_new_tokens=config.max_new_tokens, ignore_eos=True)
+    with pipeline(config.model_path, config.engine_config(mode)) as pipe:
+        if workload is None:
+            sizing = WorkloadSizing(config.max_prefill_token_num,
+                                    pipe.session_len - 3 * config.max_new_tokens - 64)
+            workload = build_workload(workload_name, config.num_requests, config.seed, sizing,
+                                      lambda text: len(pipe.tokenizer.encode(text, add_special_tokens=False)))
+        probe = EngineProbe(pipe.engine)
+        _warm_up(pipe)
+        probe.reset()
+        records = drive(pipe, workload, gen, config.concurrency, probe)
+        return summarize(workload_name, mode, records, probe), workload
+
+
+def run_bench(config: BenchConfig, log=sys.stderr) -> list[RunResult]:
+    results = []
+    for name in config.workloads:
+        workload = None
+        for mode in config.modes:
+            result, workload = run_mode(config, name, mode, workload)
+            print(f'[bench] {name}/{mode}: hit rate {result.hit_rate:.3f} (oracle {result.oracle_hit_rate:.3f}), '
+                  f'TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.wall_s:.1f} s', file=log, flush=True)
+            results.append(result)
+    return compare_outputs(results)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    config = BenchConfig.from_args(args)
+    results = run_bench(config)
+    print(format_table(results))
+    print(format_verdicts(results))
+    if args.out:
+        md, png = write_outputs(results, args.out, config.header())
+        print(f'wrote {md} and {png}')
+    if args.json:
+        print(json.dumps(summary_json(results)), flush=True)
+    return 0

@@ -1,0 +1,168 @@
+"""Results of the prefix-cache benchmark: one `RunResult` per (workload, mode), rendered as a markdown table, a
+hit-rate plot and a JSON summary. Pure formatting: nothing here touches the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .oracle import MISS_REASONS
+
+# Keys every JSON summary carries at top level (for the last run) and in each entry of `runs`.
+SUMMARY_KEYS = ('hit_rate', 'oracle_hit_rate', 'ttft_p50_ms', 'ttft_p95_ms', 'throughput_tok_s',
+                'match_ms_per_request')
+
+
+@dataclass(frozen=True)
+class RunResult:
+    workload: str
+    mode: str
+    num_requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    # Sum of cached tokens / sum of prompt tokens, and the capacity-free oracle's.
+    hit_rate: float
+    oracle_hit_rate: float
+    # Submit -> first streamed token.
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    # Generated tokens / wall time of the whole trace.
+    throughput_tok_s: float
+    wall_s: float
+    # CPU time inside BlockTrie.match (every call, admission retries included) per request.
+    match_ms_per_request: float
+    match_calls: int
+    # State slots + frozen partial blocks held by checkpoints: peak (sampled at each request end) and at the end.
+    checkpoint_mib_peak: float
+    checkpoint_mib_final: float
+    live_checkpoints: int
+    checkpoints_saved: int
+    evicted_checkpoints: int
+    evicted_blocks: int
+    # Missed prompt tokens by reason (see `oracle.py`); `miss_reasons_source` is 'bench' or 'engine'.
+    miss_reasons: dict[str, int] = field(default_factory=dict)
+    miss_reasons_source: str = 'bench'
+    # Digest of every request's generated token ids keyed by (conversation, turn).
+    outputs_digest: str = ''
+    # Same digest as the first mode of this workload (None until compared, or when it ran alone).
+    outputs_match: bool | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def compare_outputs(results: Sequence[RunResult]) -> list[RunResult]:
+    """Mark each run with whether its outputs equal those of the first run of the same workload."""
+    reference: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for r in results:
+        reference.setdefault(r.workload, r.outputs_digest)
+        counts[r.workload] = counts.get(r.workload, 0) + 1
+    return [dataclasses.replace(r, outputs_match=(r.outputs_digest == reference[r.workload])
+                                if counts[r.workload] > 1 else None) for r in results]
+
+
+def outputs_verdicts(results: Sequence[RunResult]) -> dict[str, bool | None]:
+    """Per workload: True when all modes generated identical tokens (None when only one mode ran)."""
+    verdicts: dict[str, bool | None] = {}
+    for r in results:
+        if r.outputs_match is None:
+            verdicts.setdefault(r.workload, None)
+        else:
+            verdicts[r.workload] = bool(verdicts.get(r.workload, True)) and r.outputs_match
+    return verdicts
+
+
+_COLUMNS = ('workload', 'mode', 'reqs', 'prompt tok', 'hit rate', 'oracle', 'TTFT p50 ms', 'TTFT p95 ms', 'tok/s',
+            'match ms/req', 'ckpt MiB peak', 'ckpts', 'evicted ck/blk') + tuple(f'miss {r}' for r in MISS_REASONS) \
+    + ('same output',)
+
+
+def _row(r: RunResult) -> list[str]:
+    match = {None: '-', True: 'yes', False: 'NO'}[r.outputs_match]
+    misses = [str(r.miss_reasons.get(k, 0)) for k in MISS_REASONS]
+    return [r.workload, r.mode, str(r.num_requests), str(r.prompt_tokens), f'{r.hit_rate:.3f}',
+            f'{r.oracle_hit_rate:.3f}', f'{r.ttft_p50_ms:.1f}', f'{r.ttft_p95_ms:.1f}', f'{r.throughput_tok_s:.1f}',
+            f'{r.match_ms_per_request:.3f}', f'{r.checkpoint_mib_peak:.2f}', str(r.live_checkpoints),
+            f'{r.evicted_checkpoints}/{r.evicted_blocks}', *misses, match]
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    lines = ['| ' + ' | '.join(_COLUMNS) + ' |', '|' + '---|' * len(_COLUMNS)]
+    lines += ['| ' + ' | '.join(_row(r)) + ' |' for r in results]
+    return '\n'.join(lines)
+
+
+def format_verdicts(results: Sequence[RunResult]) -> str:
+    words = {None: 'only one mode ran', True: 'identical across modes', False: 'DIFFER between modes'}
+    return '\n'.join(f'- outputs of {w}: {words[v]}' for w, v in outputs_verdicts(results).items())
+
+
+_NOTES = """\
+Columns: `hit rate` = cached prompt tokens / prompt tokens; `oracle` = the same for a capacity-free cache that can
+resume at any token of any earlier request's prompt + output (an upper bound); TTFT = submit to first streamed
+token; `tok/s` = generated tokens / wall time; `match ms/req` = CPU time in `BlockTrie.match` per request;
+`ckpt MiB peak` = state rows + frozen partial blocks held by checkpoints (peak over request ends); `ckpts` = live
+checkpoints at the end; `miss *` = missed prompt tokens by reason (novel: never seen before; no_checkpoint: seen,
+but no state checkpoint at a usable step; in_flight: its source was still prefilling; evicted / capacity: see
+`lmdeploy/bench/oracle.py`); `same output` = generated tokens equal those of the first mode of the workload."""
+
+
+def write_markdown(results: Sequence[RunResult], path: str, header: Sequence[str]) -> None:
+    with open(path, 'w') as f:
+        f.write('# Prefix-cache benchmark\n\n')
+        f.writelines(f'- {line}\n' for line in header)
+        f.write('\n' + format_table(results) + '\n\n' + format_verdicts(results) + '\n\n' + _NOTES + '\n')
+
+
+def plot_hit_rates(results: Sequence[RunResult], path: str) -> None:
+    """Grouped bars: hit rate per workload for each mode, with the oracle as a black tick per workload."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    modes = list(dict.fromkeys(r.mode for r in results))
+    width = 0.8 / max(1, len(modes))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(workloads) + 2), 4.0))
+    for m, mode in enumerate(modes):
+        xs, ys = [], []
+        for w, workload in enumerate(workloads):
+            run = next((r for r in results if r.workload == workload and r.mode == mode), None)
+            if run is not None:
+                xs.append(w - 0.4 + width * (m + 0.5))
+                ys.append(run.hit_rate)
+        bars = ax.bar(xs, ys, width, label=mode)
+        ax.bar_label(bars, labels=[f'{y:.2f}' for y in ys], fontsize='x-small', padding=1)
+    for w, workload in enumerate(workloads):
+        oracle = max(r.oracle_hit_rate for r in results if r.workload == workload)
+        ax.hlines(oracle, w - 0.45, w + 0.45, colors='black', linewidth=2, label='oracle' if w == 0 else None)
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylim(0, 1.2)
+    ax.set_ylabel('token hit rate')
+    ax.set_title('Prefix-cache hit rate by workload and checkpoint mode')
+    ax.legend(loc='upper center', ncol=len(modes) + 1, fontsize='small')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(results: Sequence[RunResult], out_dir: str, header: Sequence[str]) -> tuple[str, str]:
+    """Write `report.md` and `hit_rate.png` into `out_dir`; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    md, png = os.path.join(out_dir, 'report.md'), os.path.join(out_dir, 'hit_rate.png')
+    write_markdown(results, md, header)
+    plot_hit_rates(results, png)
+    return md, png
+
+
+def summary_json(results: Sequence[RunResult]) -> dict:
+    """The last run's summary keys at top level, every run under `runs`, per-workload output verdicts."""
+    last = results[-1].to_json()
+    summary = {key: last[key] for key in SUMMARY_KEYS}
+    summary.update(workload=last['workload'], mode=last['mode'], outputs_match=outputs_verdicts(results),
+                   runs=[r.to_json() for r in results])
+    return summary
