@@ -13,14 +13,18 @@ from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
+from .device_streams import DeviceStreams
 
 
 class ForwardOutput:
-    __slots__ = ('next_token_ids', 'logprobs')
+    __slots__ = ('next_token_ids', 'logprobs', 'logits')
 
-    def __init__(self, next_token_ids: list[int], logprobs: list[dict[int, float]] | None):
+    def __init__(self, next_token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                 logits: torch.Tensor | None = None):
         self.next_token_ids = next_token_ids
         self.logprobs = logprobs
+        # Logits of the sampled rows (float32, on the device), for callers that keep them.
+        self.logits = logits
 
 
 class ModelAgent:
@@ -30,6 +34,7 @@ class ModelAgent:
         self.cache_engine = cache_engine
         self.device = device
         self._sample = backend.build(OpType.Sampling)
+        self.streams = DeviceStreams(device)
 
     def _context(self, inputs: ModelInputs) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,
@@ -62,20 +67,36 @@ class ModelAgent:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, sampling: SamplingInputs,
                 cache_inputs: CacheCheckpointInputs | None = None) -> ForwardOutput:
-        inputs = inputs.to(self.device)
-        sampling = sampling.to(self.device)
-        cache_inputs = cache_inputs.to(self.device) if cache_inputs is not None else None
-        hidden = self.run_model(inputs, cache_inputs)
-        if inputs.logits_indices.numel() == 0:
-            return ForwardOutput([], None)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        next_ids, logprobs = self._sample(logits, sampling)
-        return ForwardOutput(next_ids.tolist(), logprobs)
+        inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
+        with self.streams.forward():
+            hidden = self.run_model(inputs, cache_inputs)
+            if inputs.logits_indices.numel() == 0:
+                return ForwardOutput([], None)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            next_ids, logprobs = self._sample(logits, sampling)
+            return ForwardOutput(next_ids.tolist(), logprobs, logits)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> ForwardOutput:
+        """Sample from logits kept from an earlier forward (no model run)."""
+        (sampling,) = self.streams.to_device(sampling)
+        with self.streams.forward():
+            logits = logits.to(self.device, dtype=torch.float32)
+            next_ids, logprobs = self._sample(logits, sampling)
+            return ForwardOutput(next_ids.tolist(), logprobs, logits)
+
+    @torch.inference_mode()
+    def copy_only(self, cache_inputs: CacheCheckpointInputs) -> None:
+        """Queue cache copies outside a forward (e.g. saving a finished request's reply checkpoint)."""
+        (cache_inputs,) = self.streams.to_device(cache_inputs)
+        with self.streams.forward():
+            self.restore(cache_inputs)
+            self.save(cache_inputs)
 
     @torch.inference_mode()
     def forward_logits(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None = None
                        ) -> torch.Tensor:
         """Logits of every fed token (teacher forcing, for tests and scoring); caches are updated as usual."""
-        inputs = inputs.to(self.device)
-        cache_inputs = cache_inputs.to(self.device) if cache_inputs is not None else None
-        return self.model.compute_logits(self.run_model(inputs, cache_inputs))
+        inputs, cache_inputs = self.streams.to_device(inputs, cache_inputs)
+        with self.streams.forward():
+            return self.model.compute_logits(self.run_model(inputs, cache_inputs))
