@@ -2,9 +2,14 @@
 `default` backend op by op."""
 from __future__ import annotations
 
+from ...kernels.cuda import causal_conv1d as _conv
+from ...kernels.cuda import gated_delta_rule as _gdr
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
+from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
+from ...kernels.cuda.rms_norm import gated_rms_norm, rms_norm
+from ...kernels.cuda.rotary import apply_rotary
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
 
@@ -25,9 +30,41 @@ def _build_attention(**_kwargs):
     return forward
 
 
+def _fla_available() -> bool:
+    try:
+        import fla  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _build_gated_delta_rule(**kwargs):
+    if not _fla_available():  # fla-core is the `cuda` extra; without it the torch kernels still run on the GPU
+        return DEFAULT_BACKEND.build(OpType.GatedDeltaRule, **kwargs)
+
+    def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
+        kernel = _gdr.recurrent_gated_delta_rule if inputs.is_decode else _gdr.chunk_gated_delta_rule
+        return kernel(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
+                      use_qk_l2norm=use_qk_l2norm)
+    return forward
+
+
+def _build_causal_conv1d(**_kwargs):
+    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
+        return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
+                                   inputs.cu_seqlens_q, activation=activation)
+    return forward
+
+
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.CacheBlockCopy: _const(copy_packed_cache),
+    OpType.RMSNorm: _const(rms_norm),
+    OpType.GatedRMSNorm: _const(gated_rms_norm),
+    OpType.ApplyRotary: _const(apply_rotary),
+    OpType.CausalConv1d: _build_causal_conv1d,
+    OpType.GatedDeltaRule: _build_gated_delta_rule,
+    OpType.MoE: _const(fused_moe),
 }
 
 BACKEND = Backend('cuda', _BUILDERS, parent=DEFAULT_BACKEND)

@@ -1,0 +1,781 @@
+"""The lmdeploy engine against Hugging Face transformers on a Qwen3-Next-shaped model with random bf16 weights.
+
+The checkpoint (~3.5B parameters, 6.9 GB in bf16: 12 layers, 3 gated-DeltaNet : 1 full-attention, 64 experts,
+top-10) is built once with transformers directly on the GPU and saved to `--model-dir` (reused when its config
+matches). Prompts are random token ids; both systems see the same prompts (seeded); decoding is greedy with exactly
+`--decode-new-tokens` tokens.
+
+Measured in one process. The transformers model (built for the checkpoint, or loaded with AutoModelForCausalLM)
+stays resident next to one engine at a time: the engine sizes its KV pool as `cache_max_entry_count=0.3` of the
+memory left, which leaves room for transformers' activations. Measurements run in pairs (engine, then transformers,
+same prompts), so a `--time-budget` or an outer timeout cuts whole comparisons, not one system. Order: phase 1 an
+engine with prefix caching off (decode, cold TTFT); it is deleted and the CUDA cache emptied; phase 2 an engine with
+prefix caching on (cold TTFT, cached-prefix TTFT). Rows:
+  - cold TTFT of 1K / 4K / 16K-token prompts: engine with prefix caching off and on (target: on within 5% of off),
+    transformers one forward (`use_cache=True`, `logits_to_keep=1`) + argmax;
+  - TTFT of a 100-token suffix after a cached, non-block-aligned prefix of 924 / 3996 / 16284 tokens: the engine
+    (prefix caching on) first runs the prefix (max_new_tokens=1), then prefix+suffix is timed; transformers runs the
+    prefix with `use_cache=True` (untimed) and times only the suffix forward on that cache. Hybrid caches are
+    mutated in place, so each repetition uses a fresh prefix run (target: engine >= 3x faster);
+  - decode tokens/s at batch 1 / 16 / 64 with 512-token prompts and 128 new tokens: 'overall' = B*new / total
+    time; 'decode' = tokens generated after every request's first token / the time after the last first token
+    (engine: timestamped per token; transformers: B*(new-1) / (generate time - a separately timed prefill forward)).
+    Targets: engine >= 10x transformers at batch 1, >= 5x at batch 64.
+
+Each path is warmed up with a small prompt and, per size, one untimed repetition, so compilation and Triton
+autotuning are excluded; timings are wall-clock with `torch.cuda.synchronize()` around them, median of `--reps`.
+Every measurement runs in its own try/except: a failure is printed and reported as `n/a`, and the rest continue.
+The markdown report is (re)written to `--out` after every measurement, so a timeout still leaves partial results.
+
+    python benchmark/bench_vs_transformers.py [--out report.md] [--model-dir /tmp/qwen3next_bench]
+    python benchmark/bench_vs_transformers.py --smoke      # tiny float32 model on the CPU: checks the logic only
+
+Prints progress, a markdown table and, last, one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+LINEAR, FULL = 'linear_attention', 'full_attention'
+
+# Qwen3-Next-shaped, ~3.46B parameters (6.9 GB in bf16).
+FULL_CONFIG = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=12,
+    layer_types=[LINEAR, LINEAR, LINEAR, FULL] * 3, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=10, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={'rope_type': 'default', 'rope_theta': 10000000.0, 'partial_rotary_factor': 0.25},
+    bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
+)
+SMOKE_CONFIG = dict(
+    FULL_CONFIG, vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    layer_types=[LINEAR, LINEAR, LINEAR, FULL], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    max_position_embeddings=4096, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=1,
+)
+# keys compared to decide whether an existing --model-dir can be reused
+_REUSE_KEYS = ('vocab_size', 'hidden_size', 'num_hidden_layers', 'layer_types', 'num_attention_heads',
+               'num_key_value_heads', 'head_dim', 'linear_num_key_heads', 'linear_num_value_heads',
+               'linear_key_head_dim', 'linear_value_head_dim', 'num_experts', 'num_experts_per_tok',
+               'moe_intermediate_size', 'shared_expert_intermediate_size')
+
+TARGET_DECODE = {1: 10.0, 64: 5.0}  # engine / transformers decode tok/s
+TARGET_SUFFIX = 3.0  # transformers / engine suffix TTFT
+TARGET_PC_OVERHEAD = 1.05  # engine cold TTFT, prefix caching on / off
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------------
+class Bench:
+    """Device helpers, the results dict and the incremental report."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.device = args.device
+        self.results: dict[str, dict] = {}
+        self.env: dict = {}
+        self.t_start = time.perf_counter()
+
+    def sync(self) -> None:
+        if self.device == 'cuda':
+            torch.cuda.synchronize()
+
+    def free(self) -> None:
+        gc.collect()
+        if self.device == 'cuda':
+            torch.cuda.empty_cache()
+
+    def log(self, msg: str) -> None:
+        print(f'[bench {time.perf_counter() - self.t_start:7.1f}s] {msg}', flush=True)
+
+    def over_budget(self) -> bool:
+        budget = self.args.time_budget
+        return budget > 0 and time.perf_counter() - self.t_start > budget
+
+    def skip_all(self, keys: list[str]) -> None:
+        for key in keys:
+            self.results.setdefault(key, {'skipped': f'time budget ({self.args.time_budget:.0f}s) spent'})
+        self.log(f'time budget spent: skipping {", ".join(keys)}')
+        self.write_report()
+
+    def measure(self, key: str, fn: Callable[[], dict]) -> dict | None:
+        """Run one measurement; a failure is printed and recorded, never raised."""
+        if self.over_budget():
+            self.skip_all([key])
+            return None
+        try:
+            res = fn()
+            self.results[key] = res
+            self.log(f'{key}: {_brief(res)}')
+            return res
+        except Exception as exc:  # noqa: BLE001 - every measurement is independent
+            traceback.print_exc()
+            self.results[key] = {'error': f'{type(exc).__name__}: {exc}'[:500]}
+            self.log(f'{key}: FAILED ({type(exc).__name__}: {str(exc)[:200]})')
+            self.free()
+            return None
+        finally:
+            self.write_report()
+
+    def fail_all(self, keys: list[str], what: str, exc: BaseException) -> None:
+        for key in keys:
+            self.results.setdefault(key, {'error': f'{what} failed: {type(exc).__name__}: {exc}'[:500]})
+        self.write_report()
+
+    def write_report(self) -> None:
+        if not self.args.out:
+            return
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
+            with open(self.args.out, 'w') as f:
+                f.write(render_markdown(self) + '\n')
+        except OSError as exc:
+            print(f'could not write {self.args.out}: {exc}', file=sys.stderr)
+
+
+def _brief(res: dict) -> str:
+    return ', '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in res.items()
+                     if not isinstance(v, list | dict))
+
+
+def make_prompt(length: int, seed: int, vocab: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=gen).tolist()
+
+
+def seed_of(kind: str, size: int, rep: int) -> int:
+    """Deterministic seeds shared by both systems; rep -1 is the untimed warm-up repetition."""
+    return {'cold': 1, 'prefix': 2, 'suffix': 3, 'decode': 4}[kind] * 10_000_000 + size * 100 + rep + 1
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def import_status(name: str) -> str:
+    try:
+        mod = importlib.import_module(name)
+        return f'yes ({getattr(mod, "__version__", "?")})'
+    except Exception as exc:  # noqa: BLE001 - any import failure is just reported
+        return f'no ({type(exc).__name__}: {str(exc)[:120]})'
+
+
+def collect_env(bench: Bench) -> dict:
+    import transformers
+    env = {'torch': torch.__version__, 'transformers': transformers.__version__, 'triton': import_status('triton'),
+           'fla': import_status('fla'), 'causal_conv1d': import_status('causal_conv1d'), 'device': bench.device}
+    if bench.device == 'cuda':
+        env['gpu'] = torch.cuda.get_device_name()
+    try:
+        from lmdeploy.pytorch.backends.selector import get_backend
+        env['engine_backend'] = getattr(get_backend(bench.device), 'name', type(get_backend(bench.device)).__name__)
+    except Exception as exc:  # noqa: BLE001
+        env['engine_backend'] = f'? ({exc})'
+    return env
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoint
+# ----------------------------------------------------------------------------------------------------------------
+def _reusable(model_dir: str, cfg: dict) -> bool:
+    path = os.path.join(model_dir, 'config.json')
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(model_dir, 'generation_config.json')):
+        return False
+    if not any(f.endswith('.safetensors') for f in os.listdir(model_dir)):
+        return False
+    with open(path) as f:
+        saved = json.load(f)
+    return all(saved.get(k) == cfg[k] for k in _REUSE_KEYS)
+
+
+def build_checkpoint(bench: Bench, cfg: dict, dtype: torch.dtype):
+    """Build (random weights) and save the checkpoint; returns the transformers model, kept for the HF runs."""
+    import transformers as tf
+    model_dir = bench.args.model_dir
+    config = tf.Qwen3NextConfig(**cfg)
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(bench.device):
+            model = tf.Qwen3NextForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.eval()
+    model.generation_config = tf.GenerationConfig(bos_token_id=cfg['bos_token_id'], eos_token_id=cfg['eos_token_id'],
+                                                  pad_token_id=cfg['pad_token_id'])
+    tmp = model_dir.rstrip('/') + f'.tmp{os.getpid()}'
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)  # transformers 5 always writes safetensors
+    model.generation_config.save_pretrained(tmp)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.rename(tmp, model_dir)
+    return model
+
+
+def load_hf_model(bench: Bench, dtype: torch.dtype):
+    """AutoModelForCausalLM; `device_map` needs accelerate, so without it load on the CPU and move."""
+    from transformers import AutoModelForCausalLM
+    if importlib.util.find_spec('accelerate') is not None:
+        model = AutoModelForCausalLM.from_pretrained(bench.args.model_dir, dtype=dtype, device_map=bench.device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(bench.args.model_dir, dtype=dtype).to(bench.device)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# engine
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Rec:
+    first: float | None = None
+    first_token: int | None = None
+    end: float | None = None
+    times: list[float] = field(default_factory=list)
+    num_cached: int = 0
+    reason: str | None = None
+    error: str | None = None
+
+
+def engine_run(bench: Bench, engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[Rec]]:
+    """Submit all prompts at once, step to idle; returns (t0, per-request records)."""
+    from lmdeploy.pytorch.messages import SamplingParams
+    params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0,
+                            stop_token_ids=())
+    recs = [Rec() for _ in prompts]
+
+    def callback(rec: Rec):
+        def on_output(out) -> None:
+            now = time.perf_counter()
+            if out.new_token_ids:
+                if rec.first is None:
+                    rec.first, rec.first_token = now, out.new_token_ids[0]
+                rec.times.extend([now] * len(out.new_token_ids))
+            rec.num_cached = max(rec.num_cached, out.num_cached)
+            if out.error:
+                rec.error = out.error
+            if out.finished:
+                rec.end, rec.reason = now, out.finish_reason
+        return on_output
+
+    bench.sync()
+    t0 = time.perf_counter()
+    seq_ids = []
+    try:
+        for prompt, rec in zip(prompts, recs):
+            seq_ids.append(engine.add_request(prompt, params, callback(rec)))
+        deadline = t0 + bench.args.request_timeout
+        while engine.has_work:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f'engine still busy after {bench.args.request_timeout:.0f}s')
+            engine.step()
+        bench.sync()
+    except BaseException:
+        # leave the engine idle for the next measurement
+        with contextlib.suppress(Exception):
+            for seq_id in seq_ids:
+                engine.abort_request(seq_id)
+            for _ in range(100):
+                if not engine.has_work:
+                    break
+                engine.step()
+        raise
+    errors = [r.error for r in recs if r.error]
+    if errors:
+        raise RuntimeError(f'{len(errors)} request(s) failed: {errors[0]}')
+    if any(r.first is None or r.end is None for r in recs):
+        raise RuntimeError('a request finished without output')
+    return t0, recs
+
+
+def build_engine(bench: Bench, prefix_caching: bool):
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    a = bench.args
+    config = PytorchEngineConfig(
+        device_type=bench.device, dtype=a.dtype, block_size=a.block_size, cache_max_entry_count=a.cache_max_entry_count,
+        num_gpu_blocks=a.num_blocks, max_batch_size=a.max_batch_size, max_prefill_token_num=a.max_prefill_token_num,
+        session_len=a.session_len, enable_prefix_caching=prefix_caching)
+    t = time.perf_counter()
+    engine = Engine(a.model_dir, config)
+    bench.log(f'engine (prefix caching {"on" if prefix_caching else "off"}) built in {time.perf_counter() - t:.1f}s: '
+              f'{engine.cache_config.num_blocks} KV blocks, session_len {engine.session_len}')
+    return engine
+
+
+def engine_warmup(bench: Bench, engine, vocab: int) -> None:
+    engine_run(bench, engine, [make_prompt(64, 7, vocab)], 4)
+    engine_run(bench, engine, [make_prompt(64, 8 + i, vocab) for i in range(4)], 4)
+
+
+def engine_cold_ttft(bench: Bench, engine, size: int, vocab: int) -> dict:
+    ttfts, tokens = [], []
+    for rep in range(-1, bench.args.reps):
+        t0, (rec,) = engine_run(bench, engine, [make_prompt(size, seed_of('cold', size, rep), vocab)], 1)
+        if rep >= 0:
+            ttfts.append((rec.first - t0) * 1e3)
+            tokens.append(rec.first_token)
+    return {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'first_tokens': tokens}
+
+
+def engine_suffix_ttft(bench: Bench, engine, prefix_len: int, vocab: int) -> dict:
+    suffix_len = bench.args.suffix_len
+    ttfts, cached, tokens = [], [], []
+    for rep in range(-1, bench.args.reps):
+        prefix = make_prompt(prefix_len, seed_of('prefix', prefix_len, rep), vocab)
+        suffix = make_prompt(suffix_len, seed_of('suffix', prefix_len, rep), vocab)
+        engine_run(bench, engine, [prefix], 1)
+        t0, (rec,) = engine_run(bench, engine, [prefix + suffix], 1)
+        if rep >= 0:
+            ttfts.append((rec.first - t0) * 1e3)
+            cached.append(rec.num_cached)
+            tokens.append(rec.first_token)
+    if min(cached) < prefix_len:
+        bench.log(f'WARNING: suffix after {prefix_len}: only {cached} prompt tokens served from the prefix cache')
+    return {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'num_cached': cached, 'first_tokens': tokens}
+
+
+def engine_decode(bench: Bench, engine, batch: int, vocab: int) -> dict:
+    a = bench.args
+    new = a.decode_new_tokens
+    engine_run(bench, engine, [make_prompt(a.decode_prompt_len, seed_of('decode', batch, -1) * 1000 + i, vocab)
+                               for i in range(batch)], min(4, new))  # warm-up at this batch size
+    overall, decode, ttft = [], [], []
+    tokens = []
+    for rep in range(a.decode_reps):
+        prompts = [make_prompt(a.decode_prompt_len, seed_of('decode', batch, rep) * 1000 + i, vocab)
+                   for i in range(batch)]
+        t0, recs = engine_run(bench, engine, prompts, new)
+        bad = [len(r.times) for r in recs if len(r.times) != new]
+        if bad:
+            raise RuntimeError(f'{len(bad)} request(s) generated {bad[:4]} tokens instead of {new}')
+        t_end = max(r.end for r in recs)
+        t_last_first = max(r.first for r in recs)
+        after = sum(1 for r in recs for t in r.times if t > t_last_first)
+        overall.append(batch * new / (t_end - t0))
+        decode.append(after / (t_end - t_last_first) if t_end > t_last_first else float('nan'))
+        ttft.append((t_last_first - t0) * 1e3)
+        if rep == 0:
+            tokens = [r.first_token for r in recs]
+    return {'decode_tok_s': median(decode), 'overall_tok_s': median(overall), 'last_ttft_ms': median(ttft),
+            'first_tokens': tokens}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transformers
+# ----------------------------------------------------------------------------------------------------------------
+class HF:
+    """A transformers model plus the version differences: 5.17 takes/returns `past_key_values`, newer `cache`."""
+
+    def __init__(self, bench: Bench, model):
+        import inspect
+        self.bench, self.model = bench, model
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = 'cache' if 'cache' in params else 'past_key_values'
+        model.generation_config.eos_token_id = None  # exactly max_new_tokens
+        model.generation_config.pad_token_id = 0
+
+    def ids(self, prompts: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(prompts, dtype=torch.long, device=self.bench.device)
+
+    def forward(self, input_ids: torch.Tensor, cache=None):
+        kwargs = {self.cache_kwarg: cache} if cache is not None else {}
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **kwargs)
+        new_cache = getattr(out, 'cache', None)
+        if new_cache is None:
+            new_cache = getattr(out, 'past_key_values', None)
+        return out.logits[:, -1].argmax(-1), new_cache
+
+    def timed_forward(self, input_ids: torch.Tensor, cache=None) -> tuple[float, list[int]]:
+        self.bench.sync()
+        t0 = time.perf_counter()
+        tokens, _ = self.forward(input_ids, cache)
+        tokens = tokens.tolist()
+        self.bench.sync()
+        return (time.perf_counter() - t0) * 1e3, tokens
+
+
+def hf_cold_ttft(hf: HF, size: int, vocab: int) -> dict:
+    ttfts, tokens = [], []
+    for rep in range(-1, hf.bench.args.reps):
+        ms, tok = hf.timed_forward(hf.ids([make_prompt(size, seed_of('cold', size, rep), vocab)]))
+        if rep >= 0:
+            ttfts.append(ms)
+            tokens.append(tok[0])
+    return {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'first_tokens': tokens}
+
+
+def hf_suffix_ttft(hf: HF, prefix_len: int, vocab: int) -> dict:
+    suffix_len = hf.bench.args.suffix_len
+    ttfts, tokens = [], []
+    check = None
+    for rep in range(-1, hf.bench.args.reps):
+        prefix = make_prompt(prefix_len, seed_of('prefix', prefix_len, rep), vocab)
+        suffix = make_prompt(suffix_len, seed_of('suffix', prefix_len, rep), vocab)
+        _, cache = hf.forward(hf.ids([prefix]))  # a fresh cache per repetition: it is mutated in place
+        if cache is None:
+            raise RuntimeError('transformers returned no cache')
+        ms, tok = hf.timed_forward(hf.ids([suffix]), cache)
+        del cache
+        if rep >= 0:
+            ttfts.append(ms)
+            tokens.append(tok[0])
+        if rep == 0 and hf.bench.args.check_hf_cache:
+            # the cached suffix forward must pick the same token as one forward over prefix + suffix
+            full, _ = hf.forward(hf.ids([prefix + suffix]))
+            check = int(full.item()) == tok[0]
+    res = {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'first_tokens': tokens}
+    if check is not None:
+        res['cache_matches_full_forward'] = check
+    return res
+
+
+def hf_decode(hf: HF, batch: int, vocab: int) -> dict:
+    a = hf.bench.args
+    new = a.decode_new_tokens
+
+    def prompts(rep: int) -> torch.Tensor:
+        return hf.ids([make_prompt(a.decode_prompt_len, seed_of('decode', batch, rep) * 1000 + i, vocab)
+                       for i in range(batch)])
+
+    def generate(ids: torch.Tensor, n: int) -> torch.Tensor:
+        return hf.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=n, min_new_tokens=n)
+
+    generate(prompts(-1), min(4, new))  # warm-up at this batch size
+    hf.timed_forward(prompts(-1))
+    overall, decode, prefill = [], [], []
+    tokens = []
+    for rep in range(a.decode_reps):
+        ids = prompts(rep)
+        p_ms, _ = hf.timed_forward(ids)
+        hf.bench.sync()
+        t0 = time.perf_counter()
+        out = generate(ids, new)
+        hf.bench.sync()
+        total = time.perf_counter() - t0
+        generated = out.shape[1] - ids.shape[1]
+        if generated != new:
+            raise RuntimeError(f'generate produced {generated} tokens instead of {new}')
+        prefill.append(p_ms)
+        overall.append(batch * new / total)
+        decode_s = total - p_ms / 1e3
+        decode.append(batch * (new - 1) / decode_s if decode_s > 0 else float('nan'))
+        if rep == 0:
+            tokens = out[:, ids.shape[1]].tolist()
+        del out
+    return {'decode_tok_s': median(decode), 'overall_tok_s': median(overall), 'prefill_ms': median(prefill),
+            'first_tokens': tokens}
+
+
+def prepare_hf(bench: Bench, model, dtype: torch.dtype, vocab: int) -> HF | None:
+    """Load (unless just built) and warm up the transformers model; None (errors recorded) on failure."""
+    a = bench.args
+    keys = ([f'hf.decode.{b}' for b in a.decode_batches] + [f'hf.cold.{n}' for n in a.cold_sizes]
+            + [f'hf.suffix.{n}' for n in a.prefix_sizes])
+    try:
+        if model is None:
+            t = time.perf_counter()
+            model = load_hf_model(bench, dtype)
+            bench.log(f'transformers model loaded in {time.perf_counter() - t:.1f}s')
+        hf = HF(bench, model)
+        cfg = model.config
+        bench.env['hf_attn_implementation'] = str(getattr(cfg, '_attn_implementation', '?'))
+        bench.env['hf_experts_implementation'] = str(getattr(cfg, '_experts_implementation', '?'))
+        bench.env['hf_cache_kwarg'] = hf.cache_kwarg
+        bench.log(f'transformers: attn={bench.env["hf_attn_implementation"]}, '
+                  f'experts={bench.env["hf_experts_implementation"]}, cache kwarg={hf.cache_kwarg}')
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        bench.fail_all(keys, 'transformers load', exc)
+        return None
+    t = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            hf.timed_forward(hf.ids([make_prompt(64, 7, vocab)]))
+            hf.model.generate(input_ids=hf.ids([make_prompt(64, 7, vocab)]), do_sample=False, max_new_tokens=2,
+                              min_new_tokens=2)
+        bench.log(f'transformers warmed up in {time.perf_counter() - t:.1f}s')
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        bench.log(f'transformers warm-up failed: {exc} (measuring anyway)')
+    return hf
+
+
+def prepare_engine(bench: Bench, prefix_caching: bool, vocab: int):
+    """Build and warm up an engine; None (errors recorded) on failure or when the time budget is spent."""
+    a = bench.args
+    tag = 'engine_pc_on' if prefix_caching else 'engine_pc_off'
+    keys = [f'{tag}.cold.{n}' for n in a.cold_sizes]
+    keys += ([f'{tag}.suffix.{n}' for n in a.prefix_sizes] if prefix_caching
+             else [f'{tag}.decode.{b}' for b in a.decode_batches])
+    if bench.over_budget():
+        bench.skip_all(keys)
+        return None
+    try:
+        engine = build_engine(bench, prefix_caching)
+        t = time.perf_counter()
+        engine_warmup(bench, engine, vocab)
+        bench.log(f'{tag} warmed up in {time.perf_counter() - t:.1f}s')
+        return engine
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        bench.log(f'{tag}: engine build / warm-up FAILED: {exc}')
+        bench.fail_all(keys, 'engine build / warm-up', exc)
+        bench.free()
+        return None
+
+
+def _in_inference_mode(fn: Callable[..., dict], *args) -> dict:
+    with torch.inference_mode():
+        return fn(*args)
+
+
+def run_all(bench: Bench, hf_model, vocab: int, dtype: torch.dtype) -> None:
+    """Pairs first: each measurement runs on the engine and right after on transformers (both resident), so a
+    time budget or a timeout cuts whole comparisons, not one system. Priority: decode, cold TTFT, suffix TTFT."""
+    a = bench.args
+    use_engine, use_hf = 'engine' in a.systems, 'hf' in a.systems
+    hf = prepare_hf(bench, hf_model, dtype, vocab) if use_hf else None
+    del hf_model
+
+    # phase 1: engine with prefix caching off (decode + cold TTFT), transformers decode + cold TTFT
+    engine = prepare_engine(bench, False, vocab) if use_engine else None
+    for b in a.decode_batches:
+        if engine is not None:
+            bench.measure(f'engine_pc_off.decode.{b}', lambda b=b: engine_decode(bench, engine, b, vocab))
+        if hf is not None:
+            bench.measure(f'hf.decode.{b}', lambda b=b: _in_inference_mode(hf_decode, hf, b, vocab))
+    for n in a.cold_sizes:
+        if engine is not None:
+            bench.measure(f'engine_pc_off.cold.{n}', lambda n=n: engine_cold_ttft(bench, engine, n, vocab))
+        if hf is not None:
+            bench.measure(f'hf.cold.{n}', lambda n=n: _in_inference_mode(hf_cold_ttft, hf, n, vocab))
+    engine = None  # free the first KV pool before the second engine sizes its own
+    bench.free()
+
+    # phase 2: engine with prefix caching on (cold TTFT, cached-prefix suffix TTFT), transformers suffix TTFT
+    engine = prepare_engine(bench, True, vocab) if use_engine else None
+    for n in a.cold_sizes:
+        if engine is not None:
+            bench.measure(f'engine_pc_on.cold.{n}', lambda n=n: engine_cold_ttft(bench, engine, n, vocab))
+    for n in a.prefix_sizes:
+        if engine is not None:
+            bench.measure(f'engine_pc_on.suffix.{n}', lambda n=n: engine_suffix_ttft(bench, engine, n, vocab))
+        if hf is not None:
+            bench.measure(f'hf.suffix.{n}', lambda n=n: _in_inference_mode(hf_suffix_ttft, hf, n, vocab))
+    if engine is not None:
+        with contextlib.suppress(Exception):
+            bench.log(f'engine_pc_on prefix-cache stats: {engine.stats}')
+    engine = hf = None
+    bench.free()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------------------------
+def _val(results: dict, key: str, field_: str) -> float | None:
+    v = results.get(key, {}).get(field_)
+    return float(v) if isinstance(v, int | float) else None
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return 'n/a' if v is None else f'{v:.{digits}f}'
+
+
+def _fmt_x(v: float | None) -> str:
+    return 'n/a' if v is None else f'{v:.2f}x'
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def _met(ok: bool | None) -> str:
+    return 'n/a' if ok is None else ('yes' if ok else 'NO')
+
+
+def build_rows(bench: Bench) -> list[dict]:
+    """One row per metric: engine, transformers, speedup of the engine (higher is better), target, met."""
+    r, a = bench.results, bench.args
+    rows = []
+    for n in a.cold_sizes:
+        off, on, hf = (_val(r, f'{k}.cold.{n}', 'ttft_ms') for k in ('engine_pc_off', 'engine_pc_on', 'hf'))
+        rows.append(dict(metric=f'cold TTFT {n} tok, prefix cache off (ms)', engine=off, transformers=hf,
+                         speedup=_ratio(hf, off), target='', met=None))
+        on_off = _ratio(on, off)
+        rows.append(dict(metric=f'cold TTFT {n} tok, prefix cache on (ms)', engine=on, transformers=hf,
+                         speedup=_ratio(hf, on), target=f'on/off {_fmt(on_off, 3)} <= {TARGET_PC_OVERHEAD}',
+                         met=None if on_off is None else on_off <= TARGET_PC_OVERHEAD))
+    for n in a.prefix_sizes:
+        eng, hf = _val(r, f'engine_pc_on.suffix.{n}', 'ttft_ms'), _val(r, f'hf.suffix.{n}', 'ttft_ms')
+        cached = r.get(f'engine_pc_on.suffix.{n}', {}).get('num_cached')
+        sp = _ratio(hf, eng)
+        hit = f', cached {min(cached)}' if cached else ''
+        rows.append(dict(metric=f'TTFT {a.suffix_len}-tok suffix after cached {n}-tok prefix (ms){hit}', engine=eng,
+                         transformers=hf, speedup=sp, target=f'>= {TARGET_SUFFIX}x',
+                         met=None if sp is None else sp >= TARGET_SUFFIX))
+    for b in a.decode_batches:
+        eng, hf = _val(r, f'engine_pc_off.decode.{b}', 'decode_tok_s'), _val(r, f'hf.decode.{b}', 'decode_tok_s')
+        sp = _ratio(eng, hf)
+        tgt = TARGET_DECODE.get(b)
+        rows.append(dict(metric=f'decode tok/s, batch {b} (decode only)', engine=eng, transformers=hf, speedup=sp,
+                         target=f'>= {tgt}x' if tgt else '', met=None if tgt is None or sp is None else sp >= tgt))
+    for b in a.decode_batches:
+        eng, hf = _val(r, f'engine_pc_off.decode.{b}', 'overall_tok_s'), _val(r, f'hf.decode.{b}', 'overall_tok_s')
+        rows.append(dict(metric=f'tok/s, batch {b} (overall, incl. prefill)', engine=eng, transformers=hf,
+                         speedup=_ratio(eng, hf), target='', met=None))
+    return rows
+
+
+def first_token_agreement(bench: Bench) -> tuple[int, int]:
+    """Greedy first tokens of the same prompts, engine vs transformers (info: bf16 near-ties differ)."""
+    same = total = 0
+    for key, res in bench.results.items():
+        if not key.startswith('hf.'):
+            continue
+        kind, size = key.split('.')[1:]
+        for tag in ('engine_pc_off', 'engine_pc_on'):
+            eng = bench.results.get(f'{tag}.{kind}.{size}', {}).get('first_tokens')
+            hf = res.get('first_tokens')
+            if eng and hf and len(eng) == len(hf):
+                same += sum(int(x == y) for x, y in zip(eng, hf))
+                total += len(hf)
+    return same, total
+
+
+def render_markdown(bench: Bench) -> str:
+    a = bench.args
+    lines = [f'# lmdeploy engine vs transformers ({"smoke, " if a.smoke else ""}{bench.device}, {a.dtype})', '',
+             'env: ' + ', '.join(f'{k}={v}' for k, v in bench.env.items()), '',
+             f'engine: block_size {a.block_size}, cache_max_entry_count {a.cache_max_entry_count}, max_batch_size '
+             f'{a.max_batch_size}, max_prefill_token_num {a.max_prefill_token_num}, session_len {a.session_len}; '
+             f'median of {a.reps} (decode: {a.decode_reps}); decode prompts {a.decode_prompt_len} tok, '
+             f'{a.decode_new_tokens} new tok', '',
+             '| metric | engine | transformers | engine speedup | target | met |',
+             '|---|---:|---:|---:|---|---|']
+    for row in build_rows(bench):
+        lines.append(f'| {row["metric"]} | {_fmt(row["engine"])} | {_fmt(row["transformers"])} | '
+                     f'{_fmt_x(row["speedup"])} | {row["target"]} | {_met(row["met"])} |')
+    same, total = first_token_agreement(bench)
+    lines += ['', f'greedy first-token agreement engine vs transformers on the same prompts: {same}/{total} '
+              '(info only: bf16 near-ties differ between implementations)']
+    errors = {k: v['error'] for k, v in bench.results.items() if 'error' in v}
+    if errors:
+        lines += ['', 'errors:'] + [f'- `{k}`: {v}' for k, v in errors.items()]
+    skipped = [k for k, v in bench.results.items() if 'skipped' in v]
+    if skipped:
+        lines += ['', f'skipped (time budget): {", ".join(skipped)}']
+    checks = {k: v['cache_matches_full_forward'] for k, v in bench.results.items()
+              if 'cache_matches_full_forward' in v}
+    if checks:
+        lines += ['', f'transformers cached-suffix token == full-forward token: {checks}']
+    return '\n'.join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--smoke', action='store_true', help='tiny float32 model on the CPU at tiny sizes')
+    p.add_argument('--model-dir', default=None, help='checkpoint folder (default /tmp/qwen3next_bench[_smoke])')
+    p.add_argument('--rebuild', action='store_true', help='rebuild the checkpoint even if it can be reused')
+    p.add_argument('--out', default=None, help='also write the markdown report here')
+    p.add_argument('--systems', nargs='+', default=['engine', 'hf'], choices=['engine', 'hf'])
+    p.add_argument('--reps', type=int, default=3)
+    p.add_argument('--decode-reps', type=int, default=1)
+    p.add_argument('--cold-sizes', type=int, nargs='+', default=None)
+    p.add_argument('--prefix-sizes', type=int, nargs='+', default=None)
+    p.add_argument('--suffix-len', type=int, default=None)
+    p.add_argument('--decode-batches', type=int, nargs='+', default=None)
+    p.add_argument('--decode-prompt-len', type=int, default=None)
+    p.add_argument('--decode-new-tokens', type=int, default=None)
+    p.add_argument('--block-size', type=int, default=None)
+    p.add_argument('--cache-max-entry-count', type=float, default=0.3)
+    p.add_argument('--num-blocks', type=int, default=None, help='KV blocks (0: sized from memory)')
+    p.add_argument('--max-batch-size', type=int, default=64)
+    p.add_argument('--max-prefill-token-num', type=int, default=None)
+    p.add_argument('--session-len', type=int, default=None)
+    p.add_argument('--time-budget', type=float, default=0.0,
+                   help='seconds; measurements that would start later are skipped (0: no limit)')
+    p.add_argument('--request-timeout', type=float, default=300.0,
+                   help='seconds one engine run (a batch of requests) may take before it is aborted')
+    p.add_argument('--check-hf-cache', action='store_true',
+                   help='also check that the transformers cached-suffix token equals a full forward (default in smoke)')
+    args = p.parse_args(argv)
+    if args.smoke:
+        defaults = dict(model_dir='/tmp/qwen3next_bench_smoke', cold_sizes=[64, 200], prefix_sizes=[60, 100],
+                        suffix_len=12, decode_batches=[1, 4], decode_prompt_len=32, decode_new_tokens=8,
+                        block_size=16, num_blocks=256, max_prefill_token_num=128, session_len=1024)
+        args.device, args.dtype = 'cpu', 'float32'
+        args.check_hf_cache = True
+    else:
+        defaults = dict(model_dir='/tmp/qwen3next_bench', cold_sizes=[1024, 4096, 16384],
+                        prefix_sizes=[924, 3996, 16284], suffix_len=100, decode_batches=[1, 16, 64],
+                        decode_prompt_len=512, decode_new_tokens=128, block_size=64, num_blocks=0,
+                        max_prefill_token_num=16384, session_len=20000)
+        args.device, args.dtype = 'cuda', 'bfloat16'
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        raise SystemExit('bench_vs_transformers needs a CUDA device (or --smoke for the CPU logic check)')
+    bench = Bench(args)
+    bench.env = collect_env(bench)
+    bench.log('env: ' + ', '.join(f'{k}={v}' for k, v in bench.env.items()))
+    cfg = SMOKE_CONFIG if args.smoke else FULL_CONFIG
+    vocab = cfg['vocab_size']
+    dtype = getattr(torch, args.dtype)
+
+    hf_model = None
+    if args.rebuild or not _reusable(args.model_dir, cfg):
+        t = time.perf_counter()
+        try:
+            hf_model = build_checkpoint(bench, cfg, dtype)
+        except Exception as exc:  # noqa: BLE001 - nothing can run without the checkpoint
+            traceback.print_exc()
+            raise SystemExit(f'building the checkpoint failed: {exc}') from exc
+        bench.log(f'built and saved {args.model_dir} in {time.perf_counter() - t:.1f}s')
+    else:
+        bench.log(f'reusing {args.model_dir}')
+
+    run_all(bench, hf_model, vocab, dtype)
+    del hf_model
+    bench.free()
+
+    md = render_markdown(bench)
+    print(md)
+    bench.write_report()
+    rows = build_rows(bench)
+    print(json.dumps(dict(bench='vs_transformers', smoke=args.smoke, env=bench.env, rows=rows,
+                          results=bench.results, elapsed_s=round(time.perf_counter() - bench.t_start, 1))),
+          flush=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,161 @@
+"""Triton causal depthwise conv1d with a per-sequence input history; semantics of `kernels/default/causal_conv1d.py`.
+
+Notation: sequence b owns tokens ``bos..eos`` (``L = eos - bos``), its history ``hist_b`` is ``[C, K-1]`` (zeros
+when fresh, else ``conv_state[state_ids[b]]``, oldest first) and ``xx_b = [hist_b, x_b]``. Token ``bos + t``
+reads ``xx_b[t .. t + K-1]``, i.e. packed position ``p = bos + t - (K-1) + j`` for tap j: ``x[p]`` when
+``p >= bos``, else history column ``K-1 + p - bos``. A fresh sequence never reads its slot.
+
+Two launch plans, chosen from host-side shapes only (no device sync):
+
+* decode (``T == B``, which covers every pure decode step): one program per (sequence, channel block) computes
+  the outputs of its few tokens and then writes the new state. Correct for any lengths, but serial over a
+  sequence's tokens, so only used when the average length is 1.
+* general: ``_conv_tokens_kernel`` over (token block, channel block) computes every output from the untouched
+  pool, then the per-sequence kernel (outputs off) writes the states. Stream order puts every read of an old
+  history before any write of a new one.
+
+The state update writes the last K-1 columns of ``xx_b`` (so a segment shorter than K-1 keeps the newer part of
+its old history, and a zero-length one keeps it, or zeroes it if fresh). Slots are distinct, so a slot is only
+touched by the programs of its own sequence, which load everything they need before a block barrier and store
+after it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token_ptr, cu_seqlens_ptr, state_ids_ptr,
+                        fresh_ptr, num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1,
+                        stride_s2, stride_ot, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_mask = tokens < num_tokens
+    c_mask = chans < channels
+    seq = tl.load(seq_of_token_ptr + tokens, mask=t_mask, other=0)
+    bos = tl.load(cu_seqlens_ptr + seq, mask=t_mask, other=0).to(tl.int64)
+    slot = tl.load(state_ids_ptr + seq, mask=t_mask, other=0).to(tl.int64)
+    has_hist = tl.load(fresh_ptr + seq, mask=t_mask, other=1) == 0
+    tokens64 = tokens.to(tl.int64)
+
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + chans, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(KERNEL):
+        pos = tokens64 - (KERNEL - 1) + j
+        from_x = pos >= bos
+        x_mask = (t_mask & from_x)[:, None] & c_mask[None, :]
+        val = tl.load(x_ptr + pos[:, None] * stride_xt + chans[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        col = KERNEL - 1 + pos - bos
+        h_mask = (t_mask & (pos < bos) & has_hist)[:, None] & c_mask[None, :]
+        h_ptrs = state_ptr + slot[:, None] * stride_s0 + chans[None, :] * stride_s1 + col[:, None] * stride_s2
+        val += tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + chans * stride_wc + j * stride_wk, mask=c_mask, other=0.0).to(tl.float32)
+        acc += val * w[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    out_mask = t_mask[:, None] & c_mask[None, :]
+    tl.store(out_ptr + tokens64[:, None] * stride_ot + chans[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=out_mask)
+
+
+@triton.jit
+def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens_ptr, state_ids_ptr, fresh_ptr,
+                          channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1, stride_s2, stride_ot,
+                          KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                          WRITE_OUTPUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    seq = tl.program_id(0)
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = chans < channels
+    bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    seqlen = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64) - bos
+    slot = tl.load(state_ids_ptr + seq).to(tl.int64)
+    has_hist = tl.load(fresh_ptr + seq) == 0
+    hist_ptr = state_ptr + slot * stride_s0 + chans * stride_s1
+
+    if WRITE_OUTPUT:
+        bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if HAS_BIAS:
+            bias += tl.load(bias_ptr + chans, mask=c_mask, other=0.0).to(tl.float32)
+        for t in range(0, seqlen):
+            acc = bias
+            for j in tl.static_range(KERNEL):
+                pos = bos + t - (KERNEL - 1) + j  # a token of b if pos >= bos, else history column K-1+pos-bos
+                # scalar conditions enter masks through tl.where (the interpreter mis-types scalar & vector)
+                val = tl.load(x_ptr + pos * stride_xt + chans, mask=tl.where(pos >= bos, c_mask, False), other=0.0)
+                hist = tl.load(hist_ptr + (KERNEL - 1 + pos - bos) * stride_s2,
+                               mask=tl.where((pos < bos) & has_hist, c_mask, False), other=0.0)
+                w = tl.load(w_ptr + chans * stride_wc + j * stride_wk, mask=c_mask, other=0.0).to(tl.float32)
+                acc += (val.to(tl.float32) + hist.to(tl.float32)) * w
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(out_ptr + (bos + t) * stride_ot + chans, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+
+    # new column i is xx_b[L + i]: x[bos + L + i - (K-1)] if that is a token of b, else old column L + i
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < KERNEL - 1
+    rel = seqlen + cols - (KERNEL - 1)
+    x_mask = c_mask[:, None] & (col_mask & (rel >= 0))[None, :]
+    new = tl.load(x_ptr + (bos + rel)[None, :] * stride_xt + chans[:, None], mask=x_mask, other=0.0)
+    h_mask = tl.where(has_hist, c_mask[:, None] & (col_mask & (rel < 0))[None, :], False)
+    old = tl.load(hist_ptr[:, None] + (seqlen + cols)[None, :] * stride_s2, mask=h_mask, other=0.0)
+    new = tl.where((rel >= 0)[None, :], new.to(tl.float32), old.to(tl.float32))  # a bit-exact copy
+    tl.debug_barrier()  # every read of the old history above happens before any store below
+    tl.store(hist_ptr[:, None] + cols[None, :] * stride_s2, new.to(state_ptr.dtype.element_ty),
+             mask=c_mask[:, None] & col_mask[None, :])
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_ids: torch.Tensor,
+    is_fresh: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = 'silu',
+) -> torch.Tensor:
+    """Causal depthwise conv over packed varlen sequences, continuing from a stored input history.
+
+    Same contract as `kernels.default.causal_conv1d.causal_conv1d`: x ``[T, C]``; weight ``[C, K]``; bias ``[C]``
+    or None; conv_state pool ``[num_slots, C, K-1]`` (any strides); state_ids int64 ``[B]`` (distinct); is_fresh
+    bool ``[B]``; cu_seqlens int64 ``[B+1]`` with ``cu_seqlens[-1] == T``. Returns ``[T, C]`` in ``x.dtype`` and
+    updates ``conv_state`` rows in place.
+    """
+    if activation not in (None, 'silu'):
+        raise ValueError(f'unsupported activation: {activation}')
+    num_tokens, channels = x.shape
+    kernel = weight.shape[-1]
+    num_seqs = state_ids.shape[0]
+    assert weight.shape == (channels, kernel) and kernel >= 2, f'bad weight shape {tuple(weight.shape)}'
+    assert conv_state.shape[1:] == (channels, kernel - 1), f'bad conv_state shape {tuple(conv_state.shape)}'
+    assert cu_seqlens.shape == (num_seqs + 1,) and is_fresh.shape == (num_seqs,)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    fresh = is_fresh.to(device=x.device, dtype=torch.int8)
+    common = dict(stride_xt=x.stride(0), stride_wc=weight.stride(0), stride_wk=weight.stride(1),
+                  stride_s0=conv_state.stride(0), stride_s1=conv_state.stride(1), stride_s2=conv_state.stride(2),
+                  stride_ot=out.stride(0), KERNEL=kernel, HAS_BIAS=bias is not None, SILU=activation == 'silu')
+    bias_arg = bias if bias is not None else weight
+    is_decode = num_tokens == num_seqs
+    if not is_decode and num_tokens > 0:
+        block_t, block_c = 16, min(triton.next_power_of_2(channels), 128)
+        seq_of_token = torch.searchsorted(cu_seqlens[1:].contiguous(),
+                                          torch.arange(num_tokens, device=x.device, dtype=cu_seqlens.dtype),
+                                          right=True)
+        grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
+        _conv_tokens_kernel[grid](x, weight, bias_arg, conv_state, out, seq_of_token, cu_seqlens, state_ids, fresh,
+                                  num_tokens=num_tokens, channels=channels, BLOCK_T=block_t, BLOCK_C=block_c,
+                                  num_warps=4, **common)
+    block_c = min(triton.next_power_of_2(channels), 256)
+    block_h = max(triton.next_power_of_2(kernel - 1), 2)
+    _conv_sequence_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, weight, bias_arg, conv_state, out, cu_seqlens, state_ids, fresh, channels=channels,
+        WRITE_OUTPUT=is_decode, BLOCK_C=block_c, BLOCK_H=block_h, num_warps=4, **common)
+    return out

@@ -1,0 +1,94 @@
+"""Gated delta rule on fla-core kernels, with the contract of `kernels/default/gated_delta_rule.py`.
+
+Each call: gather float32 initial states from the pool rows (zeros where fresh, so a slot's stale contents never
+reach the result), run fla over the packed batch as one varlen sequence set (batch 1 + ``cu_seqlens``), and
+scatter the final states back into the pool rows in the pool dtype. fla supports grouped value heads natively
+(value head h reads key head ``h // (H // Hk)``, the mapping of the reference), so q and k are passed unexpanded.
+
+fla memoises its varlen chunk indices by the identity of the ``cu_seqlens`` tensor object, so callers must not
+mutate a ``cu_seqlens`` tensor in place between calls (a new tensor per forward is fine and shares the work
+across layers). fla is imported inside the functions so this module imports without it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _load_states(state: torch.Tensor, state_ids: torch.Tensor, is_fresh: torch.Tensor) -> torch.Tensor:
+    """Contiguous float32 initial states ``[B, H, Dk, Dv]``; fresh rows are zero whatever the slot holds."""
+    init = state[state_ids].to(torch.float32, memory_format=torch.contiguous_format)  # a fresh copy
+    fresh = is_fresh.to(device=init.device, dtype=torch.bool).view(-1, 1, 1, 1)
+    return init.masked_fill_(fresh, 0.0)  # fill, not multiply: NaN garbage in a fresh slot must not survive
+
+
+def _store_states(state: torch.Tensor, state_ids: torch.Tensor, final: torch.Tensor) -> None:
+    """Scatter final states into the pool in place (index_put, so strided pools are fine)."""
+    if state_ids.numel() > 0:
+        state[state_ids] = final.to(state.dtype)
+
+
+def _check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh) -> None:
+    num_tokens, num_k_heads, dim_k = q.shape
+    num_heads, dim_v = v.shape[1:]
+    assert k.shape == q.shape, f'k {tuple(k.shape)} != q {tuple(q.shape)}'
+    assert v.shape[0] == num_tokens and g.shape == beta.shape == (num_tokens, num_heads), 'bad v/g/beta shapes'
+    assert num_heads % num_k_heads == 0, f'value heads {num_heads} not a multiple of key heads {num_k_heads}'
+    assert state.shape[1:] == (num_heads, dim_k, dim_v), f'bad state pool shape {tuple(state.shape)}'
+    assert cu_seqlens.shape == (state_ids.shape[0] + 1,) and is_fresh.shape == state_ids.shape
+
+
+def _run(fla_fn, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm: bool) -> torch.Tensor:
+    _check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh)
+    init = _load_states(state, state_ids, is_fresh)
+    if q.shape[0] == 0 or state_ids.numel() == 0:  # nothing to run: every sequence keeps its initial state
+        _store_states(state, state_ids, init)
+        return v.new_zeros(v.shape)
+    # one dtype for q/k/v (fla's chunk path feeds them to tl.dot together); the decay stays float32
+    q, k = q.to(v.dtype), k.to(v.dtype)
+    o, final = fla_fn(q[None], k[None], v[None], g=g[None].float(), beta=beta[None], scale=q.shape[-1] ** -0.5,
+                      initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                      cu_seqlens=cu_seqlens)
+    _store_states(state, state_ids, final)
+    return o[0].to(v.dtype)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_ids: torch.Tensor,
+    is_fresh: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Chunked (prefill) gated delta rule over packed varlen sequences via fla's `chunk_gated_delta_rule`.
+
+    Shapes and state semantics as the default kernel. `chunk_size` is accepted for signature compatibility; the
+    result does not depend on it and fla uses its own (64). Returns ``[T, H, Dv]`` in ``v.dtype``.
+    """
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    return _run(fla_chunk, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_ids: torch.Tensor,
+    is_fresh: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Token-by-token (decode) gated delta rule via fla's `fused_recurrent_gated_delta_rule`.
+
+    Shapes and state semantics as the default kernel. Returns ``[T, H, Dv]`` in ``v.dtype``.
+    """
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+    return _run(fla_recurrent, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm)

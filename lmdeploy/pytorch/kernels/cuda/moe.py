@@ -1,0 +1,166 @@
+"""Triton fused MoE (SwiGLU experts); semantics of `backends/default/moe.py`.
+
+Algorithm (no host sync; every size comes from host-side shapes):
+
+1. Align: the ``N = T * top_k`` (token, expert) pairs are sorted by expert and each expert's run is padded to a
+   multiple of ``BLOCK_M``, giving ``sorted_pairs`` (pair index, or the sentinel ``N`` in padding) and one expert
+   id per block of ``BLOCK_M`` rows (``E`` for blocks past the end, whose programs exit at once). At most
+   ``cdiv(N, BLOCK_M) + min(E, N)`` blocks are ever needed, so buffers are sized by that bound.
+2. Up GEMM: program (row block, column block of I) computes the gate and up tiles of its expert's
+   ``gate_up_proj`` for the block's token rows and stores ``silu(gate) * up`` in sorted-row order.
+3. Down GEMM: program (row block, column block of H) multiplies by ``down_proj[e]``, scales by the pair's routing
+   weight and stores row ``pair`` of a ``[T * top_k, H]`` buffer (each pair written by exactly one program).
+4. The ``top_k`` rows of each token are summed (deterministic: no atomics).
+
+Accumulation is float32; the intermediate and per-pair outputs are rounded to ``x.dtype``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
+                   stride_xt, stride_we, stride_wn, stride_wk, stride_ot, TOP_K: tl.constexpr,
+                   NUM_EXPERTS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= NUM_EXPERTS:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
+    gate_ptrs = w_base + cols[None, :] * stride_wn
+    up_ptrs = w_base + (cols + inter)[None, :] * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & col_mask[None, :]
+        gate_w = tl.load(gate_ptrs, mask=b_mask, other=0.0)
+        up_w = tl.load(up_ptrs, mask=b_mask, other=0.0)
+        a = a.to(gate_w.dtype)
+        acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    # round like the reference (gate/up projections in the activation dtype), then SwiGLU in float32
+    gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
+                     inter, stride_at, stride_we, stride_wn, stride_wk, stride_ot, NUM_EXPERTS: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= NUM_EXPERTS:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_mask = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    # reference: hidden (rounded to x dtype) * routing weight (in x dtype)
+    route = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    expert_of_sorted = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of_sorted]
+    dest = (padded_end - padded)[expert_of_sorted] + rank
+    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pairs[dest] = order
+    block_starts = torch.arange(max_blocks, device=device, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    return sorted_pairs, block_expert
+
+
+def _block_sizes(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): small row blocks when experts see few rows (decode), larger for prefill."""
+    rows_per_expert = num_pairs / num_experts
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+    return block_m, 64, 64
+
+
+def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts.
+
+    x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
+    float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype.
+    """
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, double_inter, _ = gate_up_proj.shape
+    inter = double_inter // 2
+    assert gate_up_proj.shape == (num_experts, 2 * inter, hidden), f'bad gate_up_proj {tuple(gate_up_proj.shape)}'
+    assert down_proj.shape == (num_experts, hidden, inter), f'bad down_proj {tuple(down_proj.shape)}'
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    if num_tokens == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    gate_up_proj = gate_up_proj if gate_up_proj.stride(-1) == 1 else gate_up_proj.contiguous()
+    down_proj = down_proj if down_proj.stride(-1) == 1 else down_proj.contiguous()
+    num_pairs = num_tokens * top_k
+    block_m, block_n, block_k = _block_sizes(num_pairs, num_experts)
+    sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+    precision = 'ieee' if x.dtype == torch.float32 else 'tf32'
+
+    act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
+    _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, gate_up_proj, act, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden, inter=inter,
+        stride_xt=x.stride(0), stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1),
+        stride_wk=gate_up_proj.stride(2), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
+        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        act, down_proj, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden,
+        inter=inter, stride_at=act.stride(0), stride_we=down_proj.stride(0), stride_wn=down_proj.stride(1),
+        stride_wk=down_proj.stride(2), stride_ot=per_pair.stride(0), NUM_EXPERTS=num_experts,
+        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)

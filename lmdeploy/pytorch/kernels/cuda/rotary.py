@@ -1,0 +1,79 @@
+"""Triton neox-style rotary embedding with partial rotary; semantics of `backends/default/elementwise.py`.
+
+One launch covers q and k: program (token, head) with head < Hq rotating a q head and the rest k heads. Feature
+d < R (R = cos.size(-1), even, <= head_dim) becomes ``x[d] * cos[d] + sign(d) * x[partner(d)] * sin[d]`` with
+partner/sign = (d + R/2, -1) in the first half and (d - R/2, +1) in the second; features d >= R pass through.
+Math in float32; outputs are new contiguous tensors in the inputs' dtypes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_head(x_ptr, out_ptr, cos_ptr, sin_ptr, head_dim, ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    half = ROTARY_DIM // 2
+    is_rot = offs < ROTARY_DIM
+    first = offs < half
+    partner = tl.where(first, offs + half, offs - half)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_ptr + partner, mask=is_rot, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + offs, mask=is_rot, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + offs, mask=is_rot, other=0.0).to(tl.float32)
+    rotated = tl.where(first, -x_partner, x_partner)
+    y = tl.where(is_rot, x * cos + rotated * sin, x)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+                   stride_qot, stride_qoh, stride_kot, stride_koh, num_q_heads, head_dim,
+                   ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cos_row = cos_ptr + token * stride_cos
+    sin_row = sin_ptr + token * stride_sin
+    if head < num_q_heads:
+        _rotate_head(q_ptr + token * stride_qt + head * stride_qh,
+                     q_out_ptr + token * stride_qot + head * stride_qoh,
+                     cos_row, sin_row, head_dim, ROTARY_DIM, BLOCK)
+    else:
+        kv_head = head - num_q_heads
+        _rotate_head(k_ptr + token * stride_kt + kv_head * stride_kh,
+                     k_out_ptr + token * stride_kot + kv_head * stride_koh,
+                     cos_row, sin_row, head_dim, ROTARY_DIM, BLOCK)
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary on the first `rotary_dim = cos.size(-1)` features of q [T, Hq, D] and k [T, Hk, D]."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    rotary_dim = cos.size(-1)
+    assert k.shape == (num_tokens, num_k_heads, head_dim), f'k {tuple(k.shape)} does not match q {tuple(q.shape)}'
+    assert cos.shape == sin.shape == (num_tokens, rotary_dim), 'cos/sin must be [T, rotary_dim]'
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, f'bad rotary_dim {rotary_dim} for head_dim {head_dim}'
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    q, k, cos, sin = (_unit_last_stride(x) for x in (q, k, cos, sin))
+    _rotary_kernel[(num_tokens, num_q_heads + num_k_heads)](
+        q, k, cos, sin, q_out, k_out,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+        stride_cos=cos.stride(0), stride_sin=sin.stride(0),
+        stride_qot=q_out.stride(0), stride_qoh=q_out.stride(1), stride_kot=k_out.stride(0),
+        stride_koh=k_out.stride(1), num_q_heads=num_q_heads, head_dim=head_dim,
+        ROTARY_DIM=rotary_dim, BLOCK=triton.next_power_of_2(head_dim),
+        num_warps=1 if head_dim <= 256 else 4,
+    )
+    return q_out, k_out

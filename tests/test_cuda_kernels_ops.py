@@ -1,0 +1,513 @@
+"""CUDA-backend kernels (`kernels/cuda/`) against the torch references of the default backend.
+
+Two runs share the same checks:
+* `@pytest.mark.gpu` tests run every kernel on CUDA, the reference on CPU, on odd shapes (empty and one-token
+  sequences, 1/2/3-token segments after a history, grouped value heads, bf16/fp32, strided pools).
+* `test_cpu_*` tests run the Triton kernels on CPU tensors under the Triton interpreter. They only run inside the
+  subprocess started by `test_triton_kernels_interpreted` (TRITON_INTERPRET must be set before Triton is imported).
+
+State pools are views into a wider backing tensor (rows strided in dim 0, gap bytes around each row); after a call
+the backing tensor must equal the reference's bit for bit outside the used rows.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close
+
+from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
+from lmdeploy.pytorch.backends.default.moe import fused_moe as ref_fused_moe
+from lmdeploy.pytorch.kernels.cuda import causal_conv1d as cuda_conv
+from lmdeploy.pytorch.kernels.cuda import gated_delta_rule as cuda_gdr
+from lmdeploy.pytorch.kernels.cuda import moe as cuda_moe
+from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
+from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
+from lmdeploy.pytorch.kernels.default import causal_conv1d as ref_conv
+from lmdeploy.pytorch.kernels.default import gated_delta_rule as ref_gdr
+
+INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
+interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_triton_kernels_interpreted')
+DTYPES = pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+NUM_SLOTS = 8
+SLOT_ORDER = [6, 1, 4, 0, 3, 7, 2, 5]
+
+
+def tol(dtype: torch.dtype, fp32: float = 1e-5, bf16: float = 2e-2) -> dict:
+    return {'atol': fp32, 'rtol': fp32} if dtype == torch.float32 else {'atol': bf16, 'rtol': bf16}
+
+
+def randn(*shape: int, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def make_pool(*shape: int, dtype=torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(backing, pool): pool [NUM_SLOTS, *shape] views rows of a wider backing tensor, so dim 0 is strided."""
+    row = math.prod(shape)
+    backing = randn(NUM_SLOTS, row + 13, gen=torch.Generator().manual_seed(seed), dtype=dtype)
+    pool = backing[:, 3:3 + row].view(NUM_SLOTS, *shape)
+    assert not pool.is_contiguous()
+    return backing, pool
+
+
+def cu_seqlens_of(lens) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def strided_copy(x: torch.Tensor, pad: int = 5) -> torch.Tensor:
+    """Same values, but every row of the last dim sits in a wider buffer (non-contiguous, unit last stride)."""
+    wide = torch.full((*x.shape[:-1], x.shape[-1] + pad), float('nan'), dtype=x.dtype, device=x.device)
+    wide[..., :x.shape[-1]] = x
+    return wide[..., :x.shape[-1]]
+
+
+def compare_pools(backing: torch.Tensor, ref_backing: torch.Tensor, pool: torch.Tensor, used_slots, **kwargs) -> None:
+    """Used rows close to the reference; everything else (other rows, gap bytes) bit-identical, NaN-aware."""
+    backing = backing.cpu()
+    mask = torch.ones_like(backing, dtype=torch.bool)
+    start, size = pool.storage_offset(), pool[0].numel()
+    for slot in used_slots:
+        mask[slot, start:start + size] = False
+        assert_close(backing[slot, start:start + size], ref_backing[slot, start:start + size],
+                     what=f'state slot {slot}', **kwargs)
+    torch.testing.assert_close(backing[mask], ref_backing[mask], rtol=0, atol=0, equal_nan=True)
+
+
+# ------------------------------------------------------------------------------------------------------- norms
+
+
+NORM_SHAPES = [(1, 7), (5, 33), (3, 4, 128), (0, 16), (2, 3, 4096)]
+
+
+def norm_id(shape) -> str:
+    return 'x'.join(map(str, shape))
+
+
+def check_rms_norm(shape, dtype, zero_centered: bool, strided: bool, device: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, weight = randn(*shape, gen=gen, dtype=dtype), randn(shape[-1], gen=gen, dtype=dtype)
+    ref = ref_elementwise.rms_norm(x, weight, 1e-6, zero_centered)
+    x_dev = x.to(device)
+    out = cuda_norm.rms_norm(strided_copy(x_dev) if strided else x_dev, weight.to(device), 1e-6, zero_centered)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert_close(out, ref, what='rms_norm', **tol(dtype))
+
+
+def check_gated_rms_norm(shape, dtype, strided: bool, device: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, gate = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
+    weight = randn(shape[-1], gen=gen, dtype=dtype)
+    ref = ref_elementwise.gated_rms_norm(x, gate, weight, 1e-6)
+    x_dev, gate_dev = x.to(device), gate.to(device)
+    if strided:
+        x_dev, gate_dev = strided_copy(x_dev), strided_copy(gate_dev, pad=2)
+    out = cuda_norm.gated_rms_norm(x_dev, gate_dev, weight.to(device), 1e-6)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert_close(out, ref, what='gated_rms_norm', **tol(dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('zero_centered', [False, True], ids=['plain', 'zero_centered'])
+@pytest.mark.parametrize('strided', [False, True], ids=['contiguous', 'strided'])
+@pytest.mark.parametrize('shape', NORM_SHAPES, ids=norm_id)
+def test_rms_norm_gpu(shape, strided, zero_centered, dtype):
+    check_rms_norm(shape, dtype, zero_centered, strided, 'cuda')
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('strided', [False, True], ids=['contiguous', 'strided'])
+@pytest.mark.parametrize('shape', NORM_SHAPES, ids=norm_id)
+def test_gated_rms_norm_gpu(shape, strided, dtype):
+    check_gated_rms_norm(shape, dtype, strided, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('shape', NORM_SHAPES[:4], ids=norm_id)
+def test_cpu_rms_norm(shape, dtype):
+    check_rms_norm(shape, dtype, zero_centered=shape[0] % 2 == 1, strided=True, device='cpu')
+    check_gated_rms_norm(shape, dtype, strided=shape[0] % 2 == 0, device='cpu')
+
+
+# ------------------------------------------------------------------------------------------------------ rotary
+
+
+@dataclass
+class RotaryCase:
+    num_tokens: int
+    num_q_heads: int
+    num_k_heads: int
+    head_dim: int
+    rotary_dim: int
+
+    def __str__(self) -> str:
+        return (f'T{self.num_tokens}-Hq{self.num_q_heads}-Hk{self.num_k_heads}-D{self.head_dim}'
+                f'-R{self.rotary_dim}')
+
+
+ROTARY_CASES = [RotaryCase(1, 2, 1, 8, 8), RotaryCase(5, 4, 2, 32, 16), RotaryCase(7, 3, 1, 64, 64),
+                RotaryCase(0, 2, 2, 16, 16), RotaryCase(3, 2, 2, 256, 64), RotaryCase(9, 16, 2, 128, 128)]
+
+
+def check_rotary(case: RotaryCase, dtype, fused_qkv: bool, device: str) -> None:
+    """`fused_qkv` takes q and k as head views of one packed qkv projection (strided tokens)."""
+    gen = torch.Generator().manual_seed(2)
+    t, hq, hk, d = case.num_tokens, case.num_q_heads, case.num_k_heads, case.head_dim
+    qkv = randn(t, (hq + 2 * hk) * d, gen=gen, dtype=dtype)
+    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    pos = torch.randint(0, 4096, (t,), generator=gen).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, case.rotary_dim, 2).float() / case.rotary_dim))
+    emb = torch.cat([pos[:, None] * inv_freq] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    ref_q, ref_k = ref_elementwise.apply_rotary(q, k, cos, sin)
+    qkv_dev = qkv.to(device)
+    if fused_qkv:
+        q_dev, k_dev = qkv_dev[:, :hq * d].view(t, hq, d), qkv_dev[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    else:
+        q_dev, k_dev = q.contiguous().to(device), k.contiguous().to(device)
+    out_q, out_k = cuda_rotary.apply_rotary(q_dev, k_dev, cos.to(device), sin.to(device))
+    assert out_q.dtype == out_k.dtype == dtype
+    assert_close(out_q, ref_q, what='q', **tol(dtype, fp32=1e-5))
+    assert_close(out_k, ref_k, what='k', **tol(dtype, fp32=1e-5))
+    torch.testing.assert_close(qkv_dev.cpu(), qkv, rtol=0, atol=0)  # inputs untouched
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('fused_qkv', [False, True], ids=['contiguous', 'qkv_views'])
+@pytest.mark.parametrize('case', ROTARY_CASES, ids=str)
+def test_rotary_gpu(case, fused_qkv, dtype):
+    check_rotary(case, dtype, fused_qkv, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('case', ROTARY_CASES[:5], ids=str)
+def test_cpu_rotary(case, dtype):
+    check_rotary(case, dtype, fused_qkv=case.num_tokens % 2 == 1, device='cpu')
+
+
+# ----------------------------------------------------------------------------------------------- causal conv1d
+
+
+@dataclass
+class ConvCase:
+    lens: tuple[int, ...]
+    fresh: tuple[bool, ...]
+    width: int
+    channels: int
+    with_bias: bool = True
+
+    def __str__(self) -> str:
+        bias = '' if self.with_bias else '-nobias'
+        return f"L{'_'.join(map(str, self.lens))}-K{self.width}-C{self.channels}{bias}"
+
+
+CONV_CASES = [
+    ConvCase((1, 1, 1, 1), (False, True, False, False), 4, 6),          # decode step
+    ConvCase((1,), (True,), 4, 3),                                      # single fresh token
+    ConvCase((0, 2, 1), (False, False, True), 4, 5),                    # T == B but not all ones
+    ConvCase((5, 1, 2, 3, 0, 9), (True, False, False, False, False, True), 4, 6),  # 1/2/3 after history
+    ConvCase((0, 0), (False, True), 4, 3),                              # no tokens at all
+    ConvCase((17, 2), (False, True), 2, 33, False),
+    ConvCase((4, 3, 40), (True, False, False), 3, 130),
+    ConvCase((2, 3, 1, 1, 70), (False, False, True, False, False), 4, 300),
+]
+# model-sized channel counts (Qwen3.5-like conv dim), GPU only
+CONV_CASES_LARGE = [ConvCase((1,) * 8, (False, True) * 4, 4, 8192),
+                    ConvCase((37, 1, 200), (False, True, False), 4, 8192)]
+
+
+def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = randn(case.channels, case.width, gen=gen, dtype=dtype)
+    bias = randn(case.channels, gen=gen, dtype=dtype) if case.with_bias else None
+    x = randn(sum(case.lens), case.channels, gen=gen, dtype=dtype)
+    backing, pool = make_pool(case.channels, case.width - 1, dtype=dtype, seed=4)
+    slots = SLOT_ORDER[:len(case.lens)]
+    for slot, fresh in zip(slots, case.fresh):
+        if fresh:
+            pool[slot] = float('nan')  # a fresh sequence must never read its slot
+    state_ids, is_fresh = torch.tensor(slots, dtype=torch.int64), torch.tensor(case.fresh)
+    cu_seqlens = cu_seqlens_of(case.lens)
+
+    ref_backing = backing.clone()
+    ref_pool = ref_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
+    ref = ref_conv.causal_conv1d(x, weight, bias, ref_pool, state_ids, is_fresh, cu_seqlens, activation)
+
+    dev_backing = backing.to(device)
+    dev_pool = dev_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
+    def to(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    out = cuda_conv.causal_conv1d(to(x), to(weight), to(bias), dev_pool, to(state_ids), to(is_fresh),
+                                  to(cu_seqlens), activation)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert_close(out, ref, what='conv out', **tol(dtype, fp32=1e-5))
+    compare_pools(dev_backing, ref_backing, pool, slots, atol=0, rtol=0)  # states are copies of inputs
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('activation', ['silu', None], ids=['silu', 'noact'])
+@pytest.mark.parametrize('case', CONV_CASES + CONV_CASES_LARGE, ids=str)
+def test_causal_conv1d_gpu(case, activation, dtype):
+    check_conv(case, dtype, activation, 'cuda')
+
+
+def check_conv_split(device: str) -> None:
+    """Feeding one sequence as 1/2/3-token pieces (prefill then decode-sized steps) equals one call."""
+    channels, width, pieces = 40, 4, (5, 1, 2, 3, 1, 1, 7)
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = randn(channels, width, gen=gen).to(device), randn(channels, gen=gen).to(device)
+    x = randn(sum(pieces), channels, gen=gen).to(device)
+    pool_whole, pool = make_pool(channels, width - 1)[1].to(device), make_pool(channels, width - 1)[1].to(device)
+    slot = torch.tensor([2], device=device)
+    whole = cuda_conv.causal_conv1d(x, weight, bias, pool_whole, slot, torch.tensor([True], device=device),
+                                    cu_seqlens_of([len(x)]).to(device))
+    outs, start = [], 0
+    for i, n in enumerate(pieces):
+        outs.append(cuda_conv.causal_conv1d(x[start:start + n], weight, bias, pool, slot,
+                                            torch.tensor([i == 0], device=device), cu_seqlens_of([n]).to(device)))
+        start += n
+    assert_close(torch.cat(outs), whole, atol=1e-5, rtol=1e-5, what='split conv')
+    torch.testing.assert_close(pool[2], pool_whole[2], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_causal_conv1d_split_equals_unsplit_gpu():
+    check_conv_split('cuda')
+
+
+@interpreted
+def test_cpu_causal_conv1d_split_equals_unsplit():
+    check_conv_split('cpu')
+
+
+@interpreted
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('case', CONV_CASES, ids=str)
+def test_cpu_causal_conv1d(case, dtype):
+    check_conv(case, dtype, 'silu' if case.with_bias else None, 'cpu')
+
+
+# ------------------------------------------------------------------------------------------------------ MoE
+
+
+@dataclass
+class MoeCase:
+    num_tokens: int
+    hidden: int
+    inter: int
+    num_experts: int
+    top_k: int
+    skewed: bool = False  # route every token to the first top_k experts (several row blocks per expert)
+
+    def __str__(self) -> str:
+        skew = '-skewed' if self.skewed else ''
+        return f'T{self.num_tokens}-H{self.hidden}-I{self.inter}-E{self.num_experts}-K{self.top_k}{skew}'
+
+
+MOE_CASES = [MoeCase(1, 32, 16, 4, 2), MoeCase(5, 48, 40, 6, 2), MoeCase(0, 32, 16, 4, 2),
+             MoeCase(40, 32, 24, 8, 2, skewed=True), MoeCase(33, 64, 96, 8, 3),
+             MoeCase(300, 256, 192, 16, 4), MoeCase(130, 136, 72, 64, 8)]
+MOE_CASES_LARGE = [MoeCase(3, 2048, 512, 128, 8), MoeCase(200, 2048, 512, 128, 8)]  # decode / prefill, GPU only
+
+
+def check_moe(case: MoeCase, dtype, device: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    t, e, k = case.num_tokens, case.num_experts, case.top_k
+    x = randn(t, case.hidden, gen=gen, dtype=dtype)
+    gate_up = (randn(e, 2 * case.inter, case.hidden, gen=gen) / case.hidden ** 0.5).to(dtype)
+    down = (randn(e, case.hidden, case.inter, gen=gen) / case.inter ** 0.5).to(dtype)
+    if case.skewed:
+        ids = torch.arange(k).repeat(t, 1)
+    else:
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    ids = ids.to(torch.int64)
+    weights = torch.rand(t, k, generator=gen).softmax(-1).to(dtype)
+    ref = ref_fused_moe(x.float(), gate_up.float(), down.float(), weights.float(), ids)
+    out = cuda_moe.fused_moe(x.to(device), gate_up.to(device), down.to(device), weights.to(device), ids.to(device))
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, ref, what='moe', **tol(dtype, fp32=1e-4, bf16=3e-2))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('case', MOE_CASES + MOE_CASES_LARGE, ids=str)
+def test_fused_moe_gpu(case, dtype):
+    check_moe(case, dtype, 'cuda')
+
+
+@interpreted
+@pytest.mark.parametrize('case', MOE_CASES[:4], ids=str)
+def test_cpu_fused_moe(case):
+    check_moe(case, torch.float32, 'cpu')
+
+
+# ------------------------------------------------------------------------------------------- gated delta rule
+
+
+@dataclass
+class GdrCase:
+    lens: tuple[int, ...]
+    fresh: tuple[bool, ...]
+    num_heads: int
+    num_k_heads: int
+    dim_k: int = 128
+    dim_v: int = 128
+
+    def __str__(self) -> str:
+        return (f"L{'_'.join(map(str, self.lens))}-Hk{self.num_k_heads}-Hv{self.num_heads}"
+                f'-Dk{self.dim_k}-Dv{self.dim_v}')
+
+
+GDR_PREFILL_CASES = [
+    GdrCase((1,), (True,), 2, 2),
+    GdrCase((1, 2, 3), (False, False, True), 4, 4, 64, 64),            # short segments after history
+    GdrCase((63, 3, 0, 64, 0), (True, False, True, False, False), 4, 2),  # empty fresh and stale segments
+    GdrCase((65, 1, 130), (False, True, False), 6, 2, 128, 64),         # GVA, chunk boundaries
+    GdrCase((0, 0), (True, False), 2, 1),                               # no tokens at all
+]
+GDR_DECODE_CASES = [
+    GdrCase((1, 1, 1, 1), (False, True, False, False), 4, 2),
+    GdrCase((1,), (False,), 8, 4, 128, 64),
+    GdrCase((1, 1, 1), (True, True, False), 2, 2, 64, 128),
+]
+
+
+def gdr_inputs(case: GdrCase, dtype, seed: int = 7):
+    gen = torch.Generator().manual_seed(seed)
+    total, hv, hk = sum(case.lens), case.num_heads, case.num_k_heads
+    q, k = randn(total, hk, case.dim_k, gen=gen), randn(total, hk, case.dim_k, gen=gen)
+    v = randn(total, hv, case.dim_v, gen=gen)
+    g = F.logsigmoid(randn(total, hv, gen=gen) + 2.0)
+    beta = torch.sigmoid(randn(total, hv, gen=gen))
+    return [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype)]
+
+
+def assert_close_rms(actual: torch.Tensor, expected: torch.Tensor, max_rms_ratio: float, what: str, **kwargs) -> None:
+    """Element-wise closeness plus an RMS error ratio bound (fla's own test metric)."""
+    assert_close(actual, expected, what=what, **kwargs)
+    if expected.numel():
+        actual, expected = actual.detach().float().cpu(), expected.float()
+        ratio = ((actual - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt().clamp(min=1e-12)).item()
+        assert ratio <= max_rms_ratio, f'{what}: rms error ratio {ratio:.3e} > {max_rms_ratio}'
+
+
+def check_gdr(kernel_name: str, case: GdrCase, dtype, pool_dtype, use_qk_l2norm: bool = True,
+              strided_inputs: bool = False) -> None:
+    inputs = gdr_inputs(case, dtype)
+    if not use_qk_l2norm:
+        inputs[0], inputs[1] = (F.normalize(x.float(), dim=-1).to(dtype) for x in inputs[:2])
+    shape = (case.num_heads, case.dim_k, case.dim_v)
+    backing, pool = make_pool(*shape, dtype=pool_dtype, seed=8)
+    backing.mul_(0.1)
+    slots = SLOT_ORDER[:len(case.lens)]
+    for slot, fresh in zip(slots, case.fresh):
+        if fresh:
+            pool[slot] = float('nan')
+    meta = (cu_seqlens_of(case.lens), torch.tensor(slots, dtype=torch.int64), torch.tensor(case.fresh))
+
+    ref_backing = backing.clone()
+    ref_pool = ref_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
+    ref = getattr(ref_gdr, kernel_name)(*inputs, meta[0], ref_pool, *meta[1:], use_qk_l2norm=use_qk_l2norm)
+
+    dev_backing = backing.cuda()
+    dev_pool = dev_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
+    dev_inputs = [x.cuda() for x in inputs]
+    if strided_inputs:  # q/k/v as views into wider rows, as after splitting a fused projection
+        dev_inputs[:3] = [strided_copy(x) for x in dev_inputs[:3]]
+    out = getattr(cuda_gdr, kernel_name)(*dev_inputs, meta[0].cuda(), dev_pool, *(x.cuda() for x in meta[1:]),
+                                         use_qk_l2norm=use_qk_l2norm)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    # fla runs fp32 dots in tf32 and keeps bf16 intermediates for bf16 inputs
+    is_fp32 = dtype == torch.float32
+    assert_close_rms(out, ref, 5e-3 if is_fp32 else 1.5e-2, 'gdr out', **tol(dtype, fp32=2e-2, bf16=1e-1))
+    compare_pools(dev_backing, ref_backing, pool, slots, **tol(dtype, fp32=2e-2, bf16=1e-1))
+    for slot in slots:
+        assert_close_rms(dev_pool[slot], ref_pool[slot], 5e-3 if is_fp32 else 1.5e-2, f'state slot {slot}',
+                         atol=1.0, rtol=1.0)
+
+
+GDR_DTYPES = pytest.mark.parametrize('dtype,pool_dtype', [(torch.float32, torch.float32),
+                                                          (torch.bfloat16, torch.float32),
+                                                          (torch.bfloat16, torch.bfloat16)],
+                                     ids=['fp32', 'bf16-fp32pool', 'bf16-bf16pool'])
+
+
+@pytest.mark.gpu
+@GDR_DTYPES
+@pytest.mark.parametrize('case', GDR_PREFILL_CASES, ids=str)
+def test_chunk_gated_delta_rule_gpu(case, dtype, pool_dtype):
+    pytest.importorskip('fla')
+    check_gdr('chunk_gated_delta_rule', case, dtype, pool_dtype)
+
+
+@pytest.mark.gpu
+@GDR_DTYPES
+@pytest.mark.parametrize('case', GDR_DECODE_CASES + GDR_PREFILL_CASES[1:3], ids=str)
+def test_recurrent_gated_delta_rule_gpu(case, dtype, pool_dtype):
+    pytest.importorskip('fla')
+    check_gdr('recurrent_gated_delta_rule', case, dtype, pool_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('kernel_name', ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule'])
+def test_gated_delta_rule_without_l2norm_gpu(kernel_name):
+    pytest.importorskip('fla')
+    check_gdr(kernel_name, GDR_PREFILL_CASES[3], torch.float32, torch.float32, use_qk_l2norm=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('kernel_name', ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule'])
+def test_gated_delta_rule_strided_inputs_gpu(kernel_name):
+    pytest.importorskip('fla')
+    check_gdr(kernel_name, GDR_PREFILL_CASES[2], torch.bfloat16, torch.float32, strided_inputs=True)
+
+
+@pytest.mark.gpu
+def test_gated_delta_rule_split_equals_unsplit_gpu():
+    """One sequence fed as prefill chunks and decode steps (the engine's pattern) equals one chunked call."""
+    pytest.importorskip('fla')
+    pieces = (70, 1, 1, 3, 64, 1)
+    whole = GdrCase((sum(pieces),), (True,), 4, 2)
+    inputs = [x.cuda() for x in gdr_inputs(whole, torch.float32, seed=9)]
+    _, pool_whole = make_pool(4, 128, 128)
+    _, pool = make_pool(4, 128, 128)
+    pool_whole, pool = pool_whole.cuda(), pool.cuda()
+    slot = torch.tensor([5], device='cuda')
+    ref = cuda_gdr.chunk_gated_delta_rule(*inputs, cu_seqlens_of([whole.lens[0]]).cuda(), pool_whole, slot,
+                                          torch.tensor([True], device='cuda'))
+    outs, start = [], 0
+    for i, n in enumerate(pieces):
+        kernel = cuda_gdr.recurrent_gated_delta_rule if n == 1 else cuda_gdr.chunk_gated_delta_rule
+        outs.append(kernel(*(x[start:start + n] for x in inputs), cu_seqlens_of([n]).cuda(), pool, slot,
+                           torch.tensor([i == 0], device='cuda')))
+        start += n
+    assert_close_rms(torch.cat(outs), ref, 5e-3, 'split out', atol=2e-2, rtol=2e-2)
+    assert_close_rms(pool[5], pool_whole[5], 5e-3, 'split state', atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------------ interpreter
+
+
+@pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
+def test_triton_kernels_interpreted():
+    """Run the `test_cpu_*` tests in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported)."""
+    env = {**os.environ, 'TRITON_INTERPRET': '1', 'CUDA_VISIBLE_DEVICES': ''}
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', 'test_cpu_']
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, f'interpreted kernels failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}'
+    assert ' passed' in proc.stdout and 'skipped' not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
