@@ -1,0 +1,57 @@
+"""The engine on CUDA (cuda backend: Triton kernels, fla, forward stream) against the default backend on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.messages import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 4):
+    outs: dict[int, list] = {}
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), collect_logits=True,
+                              callback=lambda o: outs.setdefault(o.seq_id, []).append(o)) for p in prompts]
+    while engine.has_work:
+        engine.step()
+        engine.check_integrity()
+    return [(engine.pop_collected_logits(i), [t for o in outs[i] for t in o.new_token_ids], outs[i][-1].num_cached)
+            for i in ids]
+
+
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5', 'qwen3_next'])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_cuda_logits_match_default_backend(tiny_model_factory, arch, dtype):
+    path = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 7, 70, 130)]
+    common = dict(block_size=16, kernel_block_size=8, num_gpu_blocks=256, max_prefill_token_num=64)
+    ref = _run(Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', **common)), prompts)
+    got = _run(Engine(path, PytorchEngineConfig(device_type='cuda', dtype=dtype, **common)), prompts)
+    atol = 2e-3 if dtype == 'float32' else 0.15
+    for (ref_logits, _, _), (logits, _, _) in zip(ref, got):
+        n = ref_logits.shape[0]
+        prefill = logits[:n - 3].float()  # prompt positions are teacher-forced in both runs
+        err = (prefill - ref_logits[:n - 3]).abs().max().item()
+        assert err < atol, f'{arch} {dtype}: max abs err {err}'
+
+
+@pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_next'])
+def test_cuda_prefix_cache_warm_equals_cold(tiny_model_factory, arch):
+    path = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 1000, (37,), generator=g).tolist()
+    suffixes = [torch.randint(0, 1000, (k,), generator=g).tolist() for k in (1, 2, 3, 9)]
+    common = dict(device_type='cuda', dtype='float32', block_size=16, num_gpu_blocks=256)
+    warm = Engine(path, PytorchEngineConfig(enable_prefix_caching=True, **common))
+    cold = Engine(path, PytorchEngineConfig(**common))
+    _run(warm, [prefix])
+    warm_out = _run(warm, [prefix + s for s in suffixes])
+    cold_out = _run(cold, [prefix + s for s in suffixes])
+    for (wl, wt, cached), (cl, ct, _) in zip(warm_out, cold_out):
+        assert cached == len(prefix)
+        assert (wl - cl[-wl.shape[0]:]).abs().max().item() < 2e-3
+        assert wt == ct
