@@ -65,6 +65,12 @@ def bench_one(args: argparse.Namespace, kernel_block_size: int) -> dict:
         'torch_fallback': time_ms(lambda: torch_copy_packed_cache(pool, src, dst, pages_per_block),
                                   args.warmup, args.iters),
     }
+    # Launch-shape sweep (bytes per program, warps): printed so the default can be chosen from data.
+    for chunk, warps in ((16384, 8), (32768, 8), (65536, 8), (65536, 16), (131072, 16), (262144, 32)):
+        ms = time_ms(lambda c=chunk, w=warps: copy_packed_cache(pool, src, dst, pages_per_block, chunk_bytes=c,
+                                                                num_warps=w), args.warmup, args.iters)
+        print(f'  sweep kbs={kernel_block_size} chunk={chunk} warps={warps}: {ms:.4f} ms '
+              f'({2 * copied / (ms * 1e-3) / 1e9:.1f} GB/s)')
     gbps = {name: 2 * copied / (ms * 1e-3) / 1e9 for name, ms in timings.items()}
     return dict(kernel_block_size=kernel_block_size, pages_per_block=pages_per_block, page_bytes=page_bytes,
                 pairs=args.pairs, layers=args.layers, bytes_copied=copied,

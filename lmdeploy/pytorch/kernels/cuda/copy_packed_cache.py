@@ -17,6 +17,7 @@ import triton.language as tl
 
 # Bytes one program moves: 16 KiB = 128 B per thread at 4 warps, enough memory-level parallelism for a pure copy.
 _CHUNK_BYTES = 16384
+_NUM_WARPS = 4
 _MAX_GRID_Y = 65535
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -52,7 +53,8 @@ def _check_plan(src: torch.Tensor, dst: torch.Tensor, num_blocks: int) -> None:
 
 
 def copy_packed_cache(packed_cache: torch.Tensor, src_block_offsets: torch.Tensor, dst_block_offsets: torch.Tensor,
-                      pages_per_block: int, debug: bool = False) -> None:
+                      pages_per_block: int, debug: bool = False, chunk_bytes: int = _CHUNK_BYTES,
+                      num_warps: int = _NUM_WARPS) -> None:
     """Copy all `pages_per_block` pages of block src[i] onto block dst[i], in every leading row (layer).
 
     `packed_cache` is a contiguous uint8 `[..., num_pages, page_bytes]`; the offsets are 1-D integer tensors of
@@ -79,9 +81,9 @@ def copy_packed_cache(packed_cache: torch.Tensor, src_block_offsets: torch.Tenso
     word_bytes, word_dtype = _word_dtype(block_bytes, packed_cache.data_ptr())
     words = packed_cache.view(num_rows, num_blocks * block_bytes).view(word_dtype)
     block_words = block_bytes // word_bytes
-    block = min(triton.next_power_of_2(block_words), _CHUNK_BYTES // word_bytes)
+    block = min(triton.next_power_of_2(block_words), chunk_bytes // word_bytes)
     num_chunks = triton.cdiv(block_words, block)
     grid = (num_pairs * num_chunks, num_rows)
     _copy_blocks_kernel[grid](
         cache_ptr=words, src_ptr=src_block_offsets.contiguous(), dst_ptr=dst_block_offsets.contiguous(),
-        stride_row=words.stride(0), block_words=block_words, num_chunks=num_chunks, BLOCK=block, num_warps=4)
+        stride_row=words.stride(0), block_words=block_words, num_chunks=num_chunks, BLOCK=block, num_warps=num_warps)
