@@ -28,15 +28,19 @@ def test_cuda_logits_match_default_backend(tiny_model_factory, arch, dtype):
     path = tiny_model_factory(arch)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 7, 70, 130)]
-    common = dict(block_size=16, kernel_block_size=8, num_gpu_blocks=256, max_prefill_token_num=64)
-    ref = _run(Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', **common)), prompts)
-    got = _run(Engine(path, PytorchEngineConfig(device_type='cuda', dtype=dtype, **common)), prompts)
-    atol = 2e-3 if dtype == 'float32' else 0.15
+    common = dict(block_size=16, kernel_block_size=8, num_gpu_blocks=256, max_prefill_token_num=64, dtype=dtype)
+    ref = _run(Engine(path, PytorchEngineConfig(device_type='cpu', **common)), prompts)
+    got = _run(Engine(path, PytorchEngineConfig(device_type='cuda', **common)), prompts)
     for (ref_logits, _, _), (logits, _, _) in zip(ref, got):
         n = ref_logits.shape[0]
-        prefill = logits[:n - 3].float()  # prompt positions are teacher-forced in both runs
-        err = (prefill - ref_logits[:n - 3]).abs().max().item()
-        assert err < atol, f'{arch} {dtype}: max abs err {err}'
+        # Prompt positions are teacher-forced in both runs (generated tokens may differ in bf16).
+        diff = logits[:n - 3].float() - ref_logits[:n - 3].float()
+        max_err = diff.abs().max().item()
+        rms_ratio = (diff.pow(2).mean().sqrt() / ref_logits[:n - 3].float().pow(2).mean().sqrt()).item()
+        if dtype == 'float32':
+            assert max_err < 2e-3, f'{arch} {dtype}: max abs err {max_err}'
+        else:  # bf16 rounding differs between kernels: bound the relative RMS error
+            assert rms_ratio < 0.05, f'{arch} {dtype}: rms ratio {rms_ratio}, max abs err {max_err}'
 
 
 @pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_next'])

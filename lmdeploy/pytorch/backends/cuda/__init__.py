@@ -2,6 +2,8 @@
 `default` backend op by op."""
 from __future__ import annotations
 
+import torch
+
 from ...kernels.cuda import causal_conv1d as _conv
 from ...kernels.cuda import gated_delta_rule as _gdr
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
@@ -39,10 +41,15 @@ def _fla_available() -> bool:
 
 
 def _build_gated_delta_rule(**kwargs):
+    default = DEFAULT_BACKEND.build(OpType.GatedDeltaRule, **kwargs)
     if not _fla_available():  # fla-core is the `cuda` extra; without it the torch kernels still run on the GPU
-        return DEFAULT_BACKEND.build(OpType.GatedDeltaRule, **kwargs)
+        return default
 
     def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
+        if q.dtype == torch.float32:
+            # fla computes float32 inputs with TF32 matmuls (~1e-2 off); float32 serving is for exactness, so it
+            # keeps the exact torch kernels. bf16 / fp16 take fla.
+            return default(q, k, v, g, beta, state, inputs, use_qk_l2norm=use_qk_l2norm)
         kernel = _gdr.recurrent_gated_delta_rule if inputs.is_decode else _gdr.chunk_gated_delta_rule
         return kernel(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
                       use_qk_l2norm=use_qk_l2norm)
