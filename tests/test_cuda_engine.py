@@ -28,19 +28,20 @@ def test_cuda_logits_match_default_backend(tiny_model_factory, arch, dtype):
     path = tiny_model_factory(arch)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 7, 70, 130)]
-    common = dict(block_size=16, kernel_block_size=8, num_gpu_blocks=256, max_prefill_token_num=64, dtype=dtype)
-    ref = _run(Engine(path, PytorchEngineConfig(device_type='cpu', **common)), prompts)
-    got = _run(Engine(path, PytorchEngineConfig(device_type='cuda', **common)), prompts)
-    for (ref_logits, _, _), (logits, _, _) in zip(ref, got):
-        n = ref_logits.shape[0]
-        # Prompt positions are teacher-forced in both runs (generated tokens may differ in bf16).
-        diff = logits[:n - 3].float() - ref_logits[:n - 3].float()
-        max_err = diff.abs().max().item()
-        rms_ratio = (diff.pow(2).mean().sqrt() / ref_logits[:n - 3].float().pow(2).mean().sqrt()).item()
+    common = dict(block_size=16, kernel_block_size=8, num_gpu_blocks=256, max_prefill_token_num=64)
+    truth = _run(Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', **common)), prompts)
+    default = _run(Engine(path, PytorchEngineConfig(device_type='cpu', dtype=dtype, **common)), prompts)
+    got = _run(Engine(path, PytorchEngineConfig(device_type='cuda', dtype=dtype, **common)), prompts)
+    for (ref, _, _), (base, _, _), (logits, _, _) in zip(truth, default, got):
+        rows = slice(0, ref.shape[0] - 3)  # prompt positions: teacher-forced in every run
+        err = (logits[rows].float() - ref[rows]).abs().max().item()
         if dtype == 'float32':
-            assert max_err < 2e-3, f'{arch} {dtype}: max abs err {max_err}'
-        else:  # bf16 rounding differs between kernels: bound the relative RMS error
-            assert rms_ratio < 0.05, f'{arch} {dtype}: rms ratio {rms_ratio}, max abs err {max_err}'
+            assert err < 2e-3, f'{arch} float32: max abs err {err}'
+        else:
+            # bf16: the cuda kernels (fla, Triton) round differently from the torch ones; they must be no less
+            # accurate against the float32 run than the default backend in bf16 is (with a 2x margin).
+            base_err = (base[rows].float() - ref[rows]).abs().max().item()
+            assert err <= 2 * base_err + 1e-2, f'{arch} bf16: max abs err {err} vs default backend {base_err}'
 
 
 @pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_next'])
