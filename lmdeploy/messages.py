@@ -52,6 +52,15 @@ class PytorchEngineConfig:
     prefix_cache_checkpoint_mode: str = 'exact'
     # Decode checkpoints (hybrid models): every this many tokens (a multiple of block_size); 0 = off.
     prefix_cache_decode_state_interval: int = 0
+    # Checkpoint policies (hybrid models), each switchable so benchmarks can show what it contributes:
+    # keep the state after a finished request's prompt + reply (the next chat turn resends both);
+    prefix_cache_reply_checkpoints: bool = True
+    # keep the last position's logits with prompt-end checkpoints (an identical prompt then skips its prefill);
+    prefix_cache_prompt_logits: bool = True
+    # end a prefill chunk where a new prompt diverges from cached ones and checkpoint it (branch points);
+    prefix_cache_branch_checkpoints: bool = True
+    # evict checkpoints by recency and compute saved per byte instead of plain LRU.
+    prefix_cache_value_eviction: bool = True
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')

@@ -27,7 +27,11 @@ from .oracle import RequestTiming, attribute_misses, oracle_hits
 from .report import RunResult, compare_outputs, format_table, format_verdicts, summary_json, write_outputs
 from .workloads import WORKLOADS, Workload, WorkloadSizing, build_workload, conversation_messages
 
-MODES = ('off', 'aligned', 'exact')
+# off: no cache. aligned / exact: state checkpoints at block multiples / at exact prefill and chunk ends, with the
+# checkpoint policies off. exact+<policy>: one policy on (its contribution). full: every policy on (the engine's
+# default). full-lru: every policy but plain LRU eviction instead of eviction by value.
+MODES = ('off', 'aligned', 'exact', 'exact+reply', 'exact+logits', 'exact+branch', 'full', 'full-lru')
+_POLICIES = ('reply', 'logits', 'branch', 'value')
 DEMO_ARCH = 'qwen3_5'
 _CPU_NUM_BLOCKS = 4096  # the engine's CPU default allocates GiBs of zeros; the demo traces need far less
 _MIB = float(1 << 20)
@@ -98,12 +102,20 @@ class BenchConfig:
                    decode_state_interval=args.decode_state_interval)
 
     def engine_config(self, mode: str) -> PytorchEngineConfig:
+        if mode == 'full':
+            policies = set(_POLICIES)
+        elif mode == 'full-lru':
+            policies = set(_POLICIES) - {'value'}
+        else:
+            policies = {mode.split('+', 1)[1]} if '+' in mode else set()
         return PytorchEngineConfig(
             device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=self.num_blocks,
             max_batch_size=self.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
             enable_prefix_caching=mode != 'off',
             prefix_cache_checkpoint_mode='aligned' if mode == 'aligned' else 'exact',
-            prefix_cache_state_budget=self.state_budget, prefix_cache_decode_state_interval=self.decode_state_interval)
+            prefix_cache_state_budget=self.state_budget, prefix_cache_decode_state_interval=self.decode_state_interval,
+            prefix_cache_reply_checkpoints='reply' in policies, prefix_cache_prompt_logits='logits' in policies,
+            prefix_cache_branch_checkpoints='branch' in policies, prefix_cache_value_eviction='value' in policies)
 
     def header(self) -> list[str]:
         return [f'model: `{self.model_path}`, device {self.device}, dtype {self.dtype}',
@@ -223,16 +235,16 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
     pending, active, records = deque(workload.conversations), [], []
     while pending or active:
         while pending and len(active) < concurrency:
-            active.append((pending.popleft(), []))
-        batch = [(conv, replies, engine.prepare(conversation_messages(conv, len(replies), replies), gen))
-                 for conv, replies in active]
+            active.append((pending.popleft(), [], {}))
+        batch = [(conv, replies, history, engine.prepare(_prompt_ids(tokenizer, conv, replies, history), gen))
+                 for conv, replies, history in active]
         flights = []
-        for _, _, request in batch:
+        for _, _, _, request in batch:
             flight = _Flight(probe)
             flight.submit_s = time.perf_counter()
             engine.submit(request, flight.on_output)
             flights.append(flight)
-        for (conv, replies, request), flight in zip(batch, flights):
+        for (conv, replies, history, request), flight in zip(batch, flights):
             if not flight.done.wait(_REQUEST_TIMEOUT_S):
                 raise RuntimeError(f'{workload.name} conversation {conv.conv_id}: no result in {_REQUEST_TIMEOUT_S} s')
             if flight.error:
@@ -242,8 +254,25 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
                                                                              flight.evictions_at_first_token),
                                          flight.finish_s))
             replies.append(tokenizer.decode(flight.token_ids))
-        active = [(conv, replies) for conv, replies in active if len(replies) < len(conv.user_turns)]
+            history['ids'], history['reply_ids'] = list(request.input_ids), list(flight.token_ids)
+        active = [entry for entry in active if len(entry[1]) < len(entry[0].user_turns)]
     return records
+
+
+def _prompt_ids(tokenizer, conv, replies: list[str], history: dict) -> list[int]:
+    """Token ids of the next request of `conv`. Like a chat client that keeps token ids, a follow-up turn resends
+    the previous prompt's ids and the reply's generated ids verbatim, then the tokenized rest of the templated
+    history (decoding and re-encoding a reply need not give back the same ids, least of all for the random-weight
+    demo model)."""
+    text = tokenizer.apply_chat_template(conversation_messages(conv, len(replies), replies))
+    if conv.keep_history and replies and 'text' in history:
+        head = history['text'] + replies[-1]
+        if text.startswith(head):
+            ids = history['ids'] + history['reply_ids'] + tokenizer.encode(text[len(head):], add_special_tokens=False)
+            history['text'] = text
+            return ids
+    history['text'] = text
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _outputs_digest(records: list[RequestRecord]) -> str:

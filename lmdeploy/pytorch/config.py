@@ -56,6 +56,14 @@ class CacheConfig:
     prefix_cache_exact_steps: bool = True
     # Block-aligned decode checkpoints every this many tokens; 0 = off.
     prefix_cache_decode_state_interval: int = 0
+    # Checkpoint policies (see PytorchEngineConfig).
+    prefix_cache_reply_checkpoints: bool = True
+    prefix_cache_prompt_logits: bool = True
+    prefix_cache_branch_checkpoints: bool = True
+    prefix_cache_value_eviction: bool = True
+    # Sizes for eviction by value (bytes of one state row / one KV block across layers).
+    state_row_bytes: int = 0
+    kv_block_bytes: int = 0
 
     @property
     def pages_per_block(self) -> int:

@@ -62,6 +62,8 @@ class SchedulerSequence:
     # Prompt tokens served from the prefix cache at the latest admission.
     num_cached: int = 0
     num_preemptions: int = 0
+    # A prefill chunk must end exactly here (a branch point to checkpoint); None when there is none.
+    checkpoint_hint: int | None = None
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
 

@@ -89,7 +89,12 @@ class Engine:
                            enable_prefix_caching=cfg.enable_prefix_caching,
                            prefix_cache_state_budget=cfg.prefix_cache_state_budget,
                            prefix_cache_exact_steps=cfg.prefix_cache_checkpoint_mode == 'exact',
-                           prefix_cache_decode_state_interval=cfg.prefix_cache_decode_state_interval)
+                           prefix_cache_decode_state_interval=cfg.prefix_cache_decode_state_interval,
+                           prefix_cache_reply_checkpoints=cfg.prefix_cache_reply_checkpoints,
+                           prefix_cache_prompt_logits=cfg.prefix_cache_prompt_logits,
+                           prefix_cache_branch_checkpoints=cfg.prefix_cache_branch_checkpoints,
+                           prefix_cache_value_eviction=cfg.prefix_cache_value_eviction,
+                           state_row_bytes=row_bytes, kv_block_bytes=block_bytes)
 
     def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:
         if self.device.type == 'cuda':
@@ -189,35 +194,84 @@ class Engine:
             commands, self._commands = self._commands, []
         outputs = [out for seq_id, command in commands for out in self._run_command(seq_id, command)]
         sched = self.scheduler.schedule()
-        if not sched.is_empty:
+        if not sched.is_empty or sched.has_copies:
             outputs += self._run_forward(sched)
         for out in outputs:
             self._deliver(out)
         return outputs
 
     def _run_forward(self, sched) -> list[EngineOutput]:
-        inputs, sampled = self.inputs_maker.make(sched)
-        sampling = make_sampling_inputs(sampled, self._generators)
-        collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
+        """Restore copies, forward, save copies, sampling; then tokens, stops and reply checkpoints."""
+        sampled, result = [], None
         try:
             cache_inputs = self.inputs_maker.make_cache_inputs(sched)
-            if any(collect):
-                result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
-            else:
-                result = self.agent.forward(inputs, sampling, cache_inputs)
+            if sched.seqs:
+                inputs, sampled = self.inputs_maker.make(sched)
+                sampling = make_sampling_inputs(sampled, self._generators)
+                collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
+                if any(collect):
+                    result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
+                else:
+                    result = self.agent.forward(inputs, sampling, cache_inputs)
+            elif cache_inputs is not None:
+                self.agent.copy_only(cache_inputs)
+            hits = self._sample_logits_hits(sched.logits_hits)
         except Exception as exc:  # a failed forward fails its batch only; the engine keeps serving
             logger.exception('forward failed')
-            if self.scheduler.trie is not None:
-                self.scheduler.cancel_forward(sched)
-            return [self._fail(seq, f'forward failed: {exc}') for seq in sched.seqs]
+            self.scheduler.cancel_forward(sched)
+            failed = sched.seqs + [seq for seq, _ in sched.logits_hits]
+            return [self._fail(seq, f'forward failed: {exc}') for seq in failed]
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             self.scheduler.on_forward_done(seq, n)
         self.scheduler.after_forward(sched)
-        outputs = []
-        for row, seq in enumerate(sampled):
-            logprobs = result.logprobs[row] if result.logprobs is not None else None
-            outputs.append(self._append_token(seq, result.next_token_ids[row], logprobs))
+        if result is not None:
+            self._keep_prompt_logits(sched, sampled, result.logits)
+        rows = [(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
+                for i, seq in enumerate(sampled)] + hits
+        outputs, finishing = [], []
+        for seq, token, logprobs in rows:
+            out, reason = self._append_token(seq, token, logprobs)
+            outputs.append(out)
+            if reason is not None:
+                finishing.append((seq, reason))
+        self._finish(finishing)
         return outputs
+
+    def _sample_logits_hits(self, hits) -> list[tuple]:
+        """First tokens of identical prompts, sampled from the logits kept with their prompt-end checkpoint."""
+        if not hits:
+            return []
+        seqs = [seq for seq, _ in hits]
+        logits = torch.stack([logits.to(torch.float32) for _, logits in hits])
+        result = self.agent.sample(logits, make_sampling_inputs(seqs, self._generators))
+        return [(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
+                for i, seq in enumerate(seqs)]
+
+    def _keep_prompt_logits(self, sched, sampled: list[SchedulerSequence], logits: torch.Tensor | None) -> None:
+        """Attach the last prompt position's logits to prompt-end checkpoints saved by this forward."""
+        if logits is None or not sched.reserved or not self.cache_config.prefix_cache_prompt_logits:
+            return
+        rows = {seq.seq_id: i for i, seq in enumerate(sampled)}
+        for seq, ck in sched.reserved:
+            row = rows.get(seq.seq_id)
+            if row is not None and ck.step == seq.num_tokens and ck.published:
+                ck.last_logits = logits[row].to('cpu', getattr(torch, self.model_config.dtype))
+
+    def _finish(self, finishing: list[tuple[SchedulerSequence, str]]) -> None:
+        """Save reply checkpoints of the sequences that stopped (before their slots are reused), then release."""
+        if not finishing:
+            return
+        plan = self.scheduler.plan_reply_checkpoints([seq for seq, _ in finishing])
+        if plan.has_copies:
+            try:
+                self.agent.copy_only(self.inputs_maker.make_cache_inputs(plan))
+                self.scheduler.publish_reserved(plan)
+            except Exception:
+                logger.exception('reply checkpoint copies failed')
+                self.scheduler.cancel_forward(plan)
+        for seq, reason in finishing:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED, reason)
+            self._forget(seq.seq_id)
 
     def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
         from .model_agent import ForwardOutput
@@ -229,9 +283,10 @@ class Engine:
             start += n
         rows = logits[inputs.logits_indices].to(self.device)
         next_ids, logprobs = self.agent._sample(rows, sampling.to(self.device))
-        return ForwardOutput(next_ids.tolist(), logprobs)
+        return ForwardOutput(next_ids.tolist(), logprobs, rows)
 
-    def _append_token(self, seq: SchedulerSequence, token: int, logprobs) -> EngineOutput:
+    def _append_token(self, seq: SchedulerSequence, token: int, logprobs) -> tuple[EngineOutput, str | None]:
+        """Append a sampled token; returns its output and the finish reason (None: keep going)."""
         params = seq.sampling
         seq.token_ids.append(token)
         if params.logprobs is not None and logprobs is not None:
@@ -248,10 +303,8 @@ class Engine:
         out = EngineOutput(seq.seq_id, new_ids, num_cached=seq.num_cached,
                            logprobs=[logprobs] if params.logprobs is not None and logprobs and new_ids else None)
         if reason is not None:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED, reason)
             out.finished, out.finish_reason = True, reason
-            self._forget(seq.seq_id)
-        return out
+        return out, reason
 
     def _fail(self, seq: SchedulerSequence, error: str) -> EngineOutput:
         self.scheduler.finish(seq, SequenceStatus.ABORTED, 'error')
@@ -297,8 +350,12 @@ class Engine:
                     'live_checkpoints': 0, 'evicted_checkpoints': 0, 'evicted_blocks': 0, 'checkpoints_saved': 0}
         s = trie.stats
         cks = trie.checkpoints
+        live = cks.live() if cks is not None else []
         return {'query_tokens': s.query_tokens, 'hit_tokens': s.hit_tokens, 'hit_rate': s.hit_rate,
                 'num_requests': s.num_requests, 'num_hits': s.num_hits, 'live_checkpoints': trie.num_checkpoints,
                 'evicted_checkpoints': cks.num_evicted if cks is not None else 0,
                 'evicted_blocks': trie.kv.num_evicted, 'checkpoints_saved': s.checkpoints_saved,
-                'evictions_by_cause': dict(cks.evictions_by_cause) if cks is not None else {}}
+                'evictions_by_cause': dict(cks.evictions_by_cause) if cks is not None else {},
+                'logits_hits': s.logits_hits, 'branch_points': s.branch_points,
+                'miss_reasons': dict(s.miss_reasons),
+                'checkpoint_bytes': sum(cks.bytes_held(ck) for ck in live) if cks is not None else 0}

@@ -37,10 +37,17 @@ class SchedulerOutput:
     # Checkpoints pinned for this forward's restores, and checkpoints reserved for its saves.
     pinned: list[NodeStateCheckpoint] = field(default_factory=list)
     reserved: list[tuple[SchedulerSequence, NodeStateCheckpoint]] = field(default_factory=list)
+    # Sequences admitted with their whole prompt cached (identical prompt): no tokens to feed; their first token is
+    # sampled from the logits kept with the checkpoint (second item), after this step's restore copies.
+    logits_hits: list[tuple[SchedulerSequence, object]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and not self.logits_hits
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.kv_restores or self.state_restores or self.kv_saves or self.state_saves)
 
 
 class Scheduler:
@@ -51,9 +58,14 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.pages_per_block)
         self.state_manager = StateManager(cache_config.num_state_slots) if needs_state else None
-        self.trie = BlockTrie(self.block_manager, self.state_manager, self.block_size,
-                              exact_steps=cache_config.prefix_cache_exact_steps) \
-            if cache_config.enable_prefix_caching else None
+        self.trie = BlockTrie(
+            self.block_manager, self.state_manager, self.block_size,
+            exact_steps=cache_config.prefix_cache_exact_steps,
+            prompt_logits=cache_config.prefix_cache_prompt_logits,
+            branch_checkpoints=cache_config.prefix_cache_branch_checkpoints,
+            value_eviction=cache_config.prefix_cache_value_eviction,
+            state_row_bytes=cache_config.state_row_bytes, kv_block_bytes=cache_config.kv_block_bytes,
+        ) if cache_config.enable_prefix_caching else None
         self.waiting: list[SchedulerSequence] = []
         self.running: list[SchedulerSequence] = []
         self._arrivals = 0
@@ -98,6 +110,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= self.config.max_batch_size:
                 continue
             n = 1 if seq.num_remaining == 1 else min(seq.num_remaining, budget)
+            n = self._cap_at_hint(seq, n)
             if n == 0 or not self._reserve_blocks(seq, n, scheduled=out.seqs):
                 continue
             out.seqs.append(seq)
@@ -107,10 +120,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(out.seqs) < self.config.max_batch_size:
             seq = self.waiting[0]
             n = self._admit(seq, budget, chunk_ok=not has_prefill, out=out)
-            if n == 0:
+            if n is None:
                 break
             self.waiting.pop(0)
             self.running.append(seq)
+            if n == 0:
+                continue  # whole prompt cached: sampled from kept logits (out.logits_hits)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
@@ -130,13 +145,14 @@ class Scheduler:
         for seq in out.seqs:
             if not seq.is_finished:
                 self.trie.attach(seq)
-        for seq, ck in out.reserved:
-            self.trie.publish_checkpoint(seq, ck)
+        self.publish_reserved(out)
         for ck in out.pinned:
             self.trie.checkpoints.unpin(ck)
 
     def cancel_forward(self, out: SchedulerOutput) -> None:
         """The forward failed: drop its reservations and pins (nothing was published)."""
+        if self.trie is None:
+            return
         for _, ck in out.reserved:
             self.trie.checkpoints.release(ck)
         for ck in out.pinned:
@@ -147,15 +163,20 @@ class Scheduler:
         total = -(-(seq.num_computed + n) // self.block_size)
         return max(0, total - len(seq.block_ids))
 
-    def _admit(self, seq: SchedulerSequence, budget: int, chunk_ok: bool, out: SchedulerOutput) -> int:
+    def _admit(self, seq: SchedulerSequence, budget: int, chunk_ok: bool, out: SchedulerOutput) -> int | None:
         """Match the prefix cache, then give a waiting sequence its blocks and state slot; all or nothing.
-        Returns the number of tokens it feeds in this forward (0: not admitted, nothing changed)."""
-        match = self.trie.match(seq) if self.trie is not None else PrefixMatch(0, [], None)
+        Returns the number of tokens it feeds in this forward (0: its whole prompt is cached and its first token
+        comes from kept logits), or None when it cannot be admitted (nothing changed then)."""
+        match = self.trie.match(seq, peers=self.running) if self.trie is not None else PrefixMatch(0, [], None)
+        ck = match.checkpoint
+        logits_hit = match.num_tokens == seq.num_tokens
         remaining = seq.num_tokens - match.num_tokens
         n = remaining if remaining <= budget else (budget if chunk_ok else 0)
-        if n == 0:
-            return 0
-        ck = match.checkpoint
+        if not logits_hit:
+            seq.checkpoint_hint = match.junction if match.junction > match.num_tokens else None
+            n = self._cap_at_hint(seq, n, start=match.num_tokens)
+            if n == 0:
+                return None
         if ck is not None:
             self.trie.checkpoints.pin(ck, self.trie.tick())
         shared = [node.block_id for node in match.nodes]
@@ -171,7 +192,8 @@ class Scheduler:
             self.block_manager.free(shared)
             if ck is not None:
                 self.trie.checkpoints.unpin(ck)
-            return 0
+            seq.checkpoint_hint = None
+            return None
         seq.block_ids = shared + self.block_manager.allocate(need)
         seq.state_slot = slot
         seq.num_computed = match.num_tokens
@@ -186,6 +208,17 @@ class Scheduler:
             out.state_restores.append((ck.slot, slot))
             if ck.frozen_block_id is not None:
                 out.kv_restores.append((ck.frozen_block_id, seq.block_ids[ck.step // self.block_size]))
+        if logits_hit:
+            out.logits_hits.append((seq, ck.last_logits))
+        return n
+
+    @staticmethod
+    def _cap_at_hint(seq: SchedulerSequence, n: int, start: int | None = None) -> int:
+        """End the chunk at the sequence's branch-point hint when the chunk would cross it."""
+        start = seq.num_computed if start is None else start
+        hint = seq.checkpoint_hint
+        if hint is not None and start < hint < start + n:
+            return hint - start
         return n
 
     def _allocate_slot(self) -> int | None:
@@ -195,22 +228,30 @@ class Scheduler:
         return slot
 
     def _plan_checkpoint(self, seq: SchedulerSequence, n: int, out: SchedulerOutput) -> None:
-        """Reserve a checkpoint at the end of a prefill piece (prompt end or chunk end), if wanted and affordable."""
+        """Reserve a checkpoint at the end of a prefill piece (prompt end, chunk end, branch point) or at an
+        opt-in decode interval, if wanted and affordable."""
         step = seq.num_computed + n
+        if seq.checkpoint_hint is not None and step >= seq.checkpoint_hint:
+            seq.checkpoint_hint = None
         if seq.num_computed >= seq.num_prompt_tokens and n == 1:
             interval = self.cache_config.prefix_cache_decode_state_interval
             if not interval or step % interval:
                 return  # a decode step off the opt-in interval
+        self._reserve_checkpoint(seq, step, out)
+
+    def _reserve_checkpoint(self, seq: SchedulerSequence, step: int, out: SchedulerOutput) -> None:
         if not self.trie.wants_checkpoint(seq, step):
             return
         partial = step % self.block_size != 0
         slot = self._allocate_slot()
         if slot is None:
+            self.trie.note_skipped_checkpoint(seq, step)
             return
         frozen = None
         if partial:
             if not (self.block_manager.can_allocate(1) or self.trie.evict_blocks(1)):
                 self.state_manager.free(slot)
+                self.trie.note_skipped_checkpoint(seq, step)
                 return
             frozen = self.block_manager.allocate(1)[0]
         ck = self.trie.reserve_checkpoint(seq, step, slot, frozen)
@@ -218,6 +259,23 @@ class Scheduler:
         out.state_saves.append((seq.state_slot, slot))
         if frozen is not None:
             out.kv_saves.append((seq.block_ids[step // self.block_size], frozen))
+
+    def plan_reply_checkpoints(self, seqs: list[SchedulerSequence]) -> SchedulerOutput:
+        """Reserve checkpoints of finishing sequences after every token they consumed (prompt + reply minus the
+        last sampled token); the caller queues the save copies, then calls `publish_reserved`, then `finish`."""
+        out = SchedulerOutput()
+        if self.trie is None or not self.trie.is_hybrid or not self.cache_config.prefix_cache_reply_checkpoints:
+            return out
+        for seq in seqs:
+            if seq.state_slot is not None and seq.num_computed > 0:
+                self._reserve_checkpoint(seq, seq.num_computed, out)
+        return out
+
+    def publish_reserved(self, out: SchedulerOutput) -> None:
+        if self.trie is None:
+            return
+        for seq, ck in out.reserved:
+            self.trie.publish_checkpoint(seq, ck)
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _reserve_blocks(self, seq: SchedulerSequence, n: int, scheduled: list[SchedulerSequence]) -> bool:

@@ -16,13 +16,23 @@ from ..state_manager import StateManager
 from .checkpoint_index import StateCheckpointIndex
 from .node import CheckpointState, MMIdentity, Node, NodeStateCheckpoint
 
+_VALUE_WINDOW = 16
+
 
 class StateCheckpointLifecycle:
 
-    def __init__(self, block_manager: BlockManager, state_manager: StateManager, index: StateCheckpointIndex):
+    def __init__(self, block_manager: BlockManager, state_manager: StateManager, index: StateCheckpointIndex,
+                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0):
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.index = index
+        # Eviction by value: among the `_VALUE_WINDOW` least recently used candidates, evict the one that saves the
+        # least compute (tokens skipped) per byte held (state row + frozen block + kept logits).
+        self.value_eviction = value_eviction
+        self.state_row_bytes = max(state_row_bytes, 1)
+        self.kv_block_bytes = kv_block_bytes
+        # Called with every checkpoint released by eviction (miss attribution).
+        self.on_evict = None
         self._live: set[NodeStateCheckpoint] = set()
         # Published and unpinned, least recently used first.
         self._evictable: OrderedDict[NodeStateCheckpoint, None] = OrderedDict()
@@ -88,15 +98,40 @@ class StateCheckpointLifecycle:
         if ck.frozen_block_id is not None:
             self.block_manager.free([ck.frozen_block_id])
 
+    def bytes_held(self, ck: NodeStateCheckpoint) -> int:
+        logits = getattr(ck.last_logits, 'nbytes', 0) if ck.last_logits is not None else 0
+        return self.state_row_bytes + (self.kv_block_bytes if ck.is_partial else 0) + int(logits)
+
+    def value(self, ck: NodeStateCheckpoint) -> float:
+        """Compute saved per byte held: the tokens a hit skips over the bytes the checkpoint holds."""
+        return ck.step / self.bytes_held(ck)
+
     def evict_one(self, partial_only: bool, cause: str) -> bool:
-        """Release the least recently used unpinned published checkpoint (only partial ones if asked)."""
+        """Release one unpinned published checkpoint (only partial ones if asked): the least recently used, or
+        with value eviction the lowest-value one among the least recently used few."""
+        victim, window = None, []
         for ck in self._evictable:
-            if not partial_only or ck.is_partial:
-                self.release(ck)
-                self.num_evicted += 1
-                self.evictions_by_cause[cause] += 1
-                return True
-        return False
+            if partial_only and not ck.is_partial:
+                continue
+            if not self.value_eviction:
+                victim = ck
+                break
+            window.append(ck)
+            if len(window) == _VALUE_WINDOW:
+                break
+        if window:
+            victim = min(window, key=self.value)
+        if victim is None:
+            return False
+        self.evict(victim, cause)
+        return True
+
+    def evict(self, ck: NodeStateCheckpoint, cause: str) -> None:
+        if self.on_evict is not None:
+            self.on_evict(ck)
+        self.release(ck)
+        self.num_evicted += 1
+        self.evictions_by_cause[cause] += 1
 
     def is_evictable(self, ck: NodeStateCheckpoint) -> bool:
         return ck in self._evictable

@@ -21,6 +21,9 @@ class TrieKVLifecycle:
         self.block_size = block_size
         self.roots: dict[str | None, Node] = {}
         self._by_hash: dict[int, Node] = {}
+        # Every attached node. Ownership is counted from this set, not from `_by_hash`: two nodes may share a
+        # chained hash (a collision under different parents) and each still holds its own block reference.
+        self._nodes: set[Node] = set()
         self._leaves: set[Node] = set()
         self.num_nodes = 0
         self.num_evicted = 0
@@ -56,7 +59,8 @@ class TrieKVLifecycle:
                     mm_identity=mm_identity, last_access=now)
         self.block_manager.add_ref([block_id])
         parent.children[h] = node
-        self._by_hash[h] = node
+        self._by_hash.setdefault(h, node)
+        self._nodes.add(node)
         self._leaves.discard(parent)
         self._leaves.add(node)
         self.num_nodes += 1
@@ -76,7 +80,9 @@ class TrieKVLifecycle:
         assert node.is_leaf and not node.is_root and not node.checkpoints
         parent = node.parent
         del parent.children[node.hash]
-        self._by_hash.pop(node.hash, None)
+        if self._by_hash.get(node.hash) is node:
+            del self._by_hash[node.hash]
+        self._nodes.discard(node)
         self._leaves.discard(node)
         if not parent.is_root and parent.is_leaf:
             self._leaves.add(parent)
@@ -87,6 +93,6 @@ class TrieKVLifecycle:
 
     def owners(self) -> Counter:
         blocks: Counter = Counter()
-        for node in self._by_hash.values():
+        for node in self._nodes:
             blocks[node.block_id] += 1
         return blocks

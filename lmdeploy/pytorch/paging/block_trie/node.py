@@ -88,6 +88,9 @@ class NodeStateCheckpoint:
     last_access: int = 0
     # Position in the vectorised index arrays (None when not indexed).
     index_pos: int | None = None
+    # Logits of the last prompt position (a prompt-end checkpoint): an identical prompt samples its first token
+    # from them instead of recomputing. Opaque to paging (a host tensor).
+    last_logits: object | None = None
 
     @property
     def published(self) -> bool:

@@ -1,0 +1,175 @@
+"""CPU cost of prefix matching (`BlockTrie.match`) per request, against live checkpoints and prefix length.
+
+Paging layer only: no model, no device. A trie is populated through the public methods the scheduler uses
+(`attach`, `reserve_checkpoint`, `publish_checkpoint`), then `match` is timed for a request that extends the cached
+prefix by a few tokens (a hit at the prefix end) and for an unrelated request of the same length (a miss).
+
+Population, for a prefix of L tokens and N live checkpoints (block size 64):
+- the prefix itself is attached as a path of L // 64 nodes;
+- min(N // 2, 64) checkpoints lie on that path at evenly spaced steps, one of them at L (the earlier turn's end);
+- min(rest, 256) "deep" branches fork off the path at random block boundaries with a 1..127-token tail;
+- the rest are "shallow" branches forking within the first 1K tokens (requests sharing a system prompt).
+Branch checkpoints anchored on a path node are candidates for the query and must be rejected by verification.
+
+Columns: `cands` = candidates the index prefilter returns for the hit query; `hit` = the resume step found;
+`match_us` = median wall time of `match` (hit query), split into `walk_us` (block-by-block trie walk) and
+`index_us` (vectorised candidate prefilter); `miss_us` = median `match` time of the unrelated query;
+`ck_MB` = memory of the checkpoints' frozen token arrays (each keeps its token ids [0, step)).
+
+    python benchmark/bench_prefix_match.py            # 100 / 1k / 10k checkpoints x 1K / 16K / 128K tokens
+    python benchmark/bench_prefix_match.py --quick    # 100 / 1k checkpoints x 1K / 16K tokens
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmdeploy.pytorch.messages import SamplingParams, SchedulerSequence
+from lmdeploy.pytorch.paging.block_manager import BlockManager
+from lmdeploy.pytorch.paging.block_trie.block_trie import BlockTrie, PrefixMatch
+from lmdeploy.pytorch.paging.state_manager import StateManager
+
+VOCAB = 150_000
+MAX_ON_PATH = 64
+MAX_DEEP = 256
+SHALLOW_TOKENS = 1024
+
+
+@dataclass
+class Setup:
+    trie: BlockTrie
+    hit_query: SchedulerSequence
+    miss_query: SchedulerSequence
+
+
+class Populator:
+    """Builds sequences and checkpoints through the trie's public methods."""
+
+    def __init__(self, prefix_len: int, num_checkpoints: int, block_size: int, seed: int):
+        self.bs = block_size
+        self.rng = np.random.default_rng(seed)
+        num_path_blocks = prefix_len // block_size
+        num_blocks = num_path_blocks + 2 * num_checkpoints + 16
+        self.block_manager = BlockManager(num_blocks)
+        self.state_manager = StateManager(num_checkpoints + 2)
+        self.trie = BlockTrie(self.block_manager, self.state_manager, block_size, exact_steps=True)
+        self._next_id = 0
+
+    def _seq(self, tokens: np.ndarray) -> SchedulerSequence:
+        self._next_id += 1
+        # Population passes an int64 array as token ids (np.asarray is then free); the timed queries use lists, as
+        # the engine does.
+        return SchedulerSequence(seq_id=self._next_id, token_ids=tokens, num_prompt_tokens=len(tokens),
+                                 sampling=SamplingParams(max_new_tokens=1))
+
+    def _checkpoint(self, seq: SchedulerSequence, step: int) -> None:
+        slot = self.state_manager.allocate()
+        frozen = self.block_manager.allocate(1)[0] if step % self.bs else None
+        ck = self.trie.reserve_checkpoint(seq, step, slot, frozen)
+        self.trie.publish_checkpoint(seq, ck)
+
+    def base_path(self, base: np.ndarray, steps: list[int]):
+        """Attach the prefix and publish checkpoints at `steps` along it; returns its nodes."""
+        seq = self._seq(base)
+        seq.block_ids = self.block_manager.allocate(-(-len(base) // self.bs))
+        seq.num_computed = len(base)
+        nodes = self.trie.attach(seq)
+        for step in steps:
+            self._checkpoint(seq, step)
+        self.trie.on_released(seq)
+        self.block_manager.free(seq.block_ids)
+        return nodes
+
+    def branch(self, base: np.ndarray, nodes, depth: int, tail_len: int) -> None:
+        """A request sharing `depth` blocks of the prefix, then `tail_len` tokens of its own; checkpoint at its end."""
+        tail = self.rng.integers(0, VOCAB, tail_len, dtype=np.int64)
+        tokens = np.concatenate([base[:depth * self.bs], tail])
+        seq = self._seq(tokens)
+        own = self.block_manager.allocate(-(-len(tokens) // self.bs) - depth)
+        seq.block_ids = [n.block_id for n in nodes[:depth]] + own
+        seq.num_computed = len(tokens)
+        self.trie.on_admitted(seq, PrefixMatch(depth * self.bs, list(nodes[:depth]), None), first_admission=False)
+        self._checkpoint(seq, len(tokens))
+        self.trie.on_released(seq)
+        self.block_manager.free(own)
+
+
+def build(prefix_len: int, num_checkpoints: int, block_size: int, seed: int = 0) -> Setup:
+    pop = Populator(prefix_len, num_checkpoints, block_size, seed)
+    rng = pop.rng
+    base = rng.integers(0, VOCAB, prefix_len, dtype=np.int64)
+    num_on_path = min(num_checkpoints // 2, MAX_ON_PATH)
+    steps = sorted({int(s) for s in np.linspace(prefix_len / num_on_path, prefix_len, num_on_path)})
+    nodes = pop.base_path(base, steps)
+    rest = num_checkpoints - len(steps)
+    num_deep = min(rest, MAX_DEEP)
+    shallow_depth = max(1, min(len(nodes), SHALLOW_TOKENS // block_size))
+    for i in range(rest):
+        depth_limit = len(nodes) if i < num_deep else shallow_depth
+        pop.branch(base, nodes, int(rng.integers(0, depth_limit)), int(rng.integers(1, 2 * block_size)))
+    assert pop.trie.num_checkpoints == num_checkpoints, pop.trie.num_checkpoints
+    hit = SchedulerSequence(seq_id=-1, token_ids=base.tolist() + rng.integers(0, VOCAB, 7).tolist(),
+                            num_prompt_tokens=prefix_len + 7, sampling=SamplingParams())
+    miss = SchedulerSequence(seq_id=-2, token_ids=rng.integers(0, VOCAB, prefix_len + 7).tolist(),
+                             num_prompt_tokens=prefix_len + 7, sampling=SamplingParams())
+    return Setup(pop.trie, hit, miss)
+
+
+def median_us(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1e3
+
+
+def measure(setup: Setup, repeats: int) -> dict:
+    trie, hit = setup.trie, setup.hit_query
+    match = trie.match(hit)
+    tokens = np.asarray(hit.token_ids, dtype=np.int64)
+    path = trie._match_path(hit, tokens, len(tokens) // trie.block_size)
+    anchors = np.array([trie.kv.root(None).hash] + [n.hash for n in path], dtype=np.uint64)
+    candidates = trie.index.candidates(None, anchors, max_step=len(tokens) - 1)
+    ck_bytes = sum(ck.token_ids.nbytes for ck in trie.checkpoints.live())
+    return dict(
+        cands=len(candidates), hit=match.num_tokens,
+        match_us=median_us(lambda: trie.match(hit), repeats),
+        walk_us=median_us(lambda: trie._match_path(hit, np.asarray(hit.token_ids, dtype=np.int64),
+                                                   len(tokens) // trie.block_size), repeats),
+        index_us=median_us(lambda: trie.index.candidates(None, anchors, max_step=len(tokens) - 1), repeats),
+        miss_us=median_us(lambda: trie.match(setup.miss_query), repeats),
+        ck_MB=ck_bytes / 2**20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--quick', action='store_true', help='small grid (100 / 1k checkpoints x 1K / 16K tokens)')
+    parser.add_argument('--block-size', type=int, default=64)
+    parser.add_argument('--repeats', type=int, default=0, help='timed calls per cell (default: 20, quick: 5)')
+    args = parser.parse_args()
+    checkpoints = (100, 1000) if args.quick else (100, 1000, 10_000)
+    prefixes = (1024, 16 * 1024) if args.quick else (1024, 16 * 1024, 128 * 1024)
+    repeats = args.repeats or (5 if args.quick else 20)
+    header = (f'{"prefix":>7} {"ckpts":>6} {"cands":>6} {"hit":>7} {"match_us":>9} {"walk_us":>8} '
+              f'{"index_us":>8} {"miss_us":>8} {"ck_MB":>7} {"build_s":>7}')
+    print(f'BlockTrie.match, block_size {args.block_size}, median of {repeats} calls')
+    print(header)
+    print('-' * len(header))
+    for prefix_len in prefixes:
+        for num_checkpoints in checkpoints:
+            start = time.perf_counter()
+            setup = build(prefix_len, num_checkpoints, args.block_size)
+            build_s = time.perf_counter() - start
+            row = measure(setup, repeats)
+            print(f'{prefix_len:>7} {num_checkpoints:>6} {row["cands"]:>6} {row["hit"]:>7} '
+                  f'{row["match_us"]:>9.1f} {row["walk_us"]:>8.1f} {row["index_us"]:>8.1f} {row["miss_us"]:>8.1f} '
+                  f'{row["ck_MB"]:>7.1f} {build_s:>7.2f}', flush=True)
+
+
+if __name__ == '__main__':
+    main()
