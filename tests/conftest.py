@@ -7,6 +7,9 @@ import pytest
 import torch
 
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+# Tiny models gain nothing from intra-op threads, and engine loop threads plus OpenMP pools oversubscribe a small CI
+# machine badly (spinning workers made some files 10x slower).
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
