@@ -66,7 +66,9 @@ class CacheEngine:
         kbs = cache_config.kernel_block_size
         self.num_pages = cache_config.num_blocks * cache_config.pages_per_block
         page_bytes = kv_page_bytes(model_config, kbs, self.dtype)
-        self.kv_pool = torch.zeros(model_config.num_attn_layers, self.num_pages, page_bytes,
+        # Never zero-filled: every KV position is written before it is read (kernels mask by kv_len), and touching
+        # GiBs of pages up front costs seconds and resident memory on CPU.
+        self.kv_pool = torch.empty(model_config.num_attn_layers, self.num_pages, page_bytes,
                                    dtype=torch.uint8, device=device)
         self.kv_caches = [self._kv_views(layer) for layer in range(model_config.num_attn_layers)]
         self.state_layout, row_bytes = state_row_layout(model_config)

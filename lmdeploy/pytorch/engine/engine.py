@@ -26,7 +26,7 @@ from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
 
 logger = logging.getLogger('lmdeploy')
-_CPU_CACHE_BUDGET = 4 << 30
+_CPU_CACHE_BUDGET = 1 << 30
 
 
 def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
