@@ -151,10 +151,10 @@ class EngineProbe:
     def _wrap_match(self) -> None:
         original = self.trie.match
 
-        def timed_match(seq):
+        def timed_match(seq, *args, **kwargs):
             start = time.thread_time()
             try:
-                return original(seq)
+                return original(seq, *args, **kwargs)
             finally:
                 self.match_s += time.thread_time() - start
                 self.match_calls += 1
