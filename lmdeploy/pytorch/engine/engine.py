@@ -68,6 +68,7 @@ class Engine:
         self._collected_logits: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count(1)
         self.wakeup = threading.Event()
+        self.last_step_idle = False
 
     # ---- sizing -----------------------------------------------------------------------------------------------
     def _num_state_slots(self, model_config: ModelConfig) -> int:
@@ -194,8 +195,15 @@ class Engine:
             commands, self._commands = self._commands, []
         outputs = [out for seq_id, command in commands for out in self._run_command(seq_id, command)]
         sched = self.scheduler.schedule()
-        if not sched.is_empty or sched.has_copies:
+        # True when this step ran nothing on the device (the loop thread then backs off instead of spinning).
+        self.last_step_idle = sched.is_empty and not sched.has_copies
+        if not self.last_step_idle:
             outputs += self._run_forward(sched)
+        elif self.scheduler.waiting and not self.scheduler.running:
+            # Nothing runs and the head of the queue still cannot be admitted: it never will be (everything else
+            # the pools hold is evictable), so fail it instead of spinning.
+            seq = self.scheduler.waiting[0]
+            outputs.append(self._fail(seq, 'the request does not fit in the KV cache / state pool'))
         for out in outputs:
             self._deliver(out)
         return outputs

@@ -28,8 +28,14 @@ class EngineLoop:
                 continue
             try:
                 engine.step()
+                if engine.last_step_idle:
+                    # Nothing ran (e.g. waiting for memory): back off instead of spinning.
+                    engine.wakeup.wait(timeout=0.005)
+                    engine.wakeup.clear()
             except Exception:  # the loop must survive anything a step throws
                 logger.exception('engine step failed')
+                engine.wakeup.wait(timeout=0.05)
+                engine.wakeup.clear()
 
     def close(self) -> None:
         self._stop.set()
