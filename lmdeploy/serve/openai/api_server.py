@@ -308,7 +308,10 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = 'not_found' if exc.status_code == 404 else None
-        return await api_error(_, APIError(exc.status_code, str(exc.detail), code=code))
+        message = str(exc.detail)
+        if exc.__cause__ is not None:  # FastAPI's "error parsing the body" hides why (bad UTF-8, nesting too deep)
+            message = f'{message}: {exc.__cause__}'
+        return await api_error(_, APIError(exc.status_code, message, code=code))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:

@@ -10,9 +10,18 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from ...messages import GenerationConfig, Response
 
@@ -27,8 +36,23 @@ def now() -> int:
     return int(time.time())
 
 
+def _encodable(text: str) -> str:
+    # JSON may carry lone surrogates ("\ud800"); they are not Unicode text and no tokenizer can encode them.
+    try:
+        text.encode('utf-8')
+    except UnicodeEncodeError as exc:
+        raise ValueError(f'the text is not valid Unicode (a lone surrogate at position {exc.start})') from None
+    return text
+
+
+# User text: a JSON string (no coercion) that is valid Unicode.
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
+
+
 class _Record(BaseModel):
-    model_config = ConfigDict(extra='ignore')
+    # strict: JSON types are not coerced ("10" is not an int, 1 is not a bool), as the OpenAI API rejects them;
+    # NaN and Infinity (which Python's JSON parser accepts) are not numbers a sampler can use.
+    model_config = ConfigDict(extra='ignore', strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Record):
@@ -41,7 +65,7 @@ class _SamplingRequest(_Record):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -86,12 +110,12 @@ class _SamplingRequest(_Record):
 
 class TextContentPart(_Record):
     type: Literal['text']
-    text: str
+    text: Text
 
 
 class ChatMessage(_Record):
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
-    content: StrictStr | list[TextContentPart] | None = None
+    content: Text | list[TextContentPart] | None = None
 
     def as_template_message(self) -> dict:
         content = self.content if isinstance(self.content, str) else ''.join(p.text for p in self.content or ())
@@ -127,7 +151,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
