@@ -14,6 +14,7 @@ from ...kernels.cuda.rms_norm import gated_rms_norm, rms_norm
 from ...kernels.cuda.rotary import apply_rotary
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
+from ..default import causal_conv1d_builder, gated_delta_rule_builder
 
 
 def _const(fn):
@@ -40,26 +41,20 @@ def _fla_available() -> bool:
         return False
 
 
+_build_fla_gated_delta_rule = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule)
+
+
 def _build_gated_delta_rule(**kwargs):
     default = DEFAULT_BACKEND.build(OpType.GatedDeltaRule, **kwargs)
     if not _fla_available():  # fla-core is the `cuda` extra; without it the torch kernels still run on the GPU
         return default
+    fla = _build_fla_gated_delta_rule(**kwargs)
 
     def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
-        if q.dtype == torch.float32:
-            # fla computes float32 inputs with TF32 matmuls (~1e-2 off); float32 serving is for exactness, so it
-            # keeps the exact torch kernels. bf16 / fp16 take fla.
-            return default(q, k, v, g, beta, state, inputs, use_qk_l2norm=use_qk_l2norm)
-        kernel = _gdr.recurrent_gated_delta_rule if inputs.is_decode else _gdr.chunk_gated_delta_rule
-        return kernel(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
-                      use_qk_l2norm=use_qk_l2norm)
-    return forward
-
-
-def _build_causal_conv1d(**_kwargs):
-    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
-        return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
-                                   inputs.cu_seqlens_q, activation=activation)
+        # fla computes float32 inputs with TF32 matmuls (~1e-2 off); float32 serving is for exactness, so it keeps
+        # the exact torch kernels. bf16 / fp16 take fla.
+        impl = default if q.dtype == torch.float32 else fla
+        return impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=use_qk_l2norm)
     return forward
 
 
@@ -69,7 +64,7 @@ _BUILDERS = {
     OpType.RMSNorm: _const(rms_norm),
     OpType.GatedRMSNorm: _const(gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
-    OpType.CausalConv1d: _build_causal_conv1d,
+    OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.MoE: _const(fused_moe),
 }

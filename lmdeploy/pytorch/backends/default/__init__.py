@@ -24,20 +24,30 @@ def _build_attention(**_kwargs):
     return forward
 
 
-def _build_gated_delta_rule(**_kwargs):
-    def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
-        # Pure decode batches take the token-by-token form; anything with a prefill takes the chunked form.
-        kernel = _gdr.recurrent_gated_delta_rule if inputs.is_decode else _gdr.chunk_gated_delta_rule
-        return kernel(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
-                      use_qk_l2norm=use_qk_l2norm)
-    return forward
+def gated_delta_rule_builder(chunk_fn, recurrent_fn):
+    """A builder over a (chunked, recurrent) kernel pair with the default kernels' signatures."""
+    def build(**_kwargs):
+        def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
+            # Pure decode batches take the token-by-token form; anything with a prefill takes the chunked form.
+            kernel = recurrent_fn if inputs.is_decode else chunk_fn
+            return kernel(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
+                          use_qk_l2norm=use_qk_l2norm)
+        return forward
+    return build
 
 
-def _build_causal_conv1d(**_kwargs):
-    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
-        return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
-                                   inputs.cu_seqlens_q, activation=activation)
-    return forward
+def causal_conv1d_builder(conv_fn):
+    """A builder over a causal conv1d kernel with the default kernel's signature."""
+    def build(**_kwargs):
+        def forward(x, weight, bias, conv_state, inputs, activation='silu'):
+            return conv_fn(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh, inputs.cu_seqlens_q,
+                           activation=activation)
+        return forward
+    return build
+
+
+_build_gated_delta_rule = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule)
+_build_causal_conv1d = causal_conv1d_builder(_conv.causal_conv1d)
 
 
 _BUILDERS = {
