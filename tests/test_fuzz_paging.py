@@ -746,8 +746,6 @@ def _run_to_idle(s: Scheduler, max_steps: int = 50) -> None:
         s.check_integrity()
 
 
-@pytest.mark.xfail(reason='livelock: a hit pins its partial checkpoint, whose frozen block then makes the admission '
-                          'fail forever; a cold admission would fit (see docs/reliability.md)', strict=False)
 def test_hit_needing_the_whole_pool_is_admitted_cold():
     # 5 blocks of 4 tokens (session_len 20). A 10-token prompt leaves trie nodes for [0, 8) and a partial checkpoint
     # at 10 (frozen block). A 19-token prompt extending it needs all 5 blocks: as a hit it keeps the 2 shared blocks

@@ -296,6 +296,26 @@ def test_soak_long(tiny_model_factory):
     print(f'\nsoak ({num_requests} requests, seed {SEED}): {figures.line()}')
 
 
+def test_request_that_fits_is_served_after_a_partial_hit(tiny_model_factory):
+    # 5 blocks of 16 tokens: session_len 80. The 40-token prompt leaves a partial checkpoint at 40 (frozen block);
+    # the 79-token prompt extending it fits the pool cold (5 blocks) but not as a hit (2 shared + the pinned frozen
+    # block + 3 new > 5). The cache-off engine serves both.
+    path = tiny_model_factory('qwen3_5')
+    first = [(7 * i) % VOCAB for i in range(40)]
+    second = first + [(11 * i + 3) % VOCAB for i in range(39)]
+    for cache in (False, True):
+        engine = Engine(path, PytorchEngineConfig(device_type='cpu', block_size=BLOCK_SIZE, kernel_block_size=8,
+                                                  num_gpu_blocks=5, max_batch_size=1, enable_prefix_caching=cache))
+        requests = [Request(first, 1), Request(second, 1)]
+        for request in requests:
+            engine.add_request(request.prompt, SamplingParams(max_new_tokens=1), callback=request.on_output)
+            for _ in range(20):
+                if not engine.has_work:
+                    break
+                engine.step()
+        assert [(r.finish_reason, r.error) for r in requests] == [('length', None)] * 2, f'cache={cache}'
+
+
 def main() -> None:
     import tempfile
 

@@ -166,8 +166,16 @@ class Scheduler:
     def _admit(self, seq: SchedulerSequence, budget: int, chunk_ok: bool, out: SchedulerOutput) -> int | None:
         """Match the prefix cache, then give a waiting sequence its blocks and state slot; all or nothing.
         Returns the number of tokens it feeds in this forward (0: its whole prompt is cached and its first token
-        comes from kept logits), or None when it cannot be admitted (nothing changed then)."""
+        comes from kept logits), or None when it cannot be admitted (nothing changed then). A hit whose pinned
+        checkpoint and shared blocks leave too little room is retried cold, so it never blocks the queue."""
         match = self.trie.match(seq, peers=self.running) if self.trie is not None else PrefixMatch(0, [], None)
+        n = self._admit_with(seq, match, budget, chunk_ok, out)
+        if n is None and match.num_tokens > 0:
+            n = self._admit_with(seq, PrefixMatch(0, [], None, match.junction, match.miss), budget, chunk_ok, out)
+        return n
+
+    def _admit_with(self, seq: SchedulerSequence, match: PrefixMatch, budget: int, chunk_ok: bool,
+                    out: SchedulerOutput) -> int | None:
         ck = match.checkpoint
         logits_hit = match.num_tokens == seq.num_tokens
         remaining = seq.num_tokens - match.num_tokens
