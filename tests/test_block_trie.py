@@ -412,20 +412,22 @@ def test_state_pressure_evicts_the_least_recently_used_checkpoint():
     assert sorted((int(ck.token_ids[0]), ck.step) for ck in live(s)) == [(100, 6), (100, 8), (300, 6)]
 
 
-def test_running_request_keeps_attaching_after_its_deduplicated_nodes_are_evicted():
-    # B deduplicates its blocks onto A's trie nodes (same prompt, same batch) but holds no reference on them. After
-    # A finishes, KV pressure evicts those nodes while B still runs. B's later full blocks must hang off live
-    # nodes (its own blocks are re-attached), never off evicted ones, and stay reusable.
+def test_running_request_adopts_the_trie_blocks_it_duplicates():
+    # B computes the same prompt as A in the same batch, privately. When its full blocks are attached, the trie
+    # already holds A's: B adopts them (one reference each) and frees its duplicates, so those nodes cannot be
+    # evicted under B (otherwise they could become unevictable interior nodes over B's own blocks) and B's later
+    # blocks hang off them.
     s = make_scheduler(num_blocks=8, hybrid=False)
     a, b = make_seq(tokens(8), max_new_tokens=1), make_seq(tokens(8), max_new_tokens=6)
     s.add(a)
     s.add(b)
-    step(s)                                      # A: blocks [0, 1] -> trie; B: blocks [2, 3], path = A's nodes
-    assert [n.block_id for n in s.trie._paths[b.seq_id]] == [0, 1] and b.block_ids == [2, 3]
-    other = make_seq(tokens(16, start=100))      # needs 4 blocks: evicts A's nodes (only the trie holds them)
+    step(s)                                      # A: blocks [0, 1] -> trie; B computed [2, 3], then adopts [0, 1]
+    assert [n.block_id for n in s.trie._paths[b.seq_id]] == [0, 1] and b.block_ids[:2] == [0, 1]
+    assert s.block_manager.ref_count(0) == 2 and s.block_manager.ref_count(2) == 0
+    other = make_seq(tokens(16, start=100))      # needs 4 blocks; A's nodes are held by B, so not evicted
     s.add(other)
     step(s)
-    assert s.trie.kv.num_evicted >= 1
+    assert all(n.attached for n in s.trie._paths[b.seq_id])
     while not b.is_finished:
         step(s)
     follow = make_seq(b.token_ids[:12] + [77, 78])
@@ -634,3 +636,17 @@ def test_integrity_check_catches_a_leaked_reference():
         s.check_integrity()
     s.state_manager.free(slot)
     s.check_integrity()
+
+
+def test_identical_prompts_served_from_kept_logits_count_toward_the_batch_size():
+    # Three identical prompts after the first: each would need no forward, but admission still respects
+    # max_batch_size (regression: logits hits used to be admitted without limit).
+    s = make_scheduler(max_batch_size=1, prefix_cache_prompt_logits=True)
+    run(s, make_seq(tokens(10)))
+    (ck,) = live(s)
+    ck.last_logits = 'logits of position 9'
+    for _ in range(3):
+        s.add(make_seq(tokens(10), max_new_tokens=2))
+    out = begin(s)
+    assert len(out.logits_hits) == 1 and not out.seqs
+    assert len(s.running) == 1 and len(s.waiting) == 2

@@ -47,7 +47,7 @@ ADAPTERS = (None, None, None, 'lora')
 MM_LENGTH = {1: 1, 2: 2, 3: 3}
 
 # Requests may need up to the whole pool (minus one block) instead of half of it; see Config.max_total_tokens.
-FULL_POOL_REQUESTS = False
+FULL_POOL_REQUESTS = True
 # Totals over every example of a run, printed at the end of each test (for docs/reliability.md).
 FIGURES: Counter = Counter()
 
@@ -763,8 +763,6 @@ def test_hit_needing_the_whole_pool_is_admitted_cold():
     assert long.is_finished, f'still {long.status.name} after 50 steps'
 
 
-@pytest.mark.xfail(reason='livelock: trie nodes a request deduplicated onto become interior nodes over its own '
-                          'blocks and can never be evicted (see docs/reliability.md)', strict=False)
 def test_request_is_not_starved_by_duplicate_interior_nodes():
     # Found by the state machine (2-token blocks, 7 blocks, one running request, 2 usable state rows, 3-token
     # prefill chunks). A and B (11 zeros) leave trie nodes for [0, 8). C has the same tokens but an image at [8, 10),

@@ -117,7 +117,7 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= min(n, budget)
         has_prefill = any(n > 1 for n in out.num_new_tokens)
-        while self.waiting and budget > 0 and len(out.seqs) < self.config.max_batch_size:
+        while self.waiting and budget > 0 and len(out.seqs) + len(out.logits_hits) < self.config.max_batch_size:
             seq = self.waiting[0]
             n = self._admit(seq, budget, chunk_ok=not has_prefill, out=out)
             if n is None:

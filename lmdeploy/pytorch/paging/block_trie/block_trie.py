@@ -258,6 +258,14 @@ class BlockTrie:
                                   mm_identity_of(seq, i * bs, (i + 1) * bs), now)
             if node is None:
                 break
+            if node.block_id != seq.block_ids[i]:
+                # The trie already holds this block (computed by another request): adopt it and free the private
+                # duplicate. The block is full, so it is never written again; holding a reference keeps the node
+                # from being evicted under the running request (else it could become an unevictable interior node
+                # over the request's own blocks).
+                self.block_manager.add_ref([node.block_id])
+                self.block_manager.free([seq.block_ids[i]])
+                seq.block_ids[i] = node.block_id
             node.last_access = now
             self.misses.note_attached_block(node.hash)
             path.append(node)
