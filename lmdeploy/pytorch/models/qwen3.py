@@ -8,9 +8,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model_inputs import StepContext
-from ..nn.activation import SiluAndMul
+from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention
-from ..nn.linear import Embedding, Linear
+from ..nn.linear import Embedding, Linear, MergedLinear
 from ..nn.norm import RMSNorm
 from ..nn.rotary import RotaryEmbedding
 from .weight_loading import load_weights
@@ -30,7 +30,7 @@ class Qwen3Attention(nn.Module):
         bias = getattr(cfg, 'attention_bias', False)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, self.qkv_sizes, bias=bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -46,25 +46,12 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
 
-class Qwen3MLP(nn.Module):
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class Qwen3DecoderLayer(nn.Module):
 
     def __init__(self, cfg, cache_index: int):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, cache_index)
-        self.mlp = Qwen3MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -122,11 +109,9 @@ class Qwen3ForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        attn = self.model.layers[0].self_attn
-        shard_sizes = {'qkv_proj': attn.qkv_sizes,
-                       'gate_up_proj': [self.config.intermediate_size] * 2}
-        skip = (lambda name: name.startswith('lm_head.')) if self.tie_word_embeddings else None
-        loaded = load_weights(self, weights, self.stacked_params, shard_sizes, skip=skip)
+        if self.tie_word_embeddings:
+            weights = ((name, t) for name, t in weights if not name.startswith('lm_head.'))
+        loaded = load_weights(self, weights, self.stacked_params)
         missing = set(dict(self.named_parameters())) - loaded
         if missing:
             raise ValueError(f'checkpoint is missing weights: {sorted(missing)[:8]}')

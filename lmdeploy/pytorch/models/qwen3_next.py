@@ -19,14 +19,14 @@ from torch import nn
 
 from ..config import ModelConfig, StateSpec
 from ..model_inputs import StepContext
-from ..nn.activation import SiluAndMul
+from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention
 from ..nn.gated_delta import CausalConv1d, GatedDeltaRule, gated_delta_gating
-from ..nn.linear import Embedding, Linear
-from ..nn.moe import FusedExperts, SparseMoeBlock
+from ..nn.linear import Embedding, Linear, MergedLinear
+from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
 from ..nn.rotary import RotaryEmbedding
-from .weight_loading import StackedMapping, copy_param, copy_shard
+from .weight_loading import StackedMapping, load_weights
 
 LINEAR_ATTENTION = 'linear_attention'
 FULL_ATTENTION = 'full_attention'
@@ -48,27 +48,6 @@ def layer_types_of(cfg) -> list[str]:
     if unknown:
         raise NotImplementedError(f'layer types {sorted(unknown)} are not supported')
     return types
-
-
-class MergedLinear(Linear):
-    """A linear layer whose output rows concatenate several checkpoint projections (`shard_sizes`, in order)."""
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(shard_sizes), bias)
-        self.shard_sizes = list(shard_sizes)
-
-
-class GatedMLP(nn.Module):
-    """SwiGLU MLP with a fused gate/up projection."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, hidden_size)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class GatedAttention(nn.Module):
@@ -247,7 +226,7 @@ class HybridForCausalLM(nn.Module):
         return tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loaded = load_hybrid_weights(self, self._renamed(weights), self.stacked_params)
+        loaded = load_weights(self, self._renamed(weights), self.stacked_params)
         missing = set(dict(self.named_parameters())) - loaded
         if missing:
             raise ValueError(f'checkpoint is missing weights: {sorted(missing)[:8]}')
@@ -257,40 +236,6 @@ class HybridForCausalLM(nn.Module):
             name = self.rename_weight(name)
             if name is not None:
                 yield name, self.convert_weight(name, tensor)
-
-
-def load_hybrid_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                        stacked: StackedMapping) -> set[str]:
-    """Copy checkpoint tensors into `model`; returns the names of the parameters written.
-
-    Three routes: expert weights go to their `FusedExperts` (per-expert or fused keys); shards of a stacked
-    projection go into the `MergedLinear` that owns them (shard sizes come from that layer); the rest copy 1:1.
-    """
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        prefix, sep, key = name.partition('.experts.')
-        if sep and isinstance(modules.get(prefix + '.experts'), FusedExperts):
-            written = modules[prefix + '.experts'].load_weight(key, tensor)
-            loaded.update(f'{prefix}.experts.{p}' for p in written)
-            continue
-        for fused, part, index in stacked:
-            suffix = next((s for s in ('weight', 'bias') if name.endswith(f'.{part}.{s}')), None)
-            if suffix is None:
-                continue
-            target = name[:-len(f'{part}.{suffix}')] + f'{fused}.{suffix}'
-            owner = modules.get(target.rsplit('.', 1)[0])
-            if target in params and isinstance(owner, MergedLinear):
-                copy_shard(params[target], tensor, owner.shard_sizes, index, name)
-                loaded.add(target)
-                break
-        else:
-            if name not in params:
-                raise ValueError(f'unexpected checkpoint weight {name!r}')
-            copy_param(params[name], tensor, name)
-            loaded.add(name)
-    return loaded
 
 
 # ---- Qwen3-Next ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..nn.linear import MergedLinear
+from ..nn.moe import FusedExperts
+
 # (fused param suffix, checkpoint suffix, shard index) - shards are concatenated along dim 0 in index order.
 StackedMapping = list[tuple[str, str, int]]
 
@@ -22,26 +25,32 @@ def copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard_sizes: list[int]
     copy_param(target, tensor, name)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], stacked: StackedMapping,
-                 shard_sizes: dict[str, list[int]], rename=None, skip=None) -> set[str]:
-    """Load `weights` into `model`; returns the set of parameter names that were written.
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], stacked: StackedMapping
+                 ) -> set[str]:
+    """Copy checkpoint tensors into `model`; returns the names of the parameters written.
 
-    `rename(name) -> name | None` maps checkpoint names onto model names (None drops the tensor);
-    `shard_sizes[fused_suffix]` gives the dim-0 sizes of the stacked shards.
+    Three routes: expert weights go to their `FusedExperts` (per-expert or fused keys); shards of a stacked
+    projection go into the `MergedLinear` that owns them (shard sizes come from that layer); the rest copy 1:1.
     """
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
     for name, tensor in weights:
-        name = rename(name) if rename else name
-        if name is None or (skip and skip(name)):
+        prefix, sep, key = name.partition('.experts.')
+        if sep and isinstance(modules.get(prefix + '.experts'), FusedExperts):
+            written = modules[prefix + '.experts'].load_weight(key, tensor)
+            loaded.update(f'{prefix}.experts.{p}' for p in written)
             continue
         for fused, part, index in stacked:
-            if name.endswith(f'.{part}.weight') or name.endswith(f'.{part}.bias'):
-                target = name.replace(f'.{part}.', f'.{fused}.')
-                if target in params:
-                    copy_shard(params[target], tensor, shard_sizes[fused], index, name)
-                    loaded.add(target)
-                    break
+            suffix = next((s for s in ('weight', 'bias') if name.endswith(f'.{part}.{s}')), None)
+            if suffix is None:
+                continue
+            target = name[:-len(f'{part}.{suffix}')] + f'{fused}.{suffix}'
+            owner = modules.get(target.rsplit('.', 1)[0])
+            if target in params and isinstance(owner, MergedLinear):
+                copy_shard(params[target], tensor, owner.shard_sizes, index, name)
+                loaded.add(target)
+                break
         else:
             if name not in params:
                 raise ValueError(f'unexpected checkpoint weight {name!r}')

@@ -6,6 +6,7 @@ from torch import nn
 
 from ..backends.base import OpType
 from ..backends.selector import current_backend
+from .linear import Linear, MergedLinear
 
 
 class SiluAndMul(nn.Module):
@@ -17,3 +18,16 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._impl(x)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with a fused gate/up projection (`gate_up_proj` shards: gate, up)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))

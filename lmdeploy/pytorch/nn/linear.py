@@ -20,6 +20,14 @@ class Linear(nn.Module):
         return self._impl(x, self.weight, self.bias)
 
 
+class MergedLinear(Linear):
+    """A linear layer whose output rows concatenate several checkpoint projections (`shard_sizes`, in order)."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False):
+        super().__init__(in_features, sum(shard_sizes), bias)
+        self.shard_sizes = list(shard_sizes)
+
+
 class Embedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
