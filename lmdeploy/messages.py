@@ -43,6 +43,7 @@ class PytorchEngineConfig:
     max_prefill_token_num: int = 8192
     session_len: int | None = None
     enable_prefix_caching: bool = False
+    # CUDA: run decode eagerly instead of replaying CUDA graphs captured at start-up (one per padded batch size).
     eager_mode: bool = False
     # Recurrent (hybrid) models: dtype of the recurrent state; 'float32' (default) or 'model'.
     state_dtype: str = 'float32'

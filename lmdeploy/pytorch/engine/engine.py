@@ -53,7 +53,12 @@ class Engine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid)
         backend = get_backend(engine_config.device_type)
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
-        self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device)
+        use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
+        kbs = self.cache_config.kernel_block_size
+        self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
+                                cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
+                                max_pages_per_seq=-(-self.session_len // kbs))
+        self.agent.capture_cuda_graphs()
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
                                         self.cache_config.kernel_block_size)
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',

@@ -13,6 +13,7 @@ from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
+from .cuda_graph import CUDAGraphRunner
 from .device_streams import DeviceStreams
 
 
@@ -29,12 +30,19 @@ class ForwardOutput:
 
 class ModelAgent:
 
-    def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device):
+    def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
+                 cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0):
+        """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
+        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence."""
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
         self._sample = backend.build(OpType.Sampling)
         self.streams = DeviceStreams(device)
+        self.graph_runner = None
+        if cuda_graph_batch_size > 0 and device.type == 'cuda':
+            self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
+                                                device)
 
     def _context(self, inputs: ModelInputs) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,
@@ -60,9 +68,20 @@ class ModelAgent:
     def run_model(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None) -> torch.Tensor:
         """restore copies -> model -> save copies; returns the hidden states."""
         self.restore(cache_inputs)
-        hidden = self.model(self._context(inputs))
+        if self.graph_runner is not None and self.graph_runner.supports(inputs):
+            hidden = self.graph_runner.run(inputs)
+        else:
+            hidden = self.model(self._context(inputs))
         self.save(cache_inputs)
         return hidden
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs of every padded batch size now (no-op without graphs)."""
+        if self.graph_runner is not None:
+            with self.streams.forward():
+                self.graph_runner.capture_all()
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, sampling: SamplingInputs,
