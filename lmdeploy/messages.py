@@ -62,6 +62,11 @@ class PytorchEngineConfig:
     prefix_cache_branch_checkpoints: bool = True
     # evict checkpoints by recency and compute saved per byte instead of plain LRU.
     prefix_cache_value_eviction: bool = True
+    # keep states inside long prefills at steps that are multiples of this many tokens (rounded up to a multiple of
+    # block_size, so no frozen block is needed; 0 = off), at most `prefix_cache_prefill_state_cap` per prompt and
+    # only in free state rows (they never evict another checkpoint).
+    prefix_cache_prefill_state_interval: int = 2048
+    prefix_cache_prefill_state_cap: int = 4
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -94,6 +99,11 @@ class PytorchEngineConfig:
         _require(isinstance(interval, int) and interval >= 0 and interval % self.block_size == 0,
                  f'prefix_cache_decode_state_interval must be a non-negative multiple of block_size '
                  f'({self.block_size}), got {interval!r}')
+        interval = self.prefix_cache_prefill_state_interval
+        _require(isinstance(interval, int) and interval >= 0,
+                 f'prefix_cache_prefill_state_interval must be a non-negative int, got {interval!r}')
+        _require(isinstance(self.prefix_cache_prefill_state_cap, int) and self.prefix_cache_prefill_state_cap >= 0,
+                 f'prefix_cache_prefill_state_cap must be >= 0, got {self.prefix_cache_prefill_state_cap!r}')
 
     @property
     def resolved_kernel_block_size(self) -> int:

@@ -60,3 +60,26 @@ def test_cuda_prefix_cache_warm_equals_cold(tiny_model_factory, arch):
         assert cached == len(prefix)
         assert (wl - cl[-wl.shape[0]:]).abs().max().item() < 2e-3
         assert wt == ct
+
+
+@pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_next'])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_cuda_in_prefill_checkpoints(tiny_model_factory, arch, dtype):
+    """In-prefill checkpoints on CUDA (bf16 runs the gated delta rule rounds through fla): a prompt diverging inside
+    a long cached prompt resumes at the deepest cut and matches a cold run."""
+    path = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 1000, (300,), generator=g).tolist()
+    follow = base[:140] + torch.randint(0, 1000, (9,), generator=g).tolist()
+    common = dict(device_type='cuda', dtype=dtype, block_size=16, num_gpu_blocks=256, max_prefill_token_num=100,
+                  prefix_cache_prefill_state_interval=64, prefix_cache_branch_checkpoints=False,
+                  prefix_cache_reply_checkpoints=False)
+    warm = Engine(path, PytorchEngineConfig(enable_prefix_caching=True, **common))
+    cold = Engine(path, PytorchEngineConfig(**common))
+    _run(warm, [base])
+    assert sorted(ck.step for ck in warm.scheduler.trie.checkpoints.live()) == [64, 100, 128, 192, 200, 256, 300]
+    (wl, wt, cached), = _run(warm, [follow])
+    (cl, ct, _), = _run(cold, [follow])
+    assert cached == 128
+    err = (wl.float() - cl[-wl.shape[0]:].float()).abs().max().item()
+    assert err < (2e-3 if dtype == 'float32' else 0.1), f'warm vs cold logits differ by {err}'

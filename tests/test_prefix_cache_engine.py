@@ -459,6 +459,49 @@ def test_follow_up_resumes_from_a_decode_checkpoint(model_path, arch, interval, 
     check_against_cold(path, [follow], 3)
 
 
+# ---- in-prefill checkpoints ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize('arch', HYBRID)
+@pytest.mark.parametrize('chunk, cap, steps, hits', [
+    (512, 4, [64, 128, 192, 256, 300], (128, 64)),            # one piece: cuts at the 4 multiples of 64 in it
+    (100, 4, [64, 100, 128, 192, 200, 256, 300], (128, 64)),  # pieces [0,100) [100,200) [200,300): 64|192,128|256
+    (512, 2, [192, 256, 300], (0, 64)),   # the cap keeps the deepest cuts; the 149-token 2nd prompt cuts 128, 64
+])
+def test_in_prefill_checkpoints_are_hit_exactly(model_path, arch, chunk, cap, steps, hits):
+    # A 300-token prompt with in-prefill checkpoints every 64 tokens (block-aligned: no frozen block); later
+    # prompts diverging at 140 and 70 resume from the deepest checkpoint before the divergence (branch points off).
+    path = model_path(arch)
+    engine = make_engine(path, max_prefill_token_num=chunk, prefix_cache_prefill_state_interval=64,
+                         prefix_cache_prefill_state_cap=cap, num_gpu_blocks=128, **BASE)
+    base = ids(300, seed=300)
+    first = one(engine, base)
+    assert live_steps(engine) == steps
+    assert all(ck.is_partial == (ck.step % B != 0) for ck in engine.scheduler.trie.checkpoints.live())
+    runs = [first]
+    for shared, hit in zip((140, 70), hits):
+        run = one(engine, base[:shared] + ids(9, seed=shared), max_new_tokens=3)
+        assert run.cached == hit
+        runs.append(run)
+    check_against_cold(path, runs[:1])
+    check_against_cold(path, runs[1:], 3)
+
+
+@pytest.mark.parametrize('arch', HYBRID)
+def test_in_prefill_checkpoints_use_only_free_state_rows(model_path, arch):
+    # No state budget and 4 running slots' worth of rows: cuts take free rows only and never evict the system
+    # prompt's checkpoint, which later prompts still hit.
+    path = model_path(arch)
+    engine = make_engine(path, prefix_cache_prefill_state_interval=32, prefix_cache_prefill_state_cap=8,
+                         max_batch_size=2, num_gpu_blocks=128, **BASE)
+    system = ids(37, seed=37)
+    one(engine, system)
+    total_rows = engine.cache_config.num_state_slots
+    long = one(engine, system + ids(200, seed=200))
+    assert long.cached == 37
+    live = live_steps(engine)
+    assert 37 in live and len(live) <= total_rows - 1
+    assert one(engine, system + ids(5, seed=5)).cached == 37
+
+
 # ---- invariants on the device side ------------------------------------------------------------------------------
 @pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5'])
 def test_every_block_a_forward_writes_is_request_owned(model_path, arch, monkeypatch):

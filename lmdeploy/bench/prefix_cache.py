@@ -30,8 +30,9 @@ from .workloads import WORKLOADS, Workload, WorkloadSizing, build_workload, conv
 # off: no cache. aligned / exact: state checkpoints at block multiples / at exact prefill and chunk ends, with the
 # checkpoint policies off. exact+<policy>: one policy on (its contribution). full: every policy on (the engine's
 # default). full-lru: every policy but plain LRU eviction instead of eviction by value.
-MODES = ('off', 'aligned', 'exact', 'exact+reply', 'exact+logits', 'exact+branch', 'full', 'full-lru')
-_POLICIES = ('reply', 'logits', 'branch', 'value')
+MODES = ('off', 'aligned', 'exact', 'exact+reply', 'exact+logits', 'exact+branch', 'exact+prefill', 'full',
+         'full-lru')
+_POLICIES = ('reply', 'logits', 'branch', 'prefill', 'value')
 DEMO_ARCH = 'qwen3_5'
 _CPU_NUM_BLOCKS = 4096  # the engine's CPU default allocates GiBs of zeros; the demo traces need far less
 _MIB = float(1 << 20)
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--state-budget', type=int, default=0, help='extra state rows for checkpoints')
     parser.add_argument('--decode-state-interval', type=int, default=0,
                         help='decode checkpoints every N tokens (multiple of --block-size; 0 = off)')
+    parser.add_argument('--prefill-state-interval', type=int, default=PytorchEngineConfig.
+                        prefix_cache_prefill_state_interval,
+                        help='in-prefill checkpoints every N tokens in modes with the prefill policy (0 = off)')
     parser.add_argument('--out', default=None, help='folder for report.md and hit_rate.png')
     parser.add_argument('--json', action='store_true', help='print one JSON summary as the last stdout line')
 
@@ -82,6 +86,7 @@ class BenchConfig:
     max_batch_size: int
     state_budget: int
     decode_state_interval: int
+    prefill_state_interval: int = PytorchEngineConfig.prefix_cache_prefill_state_interval
 
     def __post_init__(self):
         for name in ('num_requests', 'max_new_tokens', 'concurrency'):
@@ -99,7 +104,8 @@ class BenchConfig:
                    max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                    max_prefill_token_num=args.max_prefill_token_num, concurrency=args.concurrency,
                    num_blocks=num_blocks, max_batch_size=args.max_batch_size, state_budget=args.state_budget,
-                   decode_state_interval=args.decode_state_interval)
+                   decode_state_interval=args.decode_state_interval,
+                   prefill_state_interval=args.prefill_state_interval)
 
     def engine_config(self, mode: str) -> PytorchEngineConfig:
         if mode == 'full':
@@ -115,13 +121,15 @@ class BenchConfig:
             prefix_cache_checkpoint_mode='aligned' if mode == 'aligned' else 'exact',
             prefix_cache_state_budget=self.state_budget, prefix_cache_decode_state_interval=self.decode_state_interval,
             prefix_cache_reply_checkpoints='reply' in policies, prefix_cache_prompt_logits='logits' in policies,
-            prefix_cache_branch_checkpoints='branch' in policies, prefix_cache_value_eviction='value' in policies)
+            prefix_cache_branch_checkpoints='branch' in policies, prefix_cache_value_eviction='value' in policies,
+            prefix_cache_prefill_state_interval=self.prefill_state_interval if 'prefill' in policies else 0)
 
     def header(self) -> list[str]:
         return [f'model: `{self.model_path}`, device {self.device}, dtype {self.dtype}',
                 f'block size {self.block_size}, max prefill tokens {self.max_prefill_token_num}, KV blocks '
                 f'{self.num_blocks or "from memory"}, max batch {self.max_batch_size}, state budget '
-                f'{self.state_budget}, decode checkpoint interval {self.decode_state_interval}',
+                f'{self.state_budget}, decode checkpoint interval {self.decode_state_interval}, '
+                f'prefill checkpoint interval {self.prefill_state_interval}',
                 f'{self.num_requests} requests per workload, concurrency {self.concurrency}, seed {self.seed}, '
                 f'greedy, {self.max_new_tokens} new tokens per request (ignore_eos)']
 

@@ -61,6 +61,9 @@ class CacheConfig:
     prefix_cache_prompt_logits: bool = True
     prefix_cache_branch_checkpoints: bool = True
     prefix_cache_value_eviction: bool = True
+    # In-prefill checkpoints: every this many tokens (0 = off), at most `cap` per prompt.
+    prefix_cache_prefill_state_interval: int = 0
+    prefix_cache_prefill_state_cap: int = 0
     # Sizes for eviction by value (bytes of one state row / one KV block across layers).
     state_row_bytes: int = 0
     kv_block_bytes: int = 0

@@ -64,6 +64,8 @@ class SchedulerSequence:
     num_preemptions: int = 0
     # A prefill chunk must end exactly here (a branch point to checkpoint); None when there is none.
     checkpoint_hint: int | None = None
+    # In-prefill checkpoints taken for this sequence so far (bounded by prefix_cache_prefill_state_cap).
+    num_prefill_checkpoints: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
 

@@ -12,6 +12,32 @@ import torch
 
 
 @dataclass
+class StateCuts:
+    """In-prefill state checkpoints of one forward (hybrid models): after the first `offsets[i]` new tokens of batch
+    row `rows[i]` (0 < offset < q_len), every recurrent layer copies that row's state (conv history and recurrent
+    state) into state-pool row `slots[i]`. Host-side only: prefills run eagerly.
+
+    The recurrent kernels are not split per cut by the model: the gated delta rule runs in rounds over the segments
+    between cuts (one call per round for all rows, continuing from the pool), and the conv history at a cut is read
+    directly from the conv inputs; see `nn.gated_delta`.
+    """
+    rows: list[int]
+    offsets: list[int]
+    slots: list[int]
+    # Per batch row (copies of the forward's host data): new tokens, state slot, fresh flag.
+    q_lens: list[int]
+    state_ids: list[int]
+    is_fresh: list[bool]
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def derived(self, key, build):
+        """Memoise per-forward index tensors (built once, shared by every layer)."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor            # [T] int64
     position_ids: torch.Tensor         # [T] int64
@@ -28,6 +54,8 @@ class ModelInputs:
     kv_lens_list: list[int] = field(default_factory=list)
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # In-prefill state checkpoints (None: none this forward).
+    state_cuts: StateCuts | None = None
 
     @property
     def batch_size(self) -> int:

@@ -103,7 +103,7 @@ class CUDAGraphRunner:
 
     def supports(self, inputs: ModelInputs) -> bool:
         """Pure decode batches that fit the static buffers."""
-        return (inputs.is_decode and inputs.input_ids.numel() == inputs.batch_size
+        return (inputs.is_decode and inputs.state_cuts is None and inputs.input_ids.numel() == inputs.batch_size
                 and 0 < inputs.batch_size <= self.max_batch_size
                 and inputs.block_tables.size(1) <= self.static.max_pages)
 

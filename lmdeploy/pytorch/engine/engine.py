@@ -100,6 +100,9 @@ class Engine:
                            prefix_cache_prompt_logits=cfg.prefix_cache_prompt_logits,
                            prefix_cache_branch_checkpoints=cfg.prefix_cache_branch_checkpoints,
                            prefix_cache_value_eviction=cfg.prefix_cache_value_eviction,
+                           prefix_cache_prefill_state_interval=-(-cfg.prefix_cache_prefill_state_interval
+                                                                 // cfg.block_size) * cfg.block_size,
+                           prefix_cache_prefill_state_cap=cfg.prefix_cache_prefill_state_cap,
                            state_row_bytes=row_bytes, kv_block_bytes=block_bytes)
 
     def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..messages import SchedulerSequence
-from ..model_inputs import ModelInputs, SamplingInputs
+from ..model_inputs import ModelInputs, SamplingInputs, StateCuts
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import SchedulerOutput
 from .cache_inputs import CacheCheckpointInputs
@@ -62,8 +62,28 @@ class InputsMaker:
             slot_mapping=torch.from_numpy(np.concatenate(slots)),
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             state_ids=torch.tensor(state_ids, dtype=torch.int64), is_fresh=torch.tensor(fresh, dtype=torch.bool),
-            q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens))
+            q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens),
+            state_cuts=self._state_cuts(out, q_lens, state_ids, fresh))
         return inputs, sampled
+
+    @staticmethod
+    def _state_cuts(out: SchedulerOutput, q_lens: list[int], state_ids: list[int], fresh: list[bool]
+                    ) -> StateCuts | None:
+        if not out.state_cuts:
+            return None
+        row_of = {seq.seq_id: row for row, seq in enumerate(out.seqs)}
+        rows, offsets, slots = [], [], []
+        for seq, step, slot in out.state_cuts:
+            row = row_of[seq.seq_id]
+            offset = step - seq.num_computed
+            if not 0 < offset < q_lens[row]:
+                raise ValueError(f'in-prefill checkpoint at step {step} is outside the fed tokens of sequence '
+                                 f'{seq.seq_id}')
+            rows.append(row)
+            offsets.append(offset)
+            slots.append(slot)
+        return StateCuts(rows=rows, offsets=offsets, slots=slots, q_lens=list(q_lens), state_ids=list(state_ids),
+                         is_fresh=list(fresh))
 
     def make_cache_inputs(self, out: SchedulerOutput) -> CacheCheckpointInputs | None:
         """This forward's restore/save plans with block ids resolved to validated physical offsets."""

@@ -3,8 +3,17 @@
 Both stateful ops continue every sequence from its row of the state pool (`ctx.inputs.state_ids`, or from zeros
 when `ctx.inputs.is_fresh`) and leave the state after the fed tokens in that row, so chunked prefill, decode and
 mixed batches all compose. Implementations come from the backend (`OpType.CausalConv1d`, `OpType.GatedDeltaRule`).
+
+In-prefill checkpoints (`ctx.inputs.state_cuts`) also leave the state at chosen steps inside a prefill in other
+pool rows, without splitting the forward: the conv history at a cut is the K-1 conv inputs before it (read from the
+inputs, or the old history for a cut closer than K-1 to the segment start), and the gated delta rule runs in rounds
+over the segments between cuts, each round one kernel call for all rows that still have a segment, copying the
+state of rows that reached a cut. By the kernels' contract (continue from the pool row) the rounds compute exactly
+what one call would, up to float rounding at the segment edges.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +21,7 @@ from torch import nn
 
 from ..backends.base import OpType
 from ..backends.selector import current_backend
-from ..model_inputs import ModelInputs
+from ..model_inputs import ModelInputs, StateCuts
 
 
 class CausalConv1d(nn.Module):
@@ -32,7 +41,40 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """x [T, C], conv_state pool [num_slots, C, K-1] -> [T, C]."""
+        if inputs.state_cuts is not None:
+            save_conv_cuts(x, conv_state, inputs.state_cuts)  # before the kernel overwrites the old histories
         return self._impl(x, self.weight.squeeze(1), self.bias, conv_state, inputs, self.activation)
+
+
+def _row_starts(cuts: StateCuts) -> list[int]:
+    starts = [0]
+    for n in cuts.q_lens:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+def _conv_cut_index(cuts: StateCuts, width: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Gather indices of the conv history at every cut: column j (oldest first) is the input at segment position
+    `offset - width + j`, from the packed inputs when >= 0, else from the old history column `width + position`."""
+    starts = _row_starts(cuts)
+    rel = torch.tensor(cuts.offsets, dtype=torch.int64)[:, None] - width + torch.arange(width)[None, :]
+    bos = torch.tensor([starts[r] for r in cuts.rows], dtype=torch.int64)[:, None]
+    fresh = torch.tensor([cuts.is_fresh[r] for r in cuts.rows], dtype=torch.bool)
+    out = dict(x_index=(bos + rel).clamp(min=0), from_x=rel >= 0, hist_col=(width + rel).clamp(0, width - 1),
+               src=torch.tensor([cuts.state_ids[r] for r in cuts.rows], dtype=torch.int64), fresh=fresh,
+               dst=torch.tensor(cuts.slots, dtype=torch.int64))
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def save_conv_cuts(x: torch.Tensor, conv_state: torch.Tensor, cuts: StateCuts) -> None:
+    """Write the conv history at each cut (the last K-1 inputs before it) into the cut's pool row."""
+    width = conv_state.shape[-1]
+    idx = cuts.derived(('conv', width, x.device), lambda: _conv_cut_index(cuts, width, x.device))
+    from_x = x[idx['x_index']].transpose(1, 2).to(conv_state.dtype)              # [n, C, K-1]
+    hist = conv_state[idx['src']]                                                 # [n, C, K-1]
+    hist = hist.gather(2, idx['hist_col'][:, None, :].expand_as(hist))
+    hist = hist.masked_fill(idx['fresh'][:, None, None], 0)
+    conv_state[idx['dst']] = torch.where(idx['from_x'][:, None, :], from_x, hist)
 
 
 def gated_delta_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
@@ -58,4 +100,50 @@ class GatedDeltaRule(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-        return self._impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=self.use_qk_l2norm)
+        if inputs.state_cuts is None:
+            return self._impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=self.use_qk_l2norm)
+        rounds = inputs.state_cuts.derived(('rounds', q.device), lambda: _rounds(inputs, q.device))
+        out = v.new_empty(v.shape)
+        for round_inputs, index, save_src, save_dst in rounds:
+            out[index] = self._impl(q[index], k[index], v[index], g[index], beta[index], state, round_inputs,
+                                    use_qk_l2norm=self.use_qk_l2norm)
+            if save_dst.numel():
+                state[save_dst] = state[save_src]
+        return out
+
+
+def _rounds(inputs: ModelInputs, device: torch.device) -> list[tuple]:
+    """Per round: (inputs of the segments it runs, their packed token index, state rows to copy after it)."""
+    cuts = inputs.state_cuts
+    starts = _row_starts(cuts)
+    bounds = [[0, cuts.q_lens[r]] for r in range(len(cuts.q_lens))]
+    dst_at: dict[tuple[int, int], int] = {}
+    for row, offset, slot in zip(cuts.rows, cuts.offsets, cuts.slots):
+        bounds[row].append(offset)
+        dst_at[(row, offset)] = slot
+    bounds = [sorted(set(b)) for b in bounds]
+    rounds = []
+    for r in range(max(len(b) for b in bounds) - 1):
+        index, lens, slots, fresh, save_src, save_dst = [], [], [], [], [], []
+        for row, b in enumerate(bounds):
+            if r + 1 >= len(b):
+                continue
+            lo, hi = b[r], b[r + 1]
+            index.extend(range(starts[row] + lo, starts[row] + hi))
+            lens.append(hi - lo)
+            slots.append(cuts.state_ids[row])
+            fresh.append(cuts.is_fresh[row] and r == 0)
+            if (row, hi) in dst_at:
+                save_src.append(cuts.state_ids[row])
+                save_dst.append(dst_at[(row, hi)])
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype).to(device)
+        round_inputs = dataclasses.replace(
+            inputs, q_lens=tensor(lens), cu_seqlens_q=tensor(cu), state_ids=tensor(slots),
+            is_fresh=tensor(fresh, torch.bool), q_lens_list=lens, max_seqlen_q=max(lens), state_cuts=None)
+        rounds.append((round_inputs, tensor(index), tensor(save_src), tensor(save_dst)))
+    return rounds

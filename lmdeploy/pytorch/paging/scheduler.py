@@ -40,6 +40,9 @@ class SchedulerOutput:
     # Sequences admitted with their whole prompt cached (identical prompt): no tokens to feed; their first token is
     # sampled from the logits kept with the checkpoint (second item), after this step's restore copies.
     logits_hits: list[tuple[SchedulerSequence, object]] = field(default_factory=list)
+    # In-prefill checkpoints: (sequence, step inside this forward's piece, checkpoint slot). The model writes the
+    # state at `step` into the slot during the forward (`ModelInputs.state_cuts`); the checkpoint is in `reserved`.
+    state_cuts: list[tuple[SchedulerSequence, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -241,11 +244,34 @@ class Scheduler:
         step = seq.num_computed + n
         if seq.checkpoint_hint is not None and step >= seq.checkpoint_hint:
             seq.checkpoint_hint = None
+        if n > 1:
+            self._plan_prefill_cuts(seq, n, out)
         if seq.num_computed >= seq.num_prompt_tokens and n == 1:
             interval = self.cache_config.prefix_cache_decode_state_interval
             if not interval or step % interval:
                 return  # a decode step off the opt-in interval
         self._reserve_checkpoint(seq, step, out)
+
+    def _plan_prefill_cuts(self, seq: SchedulerSequence, n: int, out: SchedulerOutput) -> None:
+        """In-prefill checkpoints: block-aligned steps strictly inside this piece that are multiples of the interval,
+        deepest first, within the per-prompt cap, each in a free state row (never by evicting a checkpoint)."""
+        interval = self.cache_config.prefix_cache_prefill_state_interval
+        room = self.cache_config.prefix_cache_prefill_state_cap - seq.num_prefill_checkpoints
+        if not interval or room <= 0:
+            return
+        start, end = seq.num_computed, seq.num_computed + n
+        step = (end - 1) // interval * interval
+        while step > start and room > 0:
+            if self.trie.wants_checkpoint(seq, step):
+                slot = self.state_manager.allocate()
+                if slot is None:
+                    return
+                ck = self.trie.reserve_checkpoint(seq, step, slot, None)
+                out.reserved.append((seq, ck))
+                out.state_cuts.append((seq, step, slot))
+                seq.num_prefill_checkpoints += 1
+                room -= 1
+            step -= interval
 
     def _reserve_checkpoint(self, seq: SchedulerSequence, step: int, out: SchedulerOutput) -> None:
         if not self.trie.wants_checkpoint(seq, step):

@@ -1,0 +1,86 @@
+"""In-prefill state checkpoints (`ModelInputs.state_cuts`) at the nn level, on the default backend.
+
+A forward with cuts must (a) return the same outputs and leave the same final states as one without, and (b) leave
+in each cut's pool row exactly the state a separate forward over the tokens before the cut leaves: the recurrent
+state, and the conv history (the last K-1 inputs, taken from the old history for a cut within K-1 tokens of the
+segment start, zeros for a fresh sequence).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmdeploy.pytorch.backends.selector import use_backend
+from lmdeploy.pytorch.model_inputs import ModelInputs, StateCuts
+from lmdeploy.pytorch.nn.gated_delta import CausalConv1d, GatedDeltaRule
+
+HK, H, DK, DV, C, K = 2, 4, 8, 6, 12, 4
+
+
+def make_inputs(lens: list[int], slots: list[int], fresh: list[bool], cuts: StateCuts | None) -> ModelInputs:
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    total = int(cu[-1])
+    return ModelInputs(
+        input_ids=torch.zeros(total, dtype=torch.int64), position_ids=torch.zeros(total, dtype=torch.int64),
+        q_lens=torch.tensor(lens), kv_lens=torch.tensor(lens), cu_seqlens_q=cu,
+        block_tables=torch.zeros(len(lens), 1, dtype=torch.int64), slot_mapping=torch.zeros(total, dtype=torch.int64),
+        logits_indices=torch.zeros(0, dtype=torch.int64), state_ids=torch.tensor(slots),
+        is_fresh=torch.tensor(fresh), q_lens_list=lens, kv_lens_list=lens, max_seqlen_q=max(lens),
+        max_seqlen_k=max(lens), state_cuts=cuts)
+
+
+def cuts_of(rows, offsets, dsts, lens, slots, fresh) -> StateCuts:
+    return StateCuts(rows=rows, offsets=offsets, slots=dsts, q_lens=lens, state_ids=slots, is_fresh=fresh)
+
+
+# rows: (length, slot, fresh); cuts: (row, offset, destination slot). Offsets 1 and 2 are closer to the segment start
+# than K-1 = 3, so their conv history mixes old history (or zeros when fresh) with new inputs.
+CASES = [
+    ([(70, 1, False)], [(0, 64, 5)]),
+    ([(70, 1, True), (130, 2, False), (9, 3, False)], [(0, 1, 6), (0, 2, 7), (1, 64, 8), (1, 128, 9), (2, 5, 10)]),
+    ([(5, 2, True), (40, 1, False)], [(1, 2, 4), (1, 33, 5), (0, 3, 6)]),
+]
+
+
+@pytest.mark.parametrize('rows, cuts', CASES)
+def test_cuts_leave_prefix_states_and_change_nothing_else(rows, cuts):
+    torch.manual_seed(0)
+    lens = [n for n, _, _ in rows]
+    slots = [s for _, s, _ in rows]
+    fresh = [f for _, _, f in rows]
+    total = sum(lens)
+    with use_backend('default'):
+        gdr = GatedDeltaRule()
+        conv = CausalConv1d(C, K)
+    conv.weight.data.normal_()
+    q, k = torch.randn(total, HK, DK), torch.randn(total, HK, DK)
+    v, beta = torch.randn(total, H, DV), torch.rand(total, H)
+    g = -torch.rand(total, H)
+    x = torch.randn(total, C)
+    rec_pool, conv_pool = torch.randn(12, H, DK, DV), torch.randn(12, C, K - 1)
+
+    def run(inputs, rec, cnv, x_=x, q_=q, k_=k, v_=v, g_=g, beta_=beta):
+        return conv(x_, cnv, inputs), gdr(q_, k_, v_, g_, beta_, rec, inputs)
+
+    plain_rec, plain_conv = rec_pool.clone(), conv_pool.clone()
+    want_x, want_o = run(make_inputs(lens, slots, fresh, None), plain_rec, plain_conv)
+    cut_rec, cut_conv = rec_pool.clone(), conv_pool.clone()
+    stc = cuts_of([r for r, _, _ in cuts], [o for _, o, _ in cuts], [d for _, _, d in cuts], lens, slots, fresh)
+    got_x, got_o = run(make_inputs(lens, slots, fresh, stc), cut_rec, cut_conv)
+    torch.testing.assert_close(got_x, want_x)
+    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cut_rec[slots], plain_rec[slots], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cut_conv[slots], plain_conv[slots])
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    for row, offset, dst in cuts:
+        # reference: a forward over the row's first `offset` tokens alone, from the original pool
+        ref_rec, ref_conv = rec_pool.clone(), conv_pool.clone()
+        sl = slice(starts[row], starts[row] + offset)
+        run(make_inputs([offset], [slots[row]], [fresh[row]], None), ref_rec, ref_conv,
+            x[sl], q[sl], k[sl], v[sl], g[sl], beta[sl])
+        torch.testing.assert_close(cut_rec[dst], ref_rec[slots[row]], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cut_conv[dst], ref_conv[slots[row]])
+    untouched = set(range(12)) - set(slots) - {d for _, _, d in cuts}
+    for slot in untouched:
+        assert torch.equal(cut_rec[slot], rec_pool[slot]) and torch.equal(cut_conv[slot], conv_pool[slot])
