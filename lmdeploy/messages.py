@@ -65,8 +65,8 @@ class PytorchEngineConfig:
     # keep states inside long prefills at steps that are multiples of this many tokens (rounded up to a multiple of
     # block_size, so no frozen block is needed; 0 = off), at most `prefix_cache_prefill_state_cap` per prompt and
     # only in free state rows (they never evict another checkpoint).
-    prefix_cache_prefill_state_interval: int = 2048
-    prefix_cache_prefill_state_cap: int = 4
+    prefix_cache_prefill_state_interval: int = 4096
+    prefix_cache_prefill_state_cap: int = 2
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
