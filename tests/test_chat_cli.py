@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from lmdeploy.cli.entrypoint import build_parser
 
 
@@ -19,3 +21,21 @@ def test_chat_multi_turn_shows_cached_tokens(tiny_model_factory):
     cached = [int(line.split(':')[1].split('/')[0]) for line in lines]
     # Turn 2 resends turn 1 (prompt + reply): its prompt is served partly from the cache.
     assert cached[0] == 0 and cached[1] > 0
+
+
+def test_engine_flags_reach_the_engine_config():
+    import argparse
+
+    from lmdeploy.cli.engine_args import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(
+        ['--device', 'cpu', '--enable-prefix-caching', '--cache-block-seq-len', '32', '--eager-mode',
+         '--prefix-cache-checkpoint-mode', 'aligned', '--prefix-cache-decode-state-interval', '64',
+         '--prefix-cache-prefill-state-interval', '0', '--prefix-cache-state-budget', '3']))
+    assert (config.device_type, config.block_size, config.enable_prefix_caching, config.eager_mode) == (
+        'cpu', 32, True, True)
+    assert (config.prefix_cache_checkpoint_mode, config.prefix_cache_decode_state_interval,
+            config.prefix_cache_prefill_state_interval, config.prefix_cache_state_budget) == ('aligned', 64, 0, 3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(['--prefix-cache-checkpoint-mode', 'sometimes'])

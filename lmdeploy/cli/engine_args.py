@@ -22,6 +22,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--session-len', type=int, default=None)
     group.add_argument('--prefix-cache-state-budget', type=int, default=0,
                        help='extra state rows reserved for prefix-cache checkpoints (hybrid models)')
+    group.add_argument('--prefix-cache-checkpoint-mode', default='exact', choices=['exact', 'aligned'],
+                       help='hybrid models: state checkpoints at any safe step, or at block boundaries only')
+    group.add_argument('--prefix-cache-decode-state-interval', type=int, default=0,
+                       help='hybrid models: decode checkpoints every N tokens (a multiple of the block size; 0: off)')
+    group.add_argument('--prefix-cache-prefill-state-interval', type=int,
+                       default=PytorchEngineConfig.prefix_cache_prefill_state_interval,
+                       help='hybrid models: in-prefill checkpoints every N tokens (0: off)')
     group.add_argument('--eager-mode', action='store_true', help='disable CUDA graphs')
 
 
@@ -31,7 +38,9 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
                   max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
                   session_len=args.session_len, prefix_cache_state_budget=args.prefix_cache_state_budget,
-                  eager_mode=args.eager_mode)
+                  eager_mode=args.eager_mode, prefix_cache_checkpoint_mode=args.prefix_cache_checkpoint_mode,
+                  prefix_cache_decode_state_interval=args.prefix_cache_decode_state_interval,
+                  prefix_cache_prefill_state_interval=args.prefix_cache_prefill_state_interval)
     if args.device is not None:
         kwargs['device_type'] = args.device
     return PytorchEngineConfig(**kwargs)
