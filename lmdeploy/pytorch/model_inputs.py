@@ -56,6 +56,9 @@ class ModelInputs:
     max_seqlen_k: int = 0
     # In-prefill state checkpoints (None: none this forward).
     state_cuts: StateCuts | None = None
+    # Run the gated delta rule token by token even for multi-token sequences (CUDA-graph prefills: the chunked
+    # kernel reads lengths back to the host, which a capture forbids).
+    use_recurrent_kernel: bool = False
 
     @property
     def batch_size(self) -> int:

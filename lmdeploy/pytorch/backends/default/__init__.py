@@ -28,10 +28,13 @@ def gated_delta_rule_builder(chunk_fn, recurrent_fn):
     """A builder over a (chunked, recurrent) kernel pair with the default kernels' signatures."""
     def build(**_kwargs):
         def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
-            # Pure decode batches take the token-by-token form; anything with a prefill takes the chunked form.
-            kernel = recurrent_fn if inputs.is_decode else chunk_fn
-            return kernel(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
-                          use_qk_l2norm=use_qk_l2norm)
+            # Pure decode batches (and graph-captured prefills) take the token-by-token form; anything else with a
+            # prefill takes the chunked form.
+            if inputs.is_decode or inputs.use_recurrent_kernel:
+                return recurrent_fn(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
+                                    use_qk_l2norm=use_qk_l2norm, max_seqlen=inputs.max_seqlen_q)
+            return chunk_fn(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
+                            use_qk_l2norm=use_qk_l2norm)
         return forward
     return build
 

@@ -85,10 +85,12 @@ def recurrent_gated_delta_rule(
     state_ids: torch.Tensor,
     is_fresh: torch.Tensor,
     use_qk_l2norm: bool = True,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Token-by-token (decode) gated delta rule via fla's `fused_recurrent_gated_delta_rule`.
 
-    Shapes and state semantics as the default kernel. Returns ``[T, H, Dv]`` in ``v.dtype``.
+    Shapes and state semantics as the default kernel (`max_seqlen` is accepted for signature compatibility; fla
+    never reads lengths back). Returns ``[T, H, Dv]`` in ``v.dtype``.
     """
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
     return _run(fla_recurrent, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm)

@@ -161,11 +161,13 @@ def recurrent_gated_delta_rule(
     state_ids: torch.Tensor,
     is_fresh: torch.Tensor,
     use_qk_l2norm: bool = True,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Token-by-token (decode) gated delta rule over packed varlen sequences; see the module docstring.
 
     Step ``t`` advances every sequence longer than ``t`` at once (batched over sequences), so a decode batch of
-    single tokens is one step. Returns ``[T, H, Dv]`` in ``v.dtype`` and updates ``state`` in place.
+    single tokens is one step. ``max_seqlen`` (host int, >= every length) avoids reading the lengths back from the
+    device, which a CUDA graph capture forbids. Returns ``[T, H, Dv]`` in ``v.dtype`` and updates ``state`` in place.
     """
     q, k, vf, g, beta = _prepare_inputs(q, k, v, g, beta, use_qk_l2norm)
     s = _load_states(state, state_ids, is_fresh)
@@ -173,7 +175,10 @@ def recurrent_gated_delta_rule(
     out = vf.new_zeros(num_tokens + 1, *vf.shape[1:])  # last row absorbs writes of finished sequences
     starts = cu_seqlens[:-1]
     seqlens = cu_seqlens[1:] - starts
-    max_len = int(seqlens.max()) if seqlens.numel() > 0 else 0
+    if max_seqlen is not None:
+        max_len = max_seqlen
+    else:
+        max_len = int(seqlens.max()) if seqlens.numel() > 0 else 0
     for t in range(max_len):
         active = seqlens > t
         pos = starts + t
