@@ -10,13 +10,15 @@ from lmdeploy.bench.oracle import MISS_REASONS, RequestTiming, attribute_misses,
 from lmdeploy.bench.report import SUMMARY_KEYS
 
 
-def test_oracle_caps_at_prompt_minus_one_and_sees_earlier_outputs():
-    prompts = [[1, 2, 3], [1, 2, 3], [1, 2, 3, 9, 5], [7]]
-    outputs = [[9, 9], [4], [], [1]]
+def test_oracle_counts_tokens_earlier_requests_fed_to_the_model():
+    prompts = [[1, 2, 3], [1, 2, 3], [1, 2, 3, 9, 5], [7], [1, 2, 3, 9, 8, 6], [1, 2]]
+    outputs = [[9, 8], [4], [], [1], [], [5]]
     hits = oracle_hits(prompts, outputs)
-    # first request: nothing earlier; an identical prompt: n - 1; request 2 reuses request 0's output token 9
-    assert [h.num_tokens for h in hits] == [0, 2, 4, 0]
-    assert [h.source for h in hits] == [None, 0, 0, None]
+    # first request: nothing earlier; an identical prompt: all of it (its last position's logits were computed);
+    # request 2 reuses request 0's output token 9. Request 4 also resends request 0's last sampled token 8, which
+    # no engine fed to the model: not counted. Request 5 is a prefix of what request 0 fed.
+    assert [h.num_tokens for h in hits] == [0, 3, 4, 0, 4, 2]
+    assert [h.source for h in hits] == [None, 0, 0, None, 0, 0]
 
 
 def test_miss_reasons_sum_to_missed_tokens():

@@ -1,10 +1,13 @@
 """Capacity-free oracle hit rate and the attribution of prefix-cache misses to reasons.
 
-Oracle: for request i (in submission order) the longest prefix of its prompt that is also a prefix of the
-prompt + output token sequence of some earlier request, capped at `len(prompt) - 1` (one token must always be
-computed to produce logits). It ignores memory capacity, checkpoint placement and timing, so it is an upper bound
-on what any prefix cache could serve for the trace. A token trie over all earlier sequences finds it in
-O(len(prompt)) per request.
+Oracle: for request i (in submission order) the longest prefix of its prompt that is also a prefix of the tokens
+some earlier request fed to the model. The tokens a request fed are its prompt and its output minus the last
+sampled token: generation stops right after sampling that token, so no engine ever computed KV or a recurrent
+state for it and no cache can serve it. A whole prompt counts when an earlier request fed all of it: the logits of
+its last position were computed then, and an engine that keeps them (the engine's prompt-logits policy) samples
+the first token without a forward. The oracle ignores memory capacity, checkpoint placement and timing (requests
+in flight count as seen), so it is an upper bound on what any prefix cache could serve for the trace. A token trie
+over all earlier sequences finds it in O(len(prompt)) per request.
 
 Miss attribution, per request (all quantities in prompt tokens; q = prompt length, h = cached tokens the engine
 reported, o = oracle prefix; the reasons sum to q - h):
@@ -33,7 +36,7 @@ MISS_REASONS = ('novel', 'cache_off', 'no_checkpoint', 'in_flight', 'evicted', '
 
 
 class OracleHit(NamedTuple):
-    num_tokens: int          # oracle prefix length (capped at len(prompt) - 1)
+    num_tokens: int          # oracle prefix length (at most len(prompt))
     source: int | None       # index of the earliest earlier request covering that prefix; None when 0
 
 
@@ -70,11 +73,12 @@ class TokenTrie:
 
 
 def oracle_hits(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> list[OracleHit]:
-    """Oracle prefix of every request against the prompt + output of all earlier ones (submission order)."""
+    """Oracle prefix of every request against the fed tokens (prompt + output[:-1]) of all earlier ones
+    (submission order)."""
     trie, hits = TokenTrie(), []
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        hits.append(trie.longest_prefix(prompt, max(0, len(prompt) - 1)))
-        trie.insert(list(prompt) + list(output), i)
+        hits.append(trie.longest_prefix(prompt, len(prompt)))
+        trie.insert(list(prompt) + list(output)[:-1], i)
     return hits
 
 

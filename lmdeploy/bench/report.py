@@ -76,16 +76,17 @@ def outputs_verdicts(results: Sequence[RunResult]) -> dict[str, bool | None]:
     return verdicts
 
 
-_COLUMNS = ('workload', 'mode', 'reqs', 'prompt tok', 'hit rate', 'oracle', 'TTFT p50 ms', 'TTFT p95 ms', 'tok/s',
-            'match ms/req', 'ckpt MiB peak', 'ckpts', 'evicted ck/blk') + tuple(f'miss {r}' for r in MISS_REASONS) \
-    + ('same output',)
+_COLUMNS = ('workload', 'mode', 'reqs', 'prompt tok', 'hit rate', 'oracle', 'of oracle', 'TTFT p50 ms', 'TTFT p95 ms',
+            'tok/s', 'match ms/req', 'ckpt MiB peak', 'ckpts', 'evicted ck/blk') \
+    + tuple(f'miss {r}' for r in MISS_REASONS) + ('same output',)
 
 
 def _row(r: RunResult) -> list[str]:
     match = {None: '-', True: 'yes', False: 'NO'}[r.outputs_match]
     misses = [str(r.miss_reasons.get(k, 0)) for k in MISS_REASONS]
     return [r.workload, r.mode, str(r.num_requests), str(r.prompt_tokens), f'{r.hit_rate:.3f}',
-            f'{r.oracle_hit_rate:.3f}', f'{r.ttft_p50_ms:.1f}', f'{r.ttft_p95_ms:.1f}', f'{r.throughput_tok_s:.1f}',
+            f'{r.oracle_hit_rate:.3f}', f'{r.hit_rate / r.oracle_hit_rate:.1%}' if r.oracle_hit_rate else '-',
+            f'{r.ttft_p50_ms:.1f}', f'{r.ttft_p95_ms:.1f}', f'{r.throughput_tok_s:.1f}',
             f'{r.match_ms_per_request:.3f}', f'{r.checkpoint_mib_peak:.2f}', str(r.live_checkpoints),
             f'{r.evicted_checkpoints}/{r.evicted_blocks}', *misses, match]
 
@@ -103,8 +104,9 @@ def format_verdicts(results: Sequence[RunResult]) -> str:
 
 _NOTES = """\
 Columns: `hit rate` = cached prompt tokens / prompt tokens; `oracle` = the same for a capacity-free cache that can
-resume at any token of any earlier request's prompt + output (an upper bound); TTFT = submit to first streamed
-token; `tok/s` = generated tokens / wall time; `match ms/req` = CPU time in `BlockTrie.match` per request;
+resume at any token an earlier request fed to the model (its prompt + output minus the last sampled token, which
+is never fed), a whole prompt included (an upper bound); `of oracle` = hit rate / oracle; TTFT = submit to first
+streamed token; `tok/s` = generated tokens / wall time; `match ms/req` = CPU time in `BlockTrie.match` per request;
 `ckpt MiB peak` = state rows + frozen partial blocks held by checkpoints (peak over request ends); `ckpts` = live
 checkpoints at the end; `miss *` = missed prompt tokens by reason (novel: never seen before; no_checkpoint: seen,
 but no state checkpoint at a usable step; in_flight: its source was still prefilling; evicted / capacity: see
