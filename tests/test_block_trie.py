@@ -475,6 +475,50 @@ def test_branch_point_ends_the_first_chunk_and_becomes_a_checkpoint():
     assert c.num_cached == 10
 
 
+def test_queued_requests_wait_for_the_branch_point_of_the_first():
+    # Three prompts queued together share 10 tokens (2 blocks + 2) and nothing is cached yet. A's queued peers make
+    # 10 a branch point: A's first chunk ends there and is checkpointed; B and C wait one step instead of recomputing
+    # those 10 tokens beside A, then both resume at 10 while A finishes its last 3 tokens.
+    s = make_scheduler(prefix_cache_branch_checkpoints=True)
+    a, b, c = (make_seq(tokens(10) + tail) for tail in ([70, 71, 72], [80, 81], [90, 91, 92, 93]))
+    for seq in (a, b, c):
+        s.add(seq)
+    out = step(s)
+    assert (out.seqs, out.num_new_tokens, [ck.step for _, ck in out.reserved]) == ([a], [10], [10])
+    assert s.waiting == [b, c]
+    (ck,) = live(s)
+    out = step(s)
+    assert (out.seqs, out.num_new_tokens) == ([a, b, c], [3, 2, 4]) and out.pinned == [ck, ck]
+    assert [seq.num_cached for seq in (a, b, c)] == [0, 10, 10]
+    run(s)
+    # Without the policy the three are admitted together, all cold.
+    s = make_scheduler()
+    seqs = [make_seq(tokens(10) + tail) for tail in ([70, 71, 72], [80, 81], [90, 91, 92, 93])]
+    assert run(s, *seqs)[0].seqs == seqs and [seq.num_cached for seq in seqs] == [0, 0, 0]
+
+
+def test_branch_point_with_queued_peers_serves_the_most_tokens():
+    # A shares 8 tokens with B and C and 11 with D: a checkpoint at 8 serves 3 x 8 tokens, one at 11 only 11, so
+    # A's first chunk ends at 8. B, C and D wait for it; D then finds A (running) sharing 11 and cuts its own first
+    # chunk there, so a later E sharing 11 resumes at 11.
+    s = make_scheduler(num_state_slots=12, prefix_cache_branch_checkpoints=True)
+    a = make_seq(tokens(8) + [50, 51, 52, 53, 54])
+    b, c = make_seq(tokens(8) + [60, 61]), make_seq(tokens(8) + [70, 71])
+    d = make_seq(tokens(8) + [50, 51, 52, 99])
+    for seq in (a, b, c, d):
+        s.add(seq)
+    out = step(s)
+    assert (out.seqs, out.num_new_tokens, s.waiting) == ([a], [8], [b, c, d])
+    out = step(s)
+    assert (out.seqs, out.num_new_tokens) == ([a, b, c, d], [5, 2, 2, 3])
+    assert [ck.step for _, ck in out.reserved] == [13, 10, 10, 11]
+    run(s)
+    assert [seq.num_cached for seq in (a, b, c, d)] == [0, 8, 8, 8]
+    e = make_seq(tokens(8) + [50, 51, 52, 98, 97])
+    run(s, e)
+    assert e.num_cached == 11
+
+
 def test_finished_request_leaves_a_reply_checkpoint():
     s = make_scheduler(prefix_cache_reply_checkpoints=True)
     a = make_seq(tokens(6), max_new_tokens=4)

@@ -201,6 +201,24 @@ def test_three_branches_without_a_prefix_request(model_path, arch, policy):
 
 
 @pytest.mark.parametrize('arch', ARCHS)
+@pytest.mark.parametrize('policy', ['default', 'base'])
+def test_branches_arriving_together_resume_at_their_common_prefix(model_path, arch, policy):
+    # The same three branches as above, but submitted in one burst onto an empty cache. Default (hybrid): the
+    # first request's queued peers make 37 a branch point, so its first chunk ends there and is checkpointed; the
+    # other two wait one step and resume at 37 instead of recomputing it beside it. Base and dense: all three are
+    # prefilled cold in one forward.
+    path = model_path(arch)
+    engine = make_engine(path, **(BASE if policy == 'base' else {}))
+    prefix = ids(2 * B + 5, seed=5)
+    with recording_schedules(engine) as outs:
+        runs = generate(engine, [prefix + ids(7, seed=60 + k) for k in range(3)], max_new_tokens=2)
+    waits = arch in HYBRID and policy == 'default'
+    assert outs[0].out.num_new_tokens == ([2 * B + 5] if waits else [2 * B + 12] * 3)
+    assert [r.cached for r in runs] == ([0, 2 * B + 5, 2 * B + 5] if waits else [0, 0, 0])
+    check_against_cold(path, runs, 2)
+
+
+@pytest.mark.parametrize('arch', ARCHS)
 @pytest.mark.parametrize('shared, hybrid_hit, dense_hit', [(23 + 4, 23, B), (46 + 4, 46, 3 * B), (69 + 3, 69, 4 * B)])
 def test_chunk_end_checkpoints_mid_block_are_hit_exactly(model_path, arch, shared, hybrid_hit, dense_hit):
     # 80-token prompt with 23-token chunks: chunk ends 23 (1 block + 7), 46 (2 blocks + 14), 69 (4 blocks + 5) and
@@ -318,18 +336,22 @@ def test_same_prefix_twice_in_one_batch(model_path, arch, policy):
     prefix = ids(2 * B + 5, seed=13)
     with recording_schedules(engine) as outs:
         r1, r2 = generate(engine, [prefix, prefix], max_new_tokens=1)
-    assert len(outs[0].out.seqs) == 2             # both cold, in the same forward
-    stats = engine.stats
+    waits = arch in HYBRID and policy == 'default'
+    if waits:
+        # Default (branch points in flight): the first copy's prompt-end checkpoint is scheduled in this forward, so
+        # the second copy waits one step and is then served whole from it and its kept logits, without a forward.
+        assert [len(o.out.seqs) for o in outs] == [1, 0] and len(outs[1].out.logits_hits) == 1
+    else:
+        assert len(outs[0].out.seqs) == 2         # both cold, in the same forward
     if arch in HYBRID:
-        # Both reserve a checkpoint at 37 (neither is published yet); the second publication is a duplicate and is
-        # dropped. Default: the second copy also sees the first (in flight) as a branch peer sharing all 37 tokens,
-        # so its first chunk ends at 36, the deepest step below its end, and 36 is checkpointed too.
-        steps = [2 * B + 5] if policy == 'base' else [2 * B + 4, 2 * B + 5]
-        assert live_steps(engine) == steps and stats['checkpoints_saved'] == len(steps)
+        # Base: both reserve a checkpoint at 37 (neither is published yet); the second publication is a duplicate
+        # and is dropped.
+        assert live_steps(engine) == [2 * B + 5] and engine.stats['checkpoints_saved'] == 1
     assert engine.scheduler.trie.kv.num_nodes == 2
     r3 = one(engine, prefix + ids(6, seed=14))
-    assert [r.cached for r in (r1, r2, r3)] == [0, 0, 2 * B + 5 if arch in HYBRID else 2 * B]
-    check_against_cold(path, [r1, r2, r3])
+    assert [r.cached for r in (r1, r2, r3)] == [0, 2 * B + 5 if waits else 0, 2 * B + 5 if arch in HYBRID else 2 * B]
+    assert r2.generated == r1.generated
+    check_against_cold(path, [r1, r3] if waits else [r1, r2, r3])  # a whole-prompt hit fed nothing to compare
 
 
 # ---- eviction -----------------------------------------------------------------------------------------------------

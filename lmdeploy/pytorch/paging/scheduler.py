@@ -21,6 +21,9 @@ from .block_trie.node import NodeStateCheckpoint
 from .state_manager import StateManager
 
 CopyPairs = list[tuple[int, int]]
+# Queued sequences (the first ones in the queue) whose shared prefix with the one being admitted counts as a branch
+# point; bounds the cost of matching against a long queue.
+_MAX_QUEUED_PEERS = 16
 
 
 @dataclass
@@ -104,8 +107,10 @@ class Scheduler:
         Running sequences come first in arrival order (a decode feeds 1 token, a prefill in progress its next
         chunk). When KV runs short, cached prefixes are evicted first, then the latest-arrived running sequence is
         preempted (recomputed later). Then waiting sequences are admitted in order while the token budget, the
-        batch size, KV blocks and state slots allow; admission matches the prefix cache first. Only the first
-        prefill of a batch may be cut into a chunk. Finally prefill and chunk ends reserve state checkpoints.
+        batch size, KV blocks and state slots allow; admission matches the prefix cache first. With branch points
+        on, a waiting sequence that a prefill piece already in this batch will checkpoint deeper into its prompt
+        than its hit skips this step and keeps its place in the queue. Only the first prefill of a batch may be
+        cut into a chunk. Finally prefill and chunk ends reserve state checkpoints.
         """
         out = SchedulerOutput()
         budget = self.config.max_prefill_token_num
@@ -120,12 +125,18 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= min(n, budget)
         has_prefill = any(n > 1 for n in out.num_new_tokens)
-        while self.waiting and budget > 0 and len(out.seqs) + len(out.logits_hits) < self.config.max_batch_size:
-            seq = self.waiting[0]
-            n = self._admit(seq, budget, chunk_ok=not has_prefill, out=out)
+        index = 0
+        while (index < len(self.waiting) and budget > 0
+               and len(out.seqs) + len(out.logits_hits) < self.config.max_batch_size):
+            seq = self.waiting[index]
+            match = self._match(seq)
+            if self._waits_for_peer(seq, match, out):
+                index += 1  # stays queued (in order) and resumes from the peer's checkpoint next step
+                continue
+            n = self._admit(seq, match, budget, chunk_ok=not has_prefill, out=out)
             if n is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self.running.append(seq)
             if n == 0:
                 continue  # whole prompt cached: sampled from kept logits (out.logits_hits)
@@ -166,12 +177,38 @@ class Scheduler:
         total = -(-(seq.num_computed + n) // self.block_size)
         return max(0, total - len(seq.block_ids))
 
-    def _admit(self, seq: SchedulerSequence, budget: int, chunk_ok: bool, out: SchedulerOutput) -> int | None:
-        """Match the prefix cache, then give a waiting sequence its blocks and state slot; all or nothing.
-        Returns the number of tokens it feeds in this forward (0: its whole prompt is cached and its first token
-        comes from kept logits), or None when it cannot be admitted (nothing changed then). A hit whose pinned
-        checkpoint and shared blocks leave too little room is retried cold, so it never blocks the queue."""
-        match = self.trie.match(seq, peers=self.running) if self.trie is not None else PrefixMatch(0, [], None)
+    def _match(self, seq: SchedulerSequence) -> PrefixMatch:
+        """The prefix-cache match of a waiting sequence. Its peers (branch points) are the running sequences and
+        the first few queued ones: a prefix it shares with a request still queued is a branch point too, so that
+        request can resume there (see `_waits_for_peer`) instead of recomputing it."""
+        if self.trie is None:
+            return PrefixMatch(0, [], None)
+        queued = [s for s in self.waiting[:_MAX_QUEUED_PEERS + 1] if s is not seq][:_MAX_QUEUED_PEERS]
+        return self.trie.match(seq, peers=self.running + queued)
+
+    def _waits_for_peer(self, seq: SchedulerSequence, match: PrefixMatch, out: SchedulerOutput) -> bool:
+        """Branch policy, in flight: a prefill piece already scheduled in this forward ends on `seq`'s prompt
+        deeper than its hit, where a checkpoint will be saved. `seq` then waits one step and resumes there instead
+        of recomputing the same tokens beside it (each wait strictly deepens its next hit, so waits are bounded)."""
+        if self.trie is None or not self.trie.is_hybrid or not self.trie.branch_checkpoints:
+            return False
+        n = seq.num_tokens
+        for peer, k in zip(out.seqs, out.num_new_tokens):
+            end = peer.num_computed + k
+            if peer.num_computed >= peer.num_prompt_tokens or end <= match.num_tokens or end > n:
+                continue  # a decode step, or a piece ending at or before the hit / past the prompt
+            # One token must be left to compute, unless the piece is a whole identical prompt with kept logits.
+            usable = end < n or (self.trie.prompt_logits and end == peer.num_tokens)
+            if usable and peer.token_ids[:end] == seq.token_ids[:end] and self.trie.wants_checkpoint(peer, end):
+                return True
+        return False
+
+    def _admit(self, seq: SchedulerSequence, match: PrefixMatch, budget: int, chunk_ok: bool,
+               out: SchedulerOutput) -> int | None:
+        """Give a waiting sequence its blocks and state slot after matching; all or nothing. Returns the number of
+        tokens it feeds in this forward (0: its whole prompt is cached and its first token comes from kept
+        logits), or None when it cannot be admitted (nothing changed then). A hit whose pinned checkpoint and
+        shared blocks leave too little room is retried cold, so it never blocks the queue."""
         n = self._admit_with(seq, match, budget, chunk_ok, out)
         if n is None and match.num_tokens > 0:
             n = self._admit_with(seq, PrefixMatch(0, [], None, match.junction, match.miss), budget, chunk_ok, out)

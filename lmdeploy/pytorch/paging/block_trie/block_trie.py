@@ -124,7 +124,7 @@ class BlockTrie:
         covered, evicted_until = self._coverage(seq, tokens, path)
         junction = 0
         if self.branch_checkpoints and self.is_hybrid:
-            junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, peers)), hit)
+            junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, peers, hit)), hit)
         miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited)
         return PrefixMatch(hit, path[:hit // self.block_size], ck, junction, miss)
 
@@ -179,17 +179,23 @@ class BlockTrie:
             evicted_until += bs
         return min(covered, len(tokens)), evicted_until
 
-    def _peer_coverage(self, seq: SchedulerSequence, tokens: np.ndarray, peers) -> int:
-        """Longest common prefix with an in-flight sequence of the same adapter."""
-        best = 0
+    def _peer_coverage(self, seq: SchedulerSequence, tokens: np.ndarray, peers, hit: int) -> int:
+        """The branch point shared with in-flight or queued sequences of the same adapter: among their common
+        prefixes with this prompt deeper than `hit`, the one serving the most tokens (its length times the peers
+        reaching it), the deeper on a tie. A peer holding the whole prompt is left out when the prompt-end
+        checkpoint serves it (it is longer, or identical with kept logits)."""
+        lcps = []
         head = min(self.block_size, len(tokens))
         for peer in peers:
             if peer is seq or peer.adapter_name != seq.adapter_name or peer.token_ids[:head] != seq.token_ids[:head]:
                 continue
             other = np.asarray(peer.token_ids[:len(tokens)], dtype=np.int64)
             same = other == tokens[:other.size]
-            best = max(best, other.size if same.all() else int(same.argmin()))
-        return best
+            lcp = other.size if same.all() else int(same.argmin())
+            if lcp > hit and not (lcp == len(tokens) and (self.prompt_logits or peer.num_tokens > lcp)):
+                lcps.append(lcp)
+        lcps.sort(reverse=True)
+        return max(((lcp * (i + 1), lcp) for i, lcp in enumerate(lcps)), default=(0, 0))[1]
 
     def _junction(self, seq: SchedulerSequence, covered: int, hit: int) -> int:
         """Where this prompt diverges from cached ones (a branch point to checkpoint), or 0."""
