@@ -519,6 +519,28 @@ def test_branch_point_with_queued_peers_serves_the_most_tokens():
     assert e.num_cached == 11
 
 
+def test_in_prefill_cuts_are_kept_for_the_tokens_past_a_branch_point():
+    # In-prefill states every 4 tokens, at most 2 per prompt. A (22 tokens) and B arrive together sharing 10: A's
+    # first piece ends at the branch point 10 and takes no cuts (B resumes at 10 from its end checkpoint), so A's
+    # two cuts land in its own tokens, at 20 and 16. C, sharing 19 tokens with A, resumes at 16 (cuts at 8 and 4
+    # in the first piece would have left it only the branch point 10).
+    s = make_scheduler(num_blocks=32, num_state_slots=12, prefix_cache_branch_checkpoints=True,
+                       prefix_cache_prefill_state_interval=4, prefix_cache_prefill_state_cap=2)
+    a, b = make_seq(tokens(10) + tokens(12, start=100)), make_seq(tokens(10) + [80, 81])
+    s.add(a)
+    s.add(b)
+    out = step(s)
+    assert (out.num_new_tokens, [ck.step for _, ck in out.reserved], out.state_cuts) == ([10], [10], [])
+    out = step(s)
+    assert (out.seqs, out.num_new_tokens) == ([a, b], [12, 2])
+    assert [ck.step for _, ck in out.reserved] == [20, 16, 22, 12]
+    assert [(seq, cut) for seq, cut, _ in out.state_cuts] == [(a, 20), (a, 16)]
+    run(s)
+    c = make_seq(tokens(10) + tokens(9, start=100) + [7])
+    run(s, c)
+    assert (b.num_cached, c.num_cached) == (10, 16)
+
+
 def test_finished_request_leaves_a_reply_checkpoint():
     s = make_scheduler(prefix_cache_reply_checkpoints=True)
     a = make_seq(tokens(6), max_new_tokens=4)

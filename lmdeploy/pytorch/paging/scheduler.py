@@ -277,11 +277,14 @@ class Scheduler:
 
     def _plan_checkpoint(self, seq: SchedulerSequence, n: int, out: SchedulerOutput) -> None:
         """Reserve a checkpoint at the end of a prefill piece (prompt end, chunk end, branch point) or at an
-        opt-in decode interval, if wanted and affordable."""
+        opt-in decode interval, if wanted and affordable. A piece ending at a branch point takes no in-prefill
+        cuts: it is the prefix shared with known requests, which its end checkpoint serves, and the per-prompt cap
+        is kept for the prompt's own tokens after it, where its later siblings diverge."""
         step = seq.num_computed + n
+        at_branch_point = seq.checkpoint_hint == step
         if seq.checkpoint_hint is not None and step >= seq.checkpoint_hint:
             seq.checkpoint_hint = None
-        if n > 1:
+        if n > 1 and not at_branch_point:
             self._plan_prefill_cuts(seq, n, out)
         if seq.num_computed >= seq.num_prompt_tokens and n == 1:
             interval = self.cache_config.prefix_cache_decode_state_interval
