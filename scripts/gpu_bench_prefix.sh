@@ -3,7 +3,7 @@
 # benchmark/bench_vs_transformers.py: every workload in every mode, one process per workload so a timeout keeps the
 # workloads already done. Builds the checkpoint if MODEL_DIR holds none, and copies the demo model's tokenizer and
 # chat template next to it (the random-weight checkpoint has none; the workloads need a chat template).
-#   OUT=./out MODEL_DIR=/tmp/qwen3next_bench BUDGET=540 REQUESTS=16 bash scripts/gpu_bench_prefix.sh
+#   OUT=./out MODEL_DIR=/tmp/qwen3next_bench BUDGET=540 REQUESTS=16 MODES=all bash scripts/gpu_bench_prefix.sh
 # Results: $OUT/prefix_bench/<workload>/{report.md,hit_rate.png}, <workload>.log (last line: JSON summary).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -13,6 +13,7 @@ BUDGET="${BUDGET:-540}"
 REQUESTS="${REQUESTS:-16}"
 WORKLOADS="${WORKLOADS:-multi_turn repeat branching shared_doc long_context}"
 EXTRA="${EXTRA:-}"
+MODES="${MODES:-all}"          # e.g. off,aligned,exact,full
 DEVICE="${DEVICE:-cuda}"   # DEVICE=cpu SMOKE=1: a CPU dry run on the tiny smoke-sized checkpoint
 SMOKE="${SMOKE:-0}"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/fla ]; then
@@ -55,7 +56,7 @@ for w in $WORKLOADS; do
     echo "=== $w (timeout ${left}s)"
     # shellcheck disable=SC2086
     timeout -k 5 "$left" python3 -m lmdeploy.bench prefix-cache --model "$MODEL_DIR" --device "$DEVICE" --workload "$w" \
-        --mode all --requests "$REQUESTS" --out "$OUT/prefix_bench/$w" --json $EXTRA > "$OUT/prefix_bench/$w.log" 2>&1
+        --mode "$MODES" --requests "$REQUESTS" --out "$OUT/prefix_bench/$w" --json $EXTRA > "$OUT/prefix_bench/$w.log" 2>&1
     echo "=== $w: rc $? (t=$((SECONDS - START))s)"
     tail -n 1 "$OUT/prefix_bench/$w.log"
 done

@@ -101,7 +101,7 @@ def test_cuda_graphs_match_eager(tiny_model_factory, arch, prefix_caching):
     ref = _generate(eager, prompts, max_new_tokens=40, stagger=3)
     runner = graphs.agent.graph_runner
     assert runner.num_replays > 20 and len(runner.graphs) >= 3, (runner.num_replays, sorted(runner.graphs))
-    assert runner.num_prefill_replays > 0, sorted(runner.graphs)
+    assert runner.num_prefill_replays > 0 if arch == 'qwen3' else runner.num_prefill_replays == 0  # dense only
     # float32 everywhere, so a replay bug shows as an O(1) logit error; 2e-2 leaves room for GEMM kernels that
     # differ between padded and unpadded shapes
     _assert_same_greedy_path(got, ref, tol=2e-2, min_equal=60)

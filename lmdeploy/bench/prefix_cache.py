@@ -44,12 +44,23 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _modes(value: str) -> tuple[str, ...]:
+    if value == 'all':
+        return MODES
+    modes = tuple(m.strip() for m in value.split(',') if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f'unknown mode(s) {unknown or value!r}; choose from {", ".join(MODES)}')
+    return modes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--model', default=None, help=f'HF folder (default: the {DEMO_ARCH} hybrid demo model)')
     parser.add_argument('--device', default=None, choices=['cpu', 'cuda'], help='default: cuda if available')
     parser.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
     parser.add_argument('--workload', default='multi_turn', choices=WORKLOADS + ('all',))
-    parser.add_argument('--mode', default='all', choices=MODES + ('all',), help='prefix cache: off/aligned/exact')
+    parser.add_argument('--mode', default='all', type=_modes,
+                        help=f"'all', or one or more (comma-separated) of {', '.join(MODES)}")
     parser.add_argument('--requests', type=int, default=16, help='requests per workload')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--max-new-tokens', type=int, default=16)
@@ -100,7 +111,8 @@ class BenchConfig:
         num_blocks = args.num_blocks if args.num_blocks is not None else (_CPU_NUM_BLOCKS if device == 'cpu' else 0)
         return cls(model_path=args.model or get_demo_model_path(DEMO_ARCH), device=device, dtype=args.dtype,
                    workloads=WORKLOADS if args.workload == 'all' else (args.workload,),
-                   modes=MODES if args.mode == 'all' else (args.mode,), num_requests=args.requests, seed=args.seed,
+                   modes=args.mode if isinstance(args.mode, tuple) else _modes(args.mode), num_requests=args.requests,
+                   seed=args.seed,
                    max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                    max_prefill_token_num=args.max_prefill_token_num, concurrency=args.concurrency,
                    num_blocks=num_blocks, max_batch_size=args.max_batch_size, state_budget=args.state_budget,

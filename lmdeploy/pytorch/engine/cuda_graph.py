@@ -147,7 +147,7 @@ class CUDAGraphRunner:
         self.token_buckets = tuple(t for t in PREFILL_TOKEN_BUCKETS if t <= max_prefill_tokens)
         self.device = device
         max_seqs = max(max_batch_size, PREFILL_SEQ_BUCKETS[-1])
-        max_tokens = max(max_batch_size, *self.token_buckets) if self.token_buckets else max_batch_size
+        max_tokens = max((max_batch_size, *self.token_buckets))
         self.static = _StaticInputs(max_tokens, max_seqs, max_pages, device)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -169,6 +169,8 @@ class CUDAGraphRunner:
                 return None
             size = self.padded_size(num_seqs)
             return GraphKey(size, size, True)
+        if not self.token_buckets:
+            return None
         tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
         seqs = next((s for s in PREFILL_SEQ_BUCKETS if s > num_seqs), None)
         if tokens is None or seqs is None:

@@ -13,7 +13,7 @@ from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
-from .cuda_graph import CUDAGraphRunner
+from .cuda_graph import PREFILL_TOKEN_BUCKETS, CUDAGraphRunner
 from .device_streams import DeviceStreams
 
 
@@ -41,8 +41,11 @@ class ModelAgent:
         self.streams = DeviceStreams(device)
         self.graph_runner = None
         if cuda_graph_batch_size > 0 and device.type == 'cuda':
+            # Prefill graphs only for models without recurrent state: on the H200, hybrid states after a prefill
+            # graph were wrong (see docs/architecture.md), so hybrid prefills stay eager.
+            prefill_tokens = 0 if cache_engine.model_config.is_hybrid else PREFILL_TOKEN_BUCKETS[-1]
             self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
-                                                device)
+                                                device, max_prefill_tokens=prefill_tokens)
 
     def _context(self, inputs: ModelInputs) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,
