@@ -28,6 +28,7 @@ frozen token arrays (each keeps its token ids [0, step)).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -129,13 +130,17 @@ def build(prefix_len: int, num_checkpoints: int, block_size: int, seed: int = 0,
 
 
 def median_us(fn, repeats: int, setup=None) -> float:
-    """Median wall time of `fn(setup())` (or `fn()`); `setup` runs outside the timed region."""
+    """Median wall time of `fn(setup())` (or `fn()`); `setup` runs outside the timed region. The garbage collector
+    is off while timing, as in `timeit` (a collection of the whole population would land on whichever call it
+    interrupts)."""
     times = []
     for _ in range(repeats):
         args = (setup(),) if setup is not None else ()
+        gc.disable()
         start = time.perf_counter_ns()
         fn(*args)
         times.append(time.perf_counter_ns() - start)
+        gc.enable()
     return statistics.median(times) / 1e3
 
 

@@ -740,6 +740,19 @@ def test_match_walks_no_block_before_the_hit(monkeypatch, hybrid):
     assert len(calls) <= 1
 
 
+def test_a_repeated_match_drops_evicted_nodes_it_verified_before():
+    s = make_scheduler(num_blocks=32, hybrid=False)
+    run(s, make_seq(tokens(13)))                 # 3 full blocks + 1 token: 3 trie nodes
+    query = make_seq(tokens(13) + [1])
+    assert s.trie.match(query).num_tokens == 12  # the verified run is memoized on the request
+    assert s.trie._evict_leaf()                  # the deepest node goes
+    m = s.trie.match(query)
+    assert m.num_tokens == 8 and all(node.attached for node in m.nodes)
+    run(s, make_seq(tokens(13)))                 # block 2 cached again, as a new node
+    m = s.trie.match(query)
+    assert m.num_tokens == 12 and all(node.attached for node in m.nodes)
+
+
 def test_longest_continuation_equals_brute_force():
     rng = np.random.default_rng(0)
     node = Node(block_id=None, token_ids=np.zeros(0, dtype=np.int64), hash=0, depth=0)

@@ -627,6 +627,8 @@ class PagingMachine(RuleBasedStateMachine):
             if node is None:
                 break
             path.append(node)
+        assert trie._cached_path(query, query.token_array(), []) == path, 'a memoized run differs from the walk'
+        query.prefix_memo = None
         assert trie._cached_path(query, query.token_array(), []) == path, 'the key search missed the cached run'
         assert list(m.nodes) == path[:m.num_tokens // bs]
         if not self.cfg.hybrid:

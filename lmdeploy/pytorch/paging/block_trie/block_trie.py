@@ -124,22 +124,30 @@ class BlockTrie:
                          ) -> tuple[NodeStateCheckpoint | None, int]:
         """The deepest verified, usable checkpoint, and the deepest verified step rejected for a multimodal span."""
         n, mm_limited = len(tokens), 0
+        memo = self.hasher.memo(seq)
         for ck in self.checkpoint_candidates(seq, max_step):
             step = ck.step
             if step == n and ck.last_logits is None:
                 continue
-            # A hash never proves a hit: verify the frozen data exactly. Equal token ids and multimodal identity over
-            # [0, step) mean the request's own trie walk would reach exactly the checkpoint's recorded path, which is
-            # attached while the checkpoint is published (only leaves are detached, and only after their
-            # checkpoints are released; `check_integrity` asserts it).
-            if (ck.prefix_mm_identity != mm_identity_of(seq, 0, step) or not ck.anchor.attached
-                    or not equal_tokens(ck.token_ids, tokens[:step])):
-                continue
+            # A hash never proves a hit: verify the frozen data exactly (once per request; candidates are published).
+            if ck is not memo.checkpoint:
+                if not self._same_prefix(seq, tokens, ck):
+                    continue
+                memo.checkpoint = ck
             if not seq.is_prefix_cache_boundary_safe(step):
                 mm_limited = max(mm_limited, step)
                 continue
             return ck, mm_limited
         return None, mm_limited
+
+    @staticmethod
+    def _same_prefix(seq: SchedulerSequence, tokens: np.ndarray, ck: NodeStateCheckpoint) -> bool:
+        """The checkpoint's frozen token ids and multimodal identity equal the sequence's over [0, step). Then the
+        sequence's own trie walk would reach exactly the checkpoint's recorded path, which is attached while the
+        checkpoint is published (only leaves are detached, and only after their checkpoints are released;
+        `check_integrity` asserts it)."""
+        return (ck.prefix_mm_identity == mm_identity_of(seq, 0, ck.step) and ck.anchor.attached
+                and equal_tokens(ck.token_ids, tokens[:ck.step]))
 
     def checkpoint_candidates(self, seq: SchedulerSequence, max_step: int) -> list[NodeStateCheckpoint]:
         """Published checkpoints whose prefix hashes equal the sequence's at their anchor and step (unverified),
@@ -149,11 +157,14 @@ class BlockTrie:
 
     def _cached_path(self, seq: SchedulerSequence, tokens: np.ndarray, known: list[Node]) -> list[Node]:
         """Trie nodes of the longest cached run of the sequence's leading full blocks, given a verified start
-        `known`: binary search for the deepest node indexed under the prompt's block prefix key (nodes only leave
-        as leaves, so cached depths form a prefix), one exact verification of the blocks past `known`, then the
-        exact chained walk from there (normally a single failed lookup; it also covers a node the key index
-        missed)."""
-        bs, path = self.block_size, list(known)
+        `known` (or the longer run verified by an earlier match of this request, still attached): binary search for
+        the deepest node indexed under the prompt's block prefix key (nodes only leave as leaves, so cached depths
+        form a prefix), one exact verification of the blocks past the start, then the exact chained walk from there
+        (normally a single failed lookup; it also covers a node the key index missed)."""
+        memo = self.hasher.memo(seq)
+        while memo.nodes and not memo.nodes[-1].attached:
+            memo.nodes.pop()
+        bs, path = self.block_size, list(memo.nodes if len(memo.nodes) > len(known) else known)
         max_depth = len(tokens) // bs
         if max_depth > len(path):
             keys = self.hasher.block_keys(seq)
@@ -173,6 +184,7 @@ class BlockTrie:
             if parent is None:
                 break
             path.append(parent)
+        memo.nodes = path
         return path
 
     def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node) -> list[Node]:

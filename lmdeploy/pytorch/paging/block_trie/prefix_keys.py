@@ -25,13 +25,13 @@ collide. Nothing here changes state outside the request's memo and the hasher's 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
 from ...messages import SchedulerSequence
-from .node import MMIdentity, root_hash
+from .node import MMIdentity, Node, NodeStateCheckpoint, root_hash
 
 _U64 = np.uint64
 _MASK = 2**64 - 1
@@ -88,15 +88,20 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 @dataclass(slots=True, eq=False)
-class _Memo:
-    """One request's hashes: `hashes[:num_chunks + 1]` = H at chunk boundaries, `keys[:num_blocks + 1]` the block
-    prefix keys. Valid while the request's `token_epoch` is `epoch` (its tokens were only appended to)."""
+class PrefixMemo:
+    """What the prefix cache derived from one request's tokens: `hashes[:num_chunks + 1]` = H at chunk boundaries,
+    `keys[:num_blocks + 1]` the block prefix keys; and what `BlockTrie` verified exactly against them: `nodes`, trie
+    nodes holding the request's leading blocks (a detached suffix is dropped on use: nodes leave only as leaves),
+    and `checkpoint`, a checkpoint whose frozen prefix equals the request's (trusted only while published). Valid
+    while the request's `token_epoch` is `epoch` (its tokens were only appended to)."""
     hasher: PrefixHasher
     epoch: int
     hashes: np.ndarray
     keys: np.ndarray
     num_chunks: int = 0
     num_blocks: int = 0
+    nodes: list[Node] = field(default_factory=list)
+    checkpoint: NodeStateCheckpoint | None = None
 
 
 class PrefixHasher:
@@ -115,11 +120,11 @@ class PrefixHasher:
             self._chunk_mult = np.concatenate([self._chunk_mult, draw_multipliers(self._rng, more)])
         return self._chunk_mult[:n]
 
-    def _memo(self, seq: SchedulerSequence, num_chunks: int, num_blocks: int) -> _Memo:
+    def _memo(self, seq: SchedulerSequence, num_chunks: int, num_blocks: int) -> PrefixMemo:
         memo = seq.prefix_memo
-        if (not isinstance(memo, _Memo) or memo.hasher is not self or memo.epoch != seq.token_epoch
+        if (not isinstance(memo, PrefixMemo) or memo.hasher is not self or memo.epoch != seq.token_epoch
                 or memo.num_chunks > num_chunks):
-            memo = _Memo(self, seq.token_epoch, np.zeros(num_chunks + 64, _U64), np.zeros(num_blocks + 16, _U64))
+            memo = PrefixMemo(self, seq.token_epoch, np.zeros(num_chunks + 64, _U64), np.zeros(num_blocks + 16, _U64))
             memo.keys[0] = self.root_key(seq.adapter_name)
             seq.prefix_memo = memo
         if num_chunks + 1 > len(memo.hashes):
@@ -128,7 +133,7 @@ class PrefixHasher:
             memo.keys = np.concatenate([memo.keys, np.zeros(num_blocks + 1, _U64)])
         return memo
 
-    def _update(self, seq: SchedulerSequence) -> _Memo:
+    def _update(self, seq: SchedulerSequence) -> PrefixMemo:
         """The request's memo, extended by the chunks and blocks completed since the last call."""
         tokens, g = seq.token_array(), self.stride
         num_chunks, num_blocks = len(tokens) // g, len(tokens) // self.block_size
@@ -150,6 +155,10 @@ class PrefixHasher:
                 self._mm_hashes(seq, have + 1, num_blocks + 1))
             memo.num_blocks = num_blocks
         return memo
+
+    def memo(self, seq: SchedulerSequence) -> PrefixMemo:
+        """The request's memo, up to date with its tokens."""
+        return self._update(seq)
 
     def chunk_hashes(self, seq: SchedulerSequence) -> np.ndarray:
         """H(c * stride) for c in [0, n // stride] (read-only)."""
