@@ -24,10 +24,24 @@ from .checkpoint_lifecycle import StateCheckpointLifecycle
 from .kv_lifecycle import TrieKVLifecycle
 from .miss_tracker import MissTracker
 from .node import Node, NodeStateCheckpoint, tail_hash
-from .prefix_keys import PrefixHasher, common_prefix, common_prefix_len, equal_tokens, mm_identity_of
+from .prefix_keys import PrefixHasher, common_prefix, equal_tokens, mm_identity_of
 
 # Token bytes compared at once when verifying a run of trie nodes (keeps temporaries small).
 _VERIFY_BYTES = 1 << 14
+
+
+def _common_nodes(a: list[Node], b: list[Node]) -> int:
+    """Leading nodes two root paths share (by identity; shared nodes form a prefix of both)."""
+    lo, hi = 0, min(len(a), len(b))
+    if hi and a[hi - 1] is b[hi - 1]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] is b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class PrefixMatch(NamedTuple):
@@ -116,7 +130,7 @@ class BlockTrie:
         covered, evicted_until = self._coverage(seq, tokens, path)
         junction = 0
         if self.branch_checkpoints and self.is_hybrid:
-            junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, peers, hit)), hit)
+            junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, path, peers, hit)), hit)
         miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited)
         return PrefixMatch(hit, path[:hit // bs], ck, junction, miss)
 
@@ -230,43 +244,34 @@ class BlockTrie:
             evicted_until = depth * bs
         return min(covered, len(tokens)), evicted_until
 
-    def _peer_coverage(self, seq: SchedulerSequence, tokens: np.ndarray, peers, hit: int) -> int:
+    def _peer_coverage(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], peers, hit: int) -> int:
         """The branch point shared with in-flight or queued sequences of the same adapter: among their common
         prefixes with this prompt deeper than `hit`, the one serving the most tokens (its length times the peers
         reaching it), the deeper on a tie. A peer holding the whole prompt is left out when the prompt-end
-        checkpoint serves it (it is longer, or identical with kept logits). A peer sharing too little is ruled out
-        in O(1) (one token, one prefix hash); the others' common prefixes are proposed by prefix hashes and
-        confirmed exactly."""
-        g, n = self.hasher.stride, len(tokens)
+        checkpoint serves it (it is longer, or identical with kept logits).
+
+        Each common prefix is exact and costs O(1) for a peer sharing too little (one token), else the blocks it
+        shares with the prompt's cached run through its own canonical trie path (node identity, binary search)
+        plus a token comparison of the rest, which is the part not yet in the trie."""
+        n = len(tokens)
         need = max(hit + 1, min(self.block_size, n))  # a peer counts from this many shared tokens on
         if need > n:
             return 0
-        ids, mine = seq.token_ids, self.hasher.chunk_hashes(seq)
-        lcps = []
+        ids, lcps = seq.token_ids, []
         for peer in peers:
             other = peer.token_ids
             if (peer is seq or peer.adapter_name != seq.adapter_name or len(other) < need
                     or other[need - 1] != ids[need - 1]):
                 continue
-            theirs = self.hasher.chunk_hashes(peer)
-            if theirs[need // g] != mine[need // g]:
-                continue
-            lcp = self._common_prefix_with(tokens, mine, peer, theirs)
+            shared = _common_nodes(path, self._paths.get(peer.seq_id, ())) * self.block_size
+            if shared < min(n, len(other)) and other[shared] != ids[shared]:
+                lcp = shared
+            else:
+                lcp = common_prefix(tokens, peer.token_array(), start=shared)
             if lcp >= need and not (lcp == n and (self.prompt_logits or peer.num_tokens > lcp)):
                 lcps.append(lcp)
         lcps.sort(reverse=True)
         return max(((lcp * (i + 1), lcp) for i, lcp in enumerate(lcps)), default=(0, 0))[1]
-
-    def _common_prefix_with(self, tokens: np.ndarray, mine: np.ndarray, peer: SchedulerSequence,
-                            theirs: np.ndarray) -> int:
-        """Exact length of the common prefix of `tokens` and the peer's: the shared hash chunks found by binary
-        search, the chunk after them compared directly, the whole confirmed by one comparison."""
-        g, other = self.hasher.stride, peer.token_array()
-        lo = common_prefix_len(mine, theirs) * g
-        lcp = lo + common_prefix(tokens[lo:lo + g], other[lo:lo + g])
-        if equal_tokens(tokens[:lcp], other[:lcp]):
-            return lcp
-        return common_prefix(tokens, other)  # a hash collision misled the search
 
     def _junction(self, seq: SchedulerSequence, covered: int, hit: int) -> int:
         """Where this prompt diverges from cached ones (a branch point to checkpoint), or 0."""

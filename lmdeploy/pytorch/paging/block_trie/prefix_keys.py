@@ -67,24 +67,17 @@ def equal_tokens(a: np.ndarray, b: np.ndarray) -> bool:
     return all(np.array_equal(a[i:i + _CHUNK], b[i:i + _CHUNK]) for i in range(0, len(a), _CHUNK))
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Number of leading tokens two token arrays share."""
-    m = min(len(a), len(b))
-    same = a[:m] == b[:m]
-    return m if same.all() else int(same.argmin())
-
-
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    """Largest `k` with `a[k] == b[k]`, by binary search over two prefix-hash arrays (`a[0] == b[0]`). Exact where
-    the hashes are; the caller verifies."""
-    lo, hi = 0, min(len(a), len(b)) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid] == b[mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def common_prefix(a: np.ndarray, b: np.ndarray, start: int = 0) -> int:
+    """Number of leading tokens two token arrays share, given that they share `[0, start)`. Compared in chunks that
+    double from 256 tokens: O(result - start), and no large temporaries."""
+    m, i, size = min(len(a), len(b)), start, 256
+    while i < m:
+        j = min(m, i + size)
+        same = a[i:j] == b[i:j]
+        if not same.all():
+            return i + int(same.argmin())
+        i, size = j, min(2 * size, _CHUNK)
+    return m
 
 
 @dataclass(slots=True, eq=False)
