@@ -108,11 +108,11 @@ class BlockTrie:
         `peers` are sequences in flight (not yet in the trie): a prefix shared with one of them is a branch point
         too, so that concurrent requests with a common prefix leave a checkpoint for the ones that follow.
 
-        Cost: no per-block Python loop over the prompt. A hybrid hit is found by the index prefilter (prefix hashes
-        of all live checkpoints compared at once) and one exact comparison of the checkpoint's frozen tokens; its
-        block path is the checkpoint's recorded one. The cached run of blocks past it is found by binary search on
-        block prefix keys and verified in one comparison; branch points and miss reasons look only at the blocks
-        past that run."""
+        Cost: no hashing, lookup or comparison block by block. A hybrid hit is found by the index prefilter (prefix
+        hashes of all live checkpoints compared at once) and one exact comparison of the checkpoint's frozen tokens;
+        its block path is the checkpoint's recorded one. The cached run of blocks past it is found by binary search
+        on block prefix keys and verified in one comparison; branch points and miss reasons look only past that
+        run. What was verified is memoized on the request."""
         tokens = seq.token_array()
         n, bs = len(tokens), self.block_size
         ck, mm_limited = None, 0
