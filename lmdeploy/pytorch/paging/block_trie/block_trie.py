@@ -205,18 +205,20 @@ class BlockTrie:
         """The nodes from just below the end of `path` down to `node` if they hold exactly the sequence's blocks
         there (tokens and multimodal identity), else []."""
         top = path[-1] if path else self.kv.root(seq.adapter_name)
-        run = []
+        run, parts = [], []
         while node.depth > top.depth:
             run.append(node)
+            parts.append(node.token_bytes)
             node = node.parent
         if node is not top:
             return []
         run.reverse()
+        parts.reverse()
         bs, first, end = self.block_size, top.depth, run[-1].depth
         per = max(1, _VERIFY_BYTES // (8 * bs))
         for i in range(0, len(run), per):
             lo = (first + i) * bs
-            part = b''.join([x.token_bytes for x in run[i:i + per]])
+            part = b''.join(parts[i:i + per])
             if part != tokens[lo:lo + len(part) // 8].tobytes():
                 return []
         # Blocks overlapping the sequence's spans must carry its identity, and no other block any.
