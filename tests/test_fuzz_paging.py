@@ -27,6 +27,7 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -38,7 +39,9 @@ from lmdeploy.pytorch.messages import MultiModalSpan, SamplingParams, SchedulerS
 from lmdeploy.pytorch.paging.block_trie import block_trie as block_trie_module
 from lmdeploy.pytorch.paging.block_trie import kv_lifecycle as kv_lifecycle_module
 from lmdeploy.pytorch.paging.block_trie import node as node_module
+from lmdeploy.pytorch.paging.block_trie import prefix_keys as prefix_keys_module
 from lmdeploy.pytorch.paging.block_trie.node import CheckpointState, NodeStateCheckpoint
+from lmdeploy.pytorch.paging.block_trie.prefix_keys import mm_identity_of
 from lmdeploy.pytorch.paging.scheduler import Scheduler, SchedulerOutput
 
 ALPHABET = 6          # token ids 0..5: random prompts share prefixes often
@@ -64,6 +67,12 @@ def next_key(prev: int, token: int, marker: int) -> int:
 def marker_at(spans, pos: int) -> int:
     """Content hash of the multimodal span covering `pos` (0 for text)."""
     return next((h for s, e, h in spans if s <= pos < e), 0)
+
+
+def _common_prefix(a, b) -> int:
+    m = min(len(a), len(b))
+    same = a[:m] == b[:m]
+    return m if same.all() else int(same.argmin())
 
 
 class Config:
@@ -575,6 +584,7 @@ class PagingMachine(RuleBasedStateMachine):
 
     def _check_match(self, query: SchedulerSequence) -> None:
         m = self.trie.match(query, peers=self.s.running)
+        self._check_match_against_walks(query, m)
         keys = self.keys(query, query.num_tokens)
         n = query.num_tokens
         if m.num_tokens == n:
@@ -605,6 +615,49 @@ class PagingMachine(RuleBasedStateMachine):
         assert self._valid_for(ck, query, keys), 'matched a checkpoint of a different prefix'
         assert ck.step == deepest, f'matched {ck.step}, the deepest valid checkpoint is {deepest}'
         assert ck.block_ids == tuple(n.block_id for n in m.nodes)
+
+    def _check_match_against_walks(self, query: SchedulerSequence, m) -> None:
+        """The vectorised search (block prefix keys, checkpoint paths, sorted continuations, peer prefix hashes)
+        finds exactly what the plain block-by-block walk and brute-force comparisons find."""
+        trie, bs, n = self.trie, self.bs, query.num_tokens
+        tokens = np.asarray(query.token_ids, dtype=np.int64)
+        node, path = trie.kv.root(query.adapter_name), []
+        for i in range(n // bs):
+            node = trie.kv.find_child(node, tokens[i * bs:(i + 1) * bs], mm_identity_of(query, i * bs, (i + 1) * bs))
+            if node is None:
+                break
+            path.append(node)
+        assert trie._cached_path(query, query.token_array(), []) == path, 'a memoized run differs from the walk'
+        query.prefix_memo = None
+        assert trie._cached_path(query, query.token_array(), []) == path, 'the key search missed the cached run'
+        assert list(m.nodes) == path[:m.num_tokens // bs]
+        if not self.cfg.hybrid:
+            depth = min(len(path), (n - 1) // bs)
+            while depth and not query.is_prefix_cache_boundary_safe(depth * bs):
+                depth -= 1
+            assert m.num_tokens == depth * bs, 'a dense match shorter than the cached run'
+            return
+        if not self.cfg.branch:
+            return
+        parent, base = (path[-1] if path else trie.kv.root(query.adapter_name)), len(path) * bs
+        tails = [c.token_ids for c in parent.children.values()]
+        tails += [ck.token_ids[base:] for ck in parent.checkpoints.values()]
+        covered = base + max((_common_prefix(tokens[base:base + bs], t) for t in tails), default=0)
+        lcps = []   # peers: the common prefix serving the most tokens (length x peers reaching it), deeper on a tie
+        for peer in self.s.running:
+            if peer is not query and peer.adapter_name == query.adapter_name:
+                common = _common_prefix(tokens, np.asarray(peer.token_ids, dtype=np.int64))
+                whole = common == n and (self.cfg.prompt_logits or peer.num_tokens > common)
+                if common >= min(bs, n) and common > m.num_tokens and not whole:
+                    lcps.append(common)
+        lcps.sort(reverse=True)
+        covered = max(covered, max(((c * (i + 1), c) for i, c in enumerate(lcps)), default=(0, 0))[1])
+        junction = min(covered, n - 1)
+        if not self.cfg.exact:
+            junction -= junction % bs
+        while junction > m.num_tokens and not query.is_prefix_cache_boundary_safe(junction):
+            junction -= 1
+        assert m.junction == (junction if junction > m.num_tokens else 0), 'a branch point off the brute force one'
 
     # ---- invariants after every rule -------------------------------------------------------------------------------
     @invariant()
@@ -691,12 +744,14 @@ def _run(max_examples: int, steps: int) -> None:
 
 
 def collide_hashes(monkeypatch) -> None:
-    """Block hashes take 4 values and tail hashes 2: only exact verification (token ids, multimodal identity, block
-    path) tells prefixes apart (design invariant 2)."""
+    """Block hashes take 4 values and tail hashes 2, and prefix hashes are plain token sums: only exact verification
+    (token ids, multimodal identity, block path) tells prefixes apart (design invariant 2)."""
     block_hash, tail_hash = node_module.block_hash, node_module.tail_hash
     for module in (kv_lifecycle_module, block_trie_module):
-        monkeypatch.setattr(module, 'block_hash', lambda parent, tokens, mm=(): block_hash(parent, tokens, mm) % 4)
+        if hasattr(module, 'block_hash'):
+            monkeypatch.setattr(module, 'block_hash', lambda parent, tokens, mm=(): block_hash(parent, tokens, mm) % 4)
     monkeypatch.setattr(block_trie_module, 'tail_hash', lambda tokens, mm=(): tail_hash(tokens, mm) % 2)
+    monkeypatch.setattr(prefix_keys_module, 'draw_multipliers', lambda rng, n: np.ones(n, dtype=np.uint64))
 
 
 def test_paging_state_machine():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
@@ -50,6 +51,26 @@ def _step(scheduler: Scheduler) -> list[tuple[int, int]]:
                 scheduler.finish(seq, SequenceStatus.FINISHED, 'length')
     scheduler.check_integrity()
     return [(seq.seq_id, n) for seq, n in zip(out.seqs, out.num_new_tokens)]
+
+
+# ---- SchedulerSequence ------------------------------------------------------------------------------------------
+def test_token_array_follows_appends_and_rebuilds():
+    seq = SchedulerSequence(seq_id=1, token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=SamplingParams())
+    first = seq.token_array()
+    assert first.tolist() == [1, 2, 3] and first.dtype == np.int64 and not first.flags.writeable
+    epoch = seq.token_epoch
+    for t in range(200):                         # decode appends, past the initial capacity
+        seq.token_ids.append(t)
+        assert seq.token_array()[-1] == t
+    assert seq.token_array().tolist() == seq.token_ids and seq.token_epoch == epoch   # extended, never rebuilt
+    assert first.tolist() == [1, 2, 3]           # an array handed out earlier never changes
+    seq.token_ids[-1] = 7                        # the last token rewritten: rebuilt
+    assert seq.token_array().tolist() == seq.token_ids and seq.token_epoch == epoch + 1
+    seq.token_ids.pop()                          # shorter: rebuilt
+    assert seq.token_array().tolist() == seq.token_ids and seq.token_epoch == epoch + 2
+    seq.token_ids = [9, 8]                       # another list: rebuilt
+    assert seq.token_array().tolist() == [9, 8] and seq.token_epoch == epoch + 3
+
 
 
 # ---- BlockManager ----------------------------------------------------------------------------------------------

@@ -1,12 +1,18 @@
 """Hot per-request records shared by the scheduler, the inputs maker and the engine loop.
 
 A `SchedulerSequence` is the engine's view of one request: its tokens, how many of them already have KV (and
-recurrent state) computed, the blocks and state slot it owns, and its sampling parameters. Pure Python; no torch.
+recurrent state) computed, the blocks and state slot it owns, and its sampling parameters. No torch.
+
+`token_ids` only ever grows by appends (prompt, then one sampled token per step). `token_array()` keeps an int64
+copy of it that is converted once and then extended by the appended tokens, so matching and input building never
+convert the whole list again.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 class SequenceStatus(enum.Enum):
@@ -68,10 +74,40 @@ class SchedulerSequence:
     num_prefill_checkpoints: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # int64 copy of `token_ids[:_array_len]` (capacity may exceed it) and the list object it was converted from.
+    _array: np.ndarray | None = field(default=None, init=False, repr=False)
+    _array_src: list[int] | None = field(default=None, init=False, repr=False)
+    _array_len: int = field(default=0, init=False, repr=False)
+    # Bumped when `token_array()` is rebuilt rather than extended: data derived from the tokens must be rebuilt too.
+    token_epoch: int = field(default=0, init=False, repr=False)
+    # Per-request data the prefix cache derives from the tokens (prefix hashes); owned by paging, opaque here.
+    prefix_memo: object | None = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def token_array(self) -> np.ndarray:
+        """`token_ids` as a read-only int64 array. Tokens appended since the last call are copied in; a replaced or
+        shorter list, or a changed last token, rebuilds it. Returned arrays never change later (appends write past
+        their end, a rebuild or a growth writes a new buffer)."""
+        ids, have, buf = self.token_ids, self._array_len, self._array
+        n = len(ids)
+        if buf is None or ids is not self._array_src or n < have or (have and ids[have - 1] != buf[have - 1]):
+            # Exact size (appends grow it by doubling); fromiter is the fastest conversion of a list of ints.
+            buf = np.array(ids, dtype=np.int64) if isinstance(ids, np.ndarray) else np.fromiter(ids, np.int64, n)
+            self._array, self._array_src = buf, ids
+            self.token_epoch += 1
+        elif n > have:
+            if n > len(buf):
+                grown = np.empty(max(2 * n, 64), dtype=np.int64)
+                grown[:have] = buf[:have]
+                self._array = buf = grown
+            buf[have:n] = ids[have:n]
+        self._array_len = n
+        view = buf[:n]
+        view.flags.writeable = False
+        return view
 
     @property
     def num_generated(self) -> int:

@@ -146,6 +146,7 @@ class Engine:
         self.validate_prompt(token_ids)
         seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
                                 sampling=sampling)
+        seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
 
         def command() -> list[EngineOutput]:
             self._seqs[seq.seq_id] = (seq, callback)

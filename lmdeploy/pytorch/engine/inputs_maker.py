@@ -37,7 +37,7 @@ class InputsMaker:
             start = seq.num_computed
             pos = np.arange(start, start + n, dtype=np.int64)
             pages = self._page_table(seq)
-            ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+            ids.append(seq.token_array()[start:start + n])
             positions.append(pos)
             slots.append(pages[pos // self.kernel_block_size] * self.kernel_block_size + pos % self.kernel_block_size)
             tables.append(pages)

@@ -397,6 +397,7 @@ class Scheduler:
             if seq.state_slot is not None:
                 slot_owners[seq.state_slot] += 1
         if self.trie is not None:
+            self.trie.check_integrity()
             trie_blocks, ck_slots = self.trie.owners()
             block_owners.update(trie_blocks)
             slot_owners.update(ck_slots)

@@ -23,7 +23,25 @@ from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
 from .kv_lifecycle import TrieKVLifecycle
 from .miss_tracker import MissTracker
-from .node import MMIdentity, Node, NodeStateCheckpoint, block_hash, tail_hash
+from .node import Node, NodeStateCheckpoint, tail_hash
+from .prefix_keys import PrefixHasher, common_prefix, equal_tokens, mm_identity_of
+
+# Token bytes compared at once when verifying a run of trie nodes (keeps temporaries small).
+_VERIFY_BYTES = 1 << 14
+
+
+def _common_nodes(a: list[Node], b: list[Node]) -> int:
+    """Leading nodes two root paths share (by identity; shared nodes form a prefix of both)."""
+    lo, hi = 0, min(len(a), len(b))
+    if hi and a[hi - 1] is b[hi - 1]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] is b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class PrefixMatch(NamedTuple):
@@ -53,12 +71,6 @@ class PrefixCacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def mm_identity_of(seq: SchedulerSequence, start: int, end: int) -> MMIdentity:
-    """Multimodal spans overlapping `[start, end)`, relative to `start`."""
-    return tuple((max(s.start, start) - start, min(s.end, end) - start, s.content_hash)
-                 for s in seq.mm_spans if s.start < end and s.end > start)
-
-
 class BlockTrie:
 
     def __init__(self, block_manager: BlockManager, state_manager: StateManager | None, block_size: int,
@@ -71,14 +83,15 @@ class BlockTrie:
         self.exact_steps = exact_steps
         self.prompt_logits = prompt_logits
         self.branch_checkpoints = branch_checkpoints
-        self.kv = TrieKVLifecycle(block_manager, block_size)
-        self.index = StateCheckpointIndex()
+        self.hasher = PrefixHasher(block_size)
+        self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher)
+        self.index = StateCheckpointIndex(self.hasher.stride)
         self.checkpoints = StateCheckpointLifecycle(
             block_manager, state_manager, self.index, value_eviction=value_eviction,
             state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes) if state_manager is not None else None
         self.misses = MissTracker()
         if self.checkpoints is not None:
-            self.checkpoints.on_evict = lambda ck: self.misses.note_evicted_checkpoint(ck.anchor.hash)
+            self.checkpoints.on_evict = lambda ck: self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
         self.stats = PrefixCacheStats()
         self._paths: dict[int, list[Node]] = {}
         self._clock = 0
@@ -88,111 +101,176 @@ class BlockTrie:
         return self._clock
 
     # ---- matching ---------------------------------------------------------------------------------------------
-    def _tokens(self, seq: SchedulerSequence) -> np.ndarray:
-        return np.asarray(seq.token_ids, dtype=np.int64)
-
-    def _match_path(self, seq: SchedulerSequence, tokens: np.ndarray, max_blocks: int) -> list[Node]:
-        """Trie nodes of the longest cached run of the sequence's leading full blocks (chained hash lookups)."""
-        node, path, bs = self.kv.root(seq.adapter_name), [], self.block_size
-        for i in range(max_blocks):
-            block = tokens[i * bs:(i + 1) * bs]
-            node = self.kv.find_child(node, block, mm_identity_of(seq, i * bs, (i + 1) * bs))
-            if node is None:
-                break
-            path.append(node)
-        return path
-
     def match(self, seq: SchedulerSequence, peers: list[SchedulerSequence] = ()) -> PrefixMatch:
         """The deepest reusable prefix of `seq`. At least one token is left to compute, except for a hybrid prompt
         whose prompt-end checkpoint kept its logits (an identical prompt then needs no forward at all).
 
         `peers` are sequences in flight (not yet in the trie): a prefix shared with one of them is a branch point
-        too, so that concurrent requests with a common prefix leave a checkpoint for the ones that follow."""
-        tokens = self._tokens(seq)
-        n = len(tokens)
-        path = self._match_path(seq, tokens, n // self.block_size)
-        mm_limited = 0
-        if not self.is_hybrid:
-            depth = min(len(path), (n - 1) // self.block_size)
-            while depth and not seq.is_prefix_cache_boundary_safe(depth * self.block_size):
-                depth -= 1
-                mm_limited = min(len(path), (n - 1) // self.block_size) * self.block_size
-            ck, hit = None, depth * self.block_size
-        else:
-            ck, mm_limited = self._find_checkpoint(seq, tokens, path, n if self.prompt_logits else n - 1)
+        too, so that concurrent requests with a common prefix leave a checkpoint for the ones that follow.
+
+        Cost: no hashing, lookup or comparison block by block. A hybrid hit is found by the index prefilter (prefix
+        hashes of all live checkpoints compared at once) and one exact comparison of the checkpoint's frozen tokens;
+        its block path is the checkpoint's recorded one. The cached run of blocks past it is found by binary search
+        on block prefix keys and verified in one comparison; branch points and miss reasons look only past that
+        run. What was verified is memoized on the request."""
+        tokens = seq.token_array()
+        n, bs = len(tokens), self.block_size
+        ck, mm_limited = None, 0
+        if self.is_hybrid:
+            ck, mm_limited = self._find_checkpoint(seq, tokens, n if self.prompt_logits else n - 1)
+        path = self._cached_path(seq, tokens, list(ck.nodes) if ck is not None else [])
+        if self.is_hybrid:
             hit = ck.step if ck is not None else 0
+        else:
+            depth = min(len(path), (n - 1) // bs)
+            while depth and not seq.is_prefix_cache_boundary_safe(depth * bs):
+                depth -= 1
+                mm_limited = min(len(path), (n - 1) // bs) * bs
+            hit = depth * bs
         covered, evicted_until = self._coverage(seq, tokens, path)
         junction = 0
         if self.branch_checkpoints and self.is_hybrid:
-            junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, peers, hit)), hit)
+            junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, path, peers, hit)), hit)
         miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited)
-        return PrefixMatch(hit, path[:hit // self.block_size], ck, junction, miss)
+        return PrefixMatch(hit, path[:hit // bs], ck, junction, miss)
 
-    def _find_checkpoint(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], max_step: int
+    def _find_checkpoint(self, seq: SchedulerSequence, tokens: np.ndarray, max_step: int
                          ) -> tuple[NodeStateCheckpoint | None, int]:
         """The deepest verified, usable checkpoint, and the deepest verified step rejected for a multimodal span."""
-        anchors = np.array([self.kv.root(seq.adapter_name).hash] + [n.hash for n in path], dtype=np.uint64)
-        path_ids = tuple(n.block_id for n in path)
         n, mm_limited = len(tokens), 0
-        for ck in self.index.candidates(seq.adapter_name, anchors, max_step=max_step):
+        memo = self.hasher.memo(seq)
+        for ck in self.checkpoint_candidates(seq, max_step):
             step = ck.step
-            if step // self.block_size > len(path) or (step == n and ck.last_logits is None):
+            if step == n and ck.last_logits is None:
                 continue
-            start = self._tail_start(step)
-            mm = mm_identity_of(seq, start, step)
-            th = tail_hash(tokens[start:step], mm)
-            if ck.tail_hash != th or ck not in self.index.lookup((seq.adapter_name, step, th)):
-                continue
-            # A hash never proves a hit: verify the frozen data exactly.
-            if not (ck.mm_identity == mm and ck.block_ids == path_ids[:step // self.block_size]
-                    and np.array_equal(ck.token_ids, tokens[:step])):
-                continue
+            # A hash never proves a hit: verify the frozen data exactly (once per request; candidates are published).
+            if ck is not memo.checkpoint:
+                if not self._same_prefix(seq, tokens, ck):
+                    continue
+                memo.checkpoint = ck
             if not seq.is_prefix_cache_boundary_safe(step):
                 mm_limited = max(mm_limited, step)
                 continue
             return ck, mm_limited
         return None, mm_limited
 
+    @staticmethod
+    def _same_prefix(seq: SchedulerSequence, tokens: np.ndarray, ck: NodeStateCheckpoint) -> bool:
+        """The checkpoint's frozen token ids and multimodal identity equal the sequence's over [0, step). Then the
+        sequence's own trie walk would reach exactly the checkpoint's recorded path, which is attached while the
+        checkpoint is published (only leaves are detached, and only after their checkpoints are released;
+        `check_integrity` asserts it)."""
+        return (ck.prefix_mm_identity == mm_identity_of(seq, 0, ck.step) and ck.anchor.attached
+                and equal_tokens(ck.token_ids, tokens[:ck.step]))
+
+    def checkpoint_candidates(self, seq: SchedulerSequence, max_step: int) -> list[NodeStateCheckpoint]:
+        """Published checkpoints whose prefix hashes equal the sequence's at their anchor and step (unverified),
+        deepest first."""
+        return self.index.candidates(seq.adapter_name, self.hasher.chunk_hashes(seq),
+                                     lambda chunks, rems: self.hasher.tail_hashes(seq, chunks, rems), max_step=max_step)
+
+    def _cached_path(self, seq: SchedulerSequence, tokens: np.ndarray, known: list[Node]) -> list[Node]:
+        """Trie nodes of the longest cached run of the sequence's leading full blocks, given a verified start
+        `known` (or the longer run verified by an earlier match of this request, still attached): binary search for
+        the deepest node indexed under the prompt's block prefix key (nodes only leave as leaves, so cached depths
+        form a prefix), one exact verification of the blocks past the start, then the exact chained walk from there
+        (normally a single failed lookup; it also covers a node the key index missed)."""
+        memo = self.hasher.memo(seq)
+        while memo.nodes and not memo.nodes[-1].attached:
+            memo.nodes.pop()
+        bs, path = self.block_size, list(memo.nodes if len(memo.nodes) > len(known) else known)
+        max_depth = len(tokens) // bs
+        if max_depth > len(path):
+            keys = self.hasher.block_keys(seq)
+            found, lo, hi = None, len(path) + 1, max_depth
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                node = self.kv.lookup(int(keys[mid]))
+                if node is None or node.depth != mid:
+                    hi = mid - 1
+                else:
+                    found, lo = node, mid + 1
+            if found is not None:
+                path += self._verified_run(seq, tokens, path, found)
+        parent = path[-1] if path else self.kv.root(seq.adapter_name)
+        for i in range(len(path), max_depth):
+            parent = self.kv.find_child(parent, tokens[i * bs:(i + 1) * bs], mm_identity_of(seq, i * bs, (i + 1) * bs))
+            if parent is None:
+                break
+            path.append(parent)
+        memo.nodes = path
+        return path
+
+    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node) -> list[Node]:
+        """The nodes from just below the end of `path` down to `node` if they hold exactly the sequence's blocks
+        there (tokens and multimodal identity), else []."""
+        top = path[-1] if path else self.kv.root(seq.adapter_name)
+        run, parts = [], []
+        while node.depth > top.depth:
+            run.append(node)
+            parts.append(node.token_bytes)
+            node = node.parent
+        if node is not top:
+            return []
+        run.reverse()
+        parts.reverse()
+        bs, first, end = self.block_size, top.depth, run[-1].depth
+        per = max(1, _VERIFY_BYTES // (8 * bs))
+        for i in range(0, len(run), per):
+            lo = (first + i) * bs
+            part = b''.join(parts[i:i + per])
+            if part != tokens[lo:lo + len(part) // 8].tobytes():
+                return []
+        # Blocks overlapping the sequence's spans must carry its identity, and no other block any.
+        num_mm = run[-1].num_mm_blocks - top.num_mm_blocks
+        if num_mm or seq.mm_spans:
+            blocks = set()
+            for span in seq.mm_spans:
+                blocks.update(range(max(span.start // bs, first), min(-(-span.end // bs), end)))
+            if len(blocks) != num_mm or any(run[i - first].mm_identity != mm_identity_of(seq, i * bs, (i + 1) * bs)
+                                            for i in blocks):
+                return []
+        return run
+
     def _coverage(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node]) -> tuple[int, int]:
         """(tokens of the prompt present in the trie: matched blocks plus the longest common prefix with a child
         block or a checkpoint tail of the last matched node; the end of a run of evicted blocks after that)."""
         bs, base = self.block_size, len(path) * self.block_size
         parent = path[-1] if path else self.kv.root(seq.adapter_name)
-        rest = tokens[base:base + bs]
-        covered = base
-        if rest.size and parent.children:
-            children = np.stack([c.token_ids for c in parent.children.values()])[:, :rest.size]
-            same = children == rest[None, :]
-            lcp = np.where(same.all(axis=1), rest.size, same.argmin(axis=1))
-            covered = base + int(lcp.max())
-        for ck in parent.checkpoints.values():
-            tail, mine = ck.token_ids[base:], tokens[base:]
-            m = min(tail.size, mine.size)
-            same = tail[:m] == mine[:m]
-            covered = max(covered, base + (m if same.all() else int(same.argmin())))
-        evicted_until, h = base, parent.hash
-        while covered == base and evicted_until + bs <= len(tokens):
-            h = block_hash(h, tokens[evicted_until:evicted_until + bs],
-                           mm_identity_of(seq, evicted_until, evicted_until + bs))
-            if h not in self.misses.evicted_blocks:
-                break
-            evicted_until += bs
+        covered = base + parent.longest_continuation(tokens[base:base + bs].tobytes())
+        evicted_until = base
+        if covered == base:
+            keys, depth = self.hasher.block_keys(seq), len(path)
+            while depth + 1 < len(keys) and int(keys[depth + 1]) in self.misses.evicted_blocks:
+                depth += 1
+            evicted_until = depth * bs
         return min(covered, len(tokens)), evicted_until
 
-    def _peer_coverage(self, seq: SchedulerSequence, tokens: np.ndarray, peers, hit: int) -> int:
+    def _peer_coverage(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], peers, hit: int) -> int:
         """The branch point shared with in-flight or queued sequences of the same adapter: among their common
         prefixes with this prompt deeper than `hit`, the one serving the most tokens (its length times the peers
         reaching it), the deeper on a tie. A peer holding the whole prompt is left out when the prompt-end
-        checkpoint serves it (it is longer, or identical with kept logits)."""
-        lcps = []
-        head = min(self.block_size, len(tokens))
+        checkpoint serves it (it is longer, or identical with kept logits).
+
+        Each common prefix is exact and costs O(1) for a peer sharing too little (one token), else the blocks it
+        shares with the prompt's cached run through its own canonical trie path (node identity, binary search)
+        plus a token comparison of the rest, which is the part not yet in the trie."""
+        n = len(tokens)
+        need = max(hit + 1, min(self.block_size, n))  # a peer counts from this many shared tokens on
+        if need > n:
+            return 0
+        ids, lcps = seq.token_ids, []
         for peer in peers:
-            if peer is seq or peer.adapter_name != seq.adapter_name or peer.token_ids[:head] != seq.token_ids[:head]:
+            other = peer.token_ids
+            if (peer is seq or peer.adapter_name != seq.adapter_name or len(other) < need
+                    or other[need - 1] != ids[need - 1]):
                 continue
-            other = np.asarray(peer.token_ids[:len(tokens)], dtype=np.int64)
-            same = other == tokens[:other.size]
-            lcp = other.size if same.all() else int(same.argmin())
-            if lcp > hit and not (lcp == len(tokens) and (self.prompt_logits or peer.num_tokens > lcp)):
+            shared = _common_nodes(path, self._paths.get(peer.seq_id, ())) * self.block_size
+            if shared < min(n, len(other)) and other[shared] != ids[shared]:
+                lcp = shared
+            else:
+                lcp = common_prefix(tokens, peer.token_array(), start=shared)
+            if lcp >= need and not (lcp == n and (self.prompt_logits or peer.num_tokens > lcp)):
                 lcps.append(lcp)
         lcps.sort(reverse=True)
         return max(((lcp * (i + 1), lcp) for i, lcp in enumerate(lcps)), default=(0, 0))[1]
@@ -202,21 +280,25 @@ class BlockTrie:
         junction = min(covered, seq.num_tokens - 1)
         if not self.exact_steps:
             junction -= junction % self.block_size
-        while junction > hit and not seq.is_prefix_cache_boundary_safe(junction):
-            junction -= 1
+        while junction > hit:
+            # Every step in (start, junction] of a span containing the junction is inside it: jump to its start.
+            starts = [span.start for span in seq.mm_spans if span.start < junction < span.end]
+            if not starts:
+                break
+            junction = min(starts)
         return junction if junction > hit else 0
 
     def _attribute(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], hit: int, covered: int,
                    evicted_until: int, mm_limited: int) -> Counter:
-        root = self.kv.root(seq.adapter_name)
-        first, last = hit // self.block_size, min(covered, len(tokens)) // self.block_size
-        gap_anchors = [(path[d - 1] if d else root).hash for d in range(first, min(last, len(path)) + 1)]
+        bs = self.block_size
+        first, last = hit // bs, min(covered, len(tokens)) // bs
+        gap_anchors = self.hasher.block_keys(seq)[first:min(last, len(path)) + 1].tolist()
         other = 0
-        if len(self.kv.roots) > 1 and len(tokens) >= self.block_size:
-            block = tokens[:self.block_size]
-            mm = mm_identity_of(seq, 0, self.block_size)
+        if len(self.kv.roots) > 1 and len(tokens) >= bs:
+            block = tokens[:bs]
+            mm = mm_identity_of(seq, 0, bs)
             if any(self.kv.find_child(r, block, mm) for a, r in self.kv.roots.items() if a != seq.adapter_name):
-                other = self.block_size
+                other = bs
         return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other)
 
     def _tail_start(self, step: int) -> int:
@@ -255,13 +337,13 @@ class BlockTrie:
         num_full = seq.num_computed // self.block_size
         if len(path) >= num_full:
             return path
-        tokens = self._tokens(seq)
+        tokens, bs = seq.token_array(), self.block_size
+        keys = self.hasher.block_keys(seq)
         parent = path[-1] if path else self.kv.root(seq.adapter_name)
         now = self.tick()
-        bs = self.block_size
         for i in range(len(path), num_full):
             node = self.kv.attach(parent, seq.block_ids[i], tokens[i * bs:(i + 1) * bs],
-                                  mm_identity_of(seq, i * bs, (i + 1) * bs), now)
+                                  mm_identity_of(seq, i * bs, (i + 1) * bs), int(keys[i + 1]), now)
             if node is None:
                 break
             if node.block_id != seq.block_ids[i]:
@@ -273,7 +355,7 @@ class BlockTrie:
                 self.block_manager.free([seq.block_ids[i]])
                 seq.block_ids[i] = node.block_id
             node.last_access = now
-            self.misses.note_attached_block(node.hash)
+            self.misses.note_attached_block(node.prefix_key)
             path.append(node)
             parent = node
         return path
@@ -284,31 +366,27 @@ class BlockTrie:
             return False
         if not self.exact_steps and step % self.block_size:
             return False
-        tokens = self._tokens(seq)[:step]
+        tokens = seq.token_array()[:step]
         start = self._tail_start(step)
         key = (seq.adapter_name, step, tail_hash(tokens[start:step], mm_identity_of(seq, start, step)))
-        return not any(np.array_equal(ck.token_ids, tokens) for ck in self.index.lookup(key))
+        return not any(equal_tokens(ck.token_ids, tokens) for ck in self.index.lookup(key))
 
     def reserve_checkpoint(self, seq: SchedulerSequence, step: int, slot: int, frozen_block_id: int | None
                            ) -> NodeStateCheckpoint:
-        tokens = self._tokens(seq)[:step].copy()
+        tokens = seq.token_array()[:step].copy()
         start = self._tail_start(step)
         mm = mm_identity_of(seq, start, step)
-        return self.checkpoints.reserve(slot, frozen_block_id, step, seq.adapter_name, tokens, mm,
-                                        tail_hash(tokens[start:step], mm), self.tick())
+        chunk_hash, tail_sum = self.hasher.step_hashes(seq, step)
+        ck = NodeStateCheckpoint(
+            slot=slot, step=step, frozen_block_id=frozen_block_id, adapter_name=seq.adapter_name, token_ids=tokens,
+            mm_identity=mm, tail_hash=tail_hash(tokens[start:step], mm), last_access=self.tick(),
+            chunk_hash=chunk_hash, tail_sum=tail_sum, prefix_mm_identity=mm_identity_of(seq, 0, step),
+            tail_bytes=tokens[step - step % self.block_size:].tobytes())
+        return self.checkpoints.reserve(ck)
 
     def note_skipped_checkpoint(self, seq: SchedulerSequence, step: int) -> None:
         """A wanted checkpoint could not be reserved (no slot or block): remember its anchor for miss reasons."""
-        depth = step // self.block_size
-        path = self._paths.get(seq.seq_id, [])
-        if depth <= len(path):
-            anchor = path[depth - 1].hash if depth else self.kv.root(seq.adapter_name).hash
-        else:
-            anchor, tokens = self.kv.root(seq.adapter_name).hash, self._tokens(seq)
-            for i in range(depth):
-                lo, hi = i * self.block_size, (i + 1) * self.block_size
-                anchor = block_hash(anchor, tokens[lo:hi], mm_identity_of(seq, lo, hi))
-        self.misses.note_skipped_checkpoint(anchor)
+        self.misses.note_skipped_checkpoint(int(self.hasher.block_keys(seq)[step // self.block_size]))
 
     def publish_checkpoint(self, seq: SchedulerSequence, ck: NodeStateCheckpoint) -> None:
         """Publish after the save copies are queued; a duplicate or an unattachable path releases it instead."""
@@ -323,7 +401,7 @@ class BlockTrie:
         if (ck.step, ck.tail_hash) in anchor.checkpoints:
             self.checkpoints.release(ck)
             return
-        self.checkpoints.publish(ck, anchor, tuple(n.block_id for n in path[:depth]), self.tick())
+        self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
 
     # ---- eviction ---------------------------------------------------------------------------------------------
@@ -342,7 +420,7 @@ class BlockTrie:
             if all(self.checkpoints.is_evictable(ck) for ck in cks):
                 for ck in cks:
                     self.checkpoints.evict(ck, 'kv_leaf')
-                self.misses.note_evicted_block(leaf.hash)
+                self.misses.note_evicted_block(leaf.prefix_key)
                 self.kv.detach(leaf)
                 return True
         return False
@@ -352,6 +430,13 @@ class BlockTrie:
         return self.checkpoints is not None and self.checkpoints.evict_one(partial_only=False, cause='state')
 
     # ---- invariants -------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every published checkpoint's recorded path is attached and is its anchor's path (matching relies on it
+        instead of walking the trie)."""
+        if self.checkpoints is not None:
+            for ck in self.checkpoints.live():
+                assert not ck.published or self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
+
     def owners(self) -> tuple[Counter, Counter]:
         blocks = self.kv.owners()
         slots: Counter = Counter()

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-import numpy as np
-
 from ..block_manager import BlockManager
 from ..state_manager import StateManager
 from .checkpoint_index import StateCheckpointIndex
-from .node import CheckpointState, MMIdentity, Node, NodeStateCheckpoint
+from .node import CheckpointState, Node, NodeStateCheckpoint
 
 _VALUE_WINDOW = 16
 
@@ -46,21 +44,22 @@ class StateCheckpointLifecycle:
     def num_published(self) -> int:
         return len(self.index)
 
-    def reserve(self, slot: int, frozen_block_id: int | None, step: int, adapter_name: str | None,
-                token_ids: np.ndarray, mm_identity: MMIdentity, tail: int, now: int) -> NodeStateCheckpoint:
-        """Take ownership of an allocated slot and frozen block for a checkpoint whose save copies are planned."""
-        ck = NodeStateCheckpoint(slot=slot, step=step, frozen_block_id=frozen_block_id, adapter_name=adapter_name,
-                                 token_ids=token_ids, mm_identity=mm_identity, tail_hash=tail, last_access=now)
+    def reserve(self, ck: NodeStateCheckpoint) -> NodeStateCheckpoint:
+        """Take ownership of a new RESERVED record's allocated slot and frozen block (its save copies are planned)."""
+        assert ck.state == CheckpointState.RESERVED and ck.anchor is None
         self._live.add(ck)
         return ck
 
-    def publish(self, ck: NodeStateCheckpoint, anchor: Node, block_ids: tuple[int, ...], now: int) -> None:
-        """The save copies are queued: fix the anchor and block path and make the checkpoint matchable."""
+    def publish(self, ck: NodeStateCheckpoint, nodes: tuple[Node, ...], anchor: Node, now: int) -> None:
+        """The save copies are queued: fix the anchor and its path `nodes` (empty for a root anchor) and make the
+        checkpoint matchable."""
         assert ck.state == CheckpointState.RESERVED
-        ck.anchor, ck.block_ids = anchor, block_ids
+        assert (nodes[-1] if nodes else anchor) is anchor and anchor.attached
+        ck.anchor, ck.nodes, ck.block_ids = anchor, nodes, tuple(n.block_id for n in nodes)
         ck.state = CheckpointState.PUBLISHED
         ck.last_access = now
         anchor.checkpoints[(ck.step, ck.tail_hash)] = ck
+        anchor.add_continuation(ck.tail_bytes)
         self.index.add(ck)
         if ck.pin_count == 0:
             self._evictable[ck] = None
@@ -91,6 +90,7 @@ class StateCheckpointLifecycle:
             self.index.remove(ck)
             if ck.anchor.checkpoints.get((ck.step, ck.tail_hash)) is ck:
                 del ck.anchor.checkpoints[(ck.step, ck.tail_hash)]
+            ck.anchor.remove_continuation(ck.tail_bytes)
         ck.state = CheckpointState.RELEASED
         self._evictable.pop(ck, None)
         self._live.discard(ck)
@@ -137,16 +137,19 @@ class StateCheckpointLifecycle:
         return ck in self._evictable
 
     def verify(self, ck: NodeStateCheckpoint) -> bool:
-        """A published record still refers to live trie nodes holding exactly its frozen block ids."""
+        """A published record still refers to live trie nodes holding exactly its frozen block ids, and its
+        recorded path is the anchor's path (what matching relies on instead of walking the trie)."""
         if not ck.published or not ck.anchor.attached:
             return False
-        node, ids = ck.anchor, []
+        node, path = ck.anchor, []
         while not node.is_root:
             if not node.attached:
                 return False
-            ids.append(node.block_id)
+            path.append(node)
             node = node.parent
-        return tuple(reversed(ids)) == ck.block_ids
+        path.reverse()
+        return (tuple(n.block_id for n in path) == ck.block_ids and len(path) == len(ck.nodes)
+                and all(a is b for a, b in zip(path, ck.nodes)))
 
     def owners(self) -> tuple[Counter, Counter]:
         """(KV block owners, state slot owners) held by checkpoints, for the integrity check."""

@@ -2,7 +2,12 @@
 
 Owns: one reference on the block of every attached node. Topology only grows by new leaves or shrinks by
 removing leaves. A leaf can be evicted when nothing else references its block (ref count 1 = the trie's own) and
-none of its checkpoints is pinned or reserved; its unpinned checkpoints go with it.
+none of its checkpoints is pinned or reserved; its unpinned checkpoints go with it. Hence every ancestor of an
+attached node is attached.
+
+Two ways to find a node: `find_child` (chained hash of one block under a known parent, exact token check), and
+`lookup` by the key of its whole block prefix (prefix_keys.py), which only proposes a node: the caller verifies
+its path.
 """
 from __future__ import annotations
 
@@ -12,17 +17,20 @@ import numpy as np
 
 from ..block_manager import BlockManager
 from .node import MMIdentity, Node, block_hash, root_hash
+from .prefix_keys import PrefixHasher
 
 
 class TrieKVLifecycle:
 
-    def __init__(self, block_manager: BlockManager, block_size: int):
+    def __init__(self, block_manager: BlockManager, block_size: int, hasher: PrefixHasher):
         self.block_manager = block_manager
         self.block_size = block_size
+        self.hasher = hasher
         self.roots: dict[str | None, Node] = {}
-        self._by_hash: dict[int, Node] = {}
-        # Every attached node. Ownership is counted from this set, not from `_by_hash`: two nodes may share a
-        # chained hash (a collision under different parents) and each still holds its own block reference.
+        # Prefix key -> a node indexed under it (the first one on a collision).
+        self._by_key: dict[int, Node] = {}
+        # Every attached node. Ownership is counted from this set, not from `_by_key`: two nodes may share a
+        # key (a collision) and each still holds its own block reference.
         self._nodes: set[Node] = set()
         self._leaves: set[Node] = set()
         self.num_nodes = 0
@@ -32,7 +40,7 @@ class TrieKVLifecycle:
         node = self.roots.get(adapter_name)
         if node is None:
             node = Node(block_id=None, token_ids=np.zeros(0, dtype=np.int64), hash=root_hash(adapter_name), depth=0,
-                        adapter_name=adapter_name)
+                        adapter_name=adapter_name, prefix_key=self.hasher.root_key(adapter_name))
             self.roots[adapter_name] = node
         return node
 
@@ -43,23 +51,28 @@ class TrieKVLifecycle:
             return None
         return child
 
-    def lookup(self, hash_value: int) -> Node | None:
-        return self._by_hash.get(hash_value)
+    def lookup(self, prefix_key: int) -> Node | None:
+        """A node indexed under `prefix_key`: a proposal only (keys may collide); verify its path."""
+        return self._by_key.get(prefix_key)
 
-    def attach(self, parent: Node, block_id: int, tokens: np.ndarray, mm_identity: MMIdentity, now: int
-               ) -> Node | None:
-        """Attach a full block as a child of `parent` (the trie takes one ref); None on a hash collision."""
+    def attach(self, parent: Node, block_id: int, tokens: np.ndarray, mm_identity: MMIdentity, prefix_key: int,
+               now: int) -> Node | None:
+        """Attach a full block as a child of `parent` (the trie takes one ref); None on a hash collision.
+        `prefix_key` is the key of the block prefix the new node ends."""
         h = block_hash(parent.hash, tokens, mm_identity)
         existing = parent.children.get(h)
         if existing is not None:
             same = existing.mm_identity == mm_identity and np.array_equal(existing.token_ids, tokens)
             return existing if same else None
-        node = Node(block_id=block_id, token_ids=np.array(tokens, dtype=np.int64, copy=True), hash=h,
+        token_bytes = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
+        node = Node(block_id=block_id, token_ids=np.frombuffer(token_bytes, dtype=np.int64), hash=h,
                     depth=parent.depth + 1, parent=parent, adapter_name=parent.adapter_name,
-                    mm_identity=mm_identity, last_access=now)
+                    mm_identity=mm_identity, last_access=now, token_bytes=token_bytes, prefix_key=prefix_key,
+                    num_mm_blocks=parent.num_mm_blocks + bool(mm_identity))
         self.block_manager.add_ref([block_id])
         parent.children[h] = node
-        self._by_hash.setdefault(h, node)
+        parent.add_continuation(token_bytes)
+        self._by_key.setdefault(prefix_key, node)
         self._nodes.add(node)
         self._leaves.discard(parent)
         self._leaves.add(node)
@@ -80,8 +93,9 @@ class TrieKVLifecycle:
         assert node.is_leaf and not node.is_root and not node.checkpoints
         parent = node.parent
         del parent.children[node.hash]
-        if self._by_hash.get(node.hash) is node:
-            del self._by_hash[node.hash]
+        parent.remove_continuation(node.token_bytes)
+        if self._by_key.get(node.prefix_key) is node:
+            del self._by_key[node.prefix_key]
         self._nodes.discard(node)
         self._leaves.discard(node)
         if not parent.is_root and parent.is_leaf:

@@ -1,8 +1,9 @@
 """Miss attribution: why prompt tokens were not served from the cache.
 
-Owns bounded memories of what the cache *used to* hold or *could not* take: evicted trie blocks (by chained hash),
-evicted checkpoints and checkpoints skipped for lack of a slot or block (by anchor hash and step). `attribute`
-splits a request's uncached prompt tokens into reasons; every uncached token gets exactly one:
+Owns bounded memories of what the cache *used to* hold or *could not* take, all by block prefix key
+(prefix_keys.py: the request computes them in one vectorised pass): evicted trie blocks, and the anchors of evicted
+checkpoints and of checkpoints skipped for lack of a slot or block. `attribute` splits a request's uncached prompt
+tokens into reasons; every uncached token gets exactly one:
 
 - `novel`: no earlier request had these tokens (not a cache miss; the oracle has no hit there either);
 - `evicted`: the blocks or a checkpoint covering them were evicted;
@@ -37,26 +38,29 @@ class _BoundedSet:
     def __contains__(self, item) -> bool:
         return item in self._items
 
+    def contains_any(self, items) -> bool:
+        return any(map(self._items.__contains__, items))
+
 
 class MissTracker:
 
     def __init__(self):
         self.evicted_blocks = _BoundedSet()
-        self.evicted_checkpoints = _BoundedSet()   # anchor hashes that lost a checkpoint to eviction
-        self.skipped_checkpoints = _BoundedSet()   # anchor hashes where a wanted checkpoint was not affordable
+        self.evicted_checkpoints = _BoundedSet()   # anchor keys that lost a checkpoint to eviction
+        self.skipped_checkpoints = _BoundedSet()   # anchor keys where a wanted checkpoint was not affordable
         self.totals: Counter = Counter()
 
-    def note_evicted_block(self, chain_hash: int) -> None:
-        self.evicted_blocks.add(chain_hash)
+    def note_evicted_block(self, prefix_key: int) -> None:
+        self.evicted_blocks.add(prefix_key)
 
-    def note_attached_block(self, chain_hash: int) -> None:
-        self.evicted_blocks.discard(chain_hash)
+    def note_attached_block(self, prefix_key: int) -> None:
+        self.evicted_blocks.discard(prefix_key)
 
-    def note_evicted_checkpoint(self, anchor_hash: int) -> None:
-        self.evicted_checkpoints.add(anchor_hash)
+    def note_evicted_checkpoint(self, anchor_key: int) -> None:
+        self.evicted_checkpoints.add(anchor_key)
 
-    def note_skipped_checkpoint(self, anchor_hash: int) -> None:
-        self.skipped_checkpoints.add(anchor_hash)
+    def note_skipped_checkpoint(self, anchor_key: int) -> None:
+        self.skipped_checkpoints.add(anchor_key)
 
     def attribute(self, num_prompt: int, hit: int, covered: int, evicted_until: int, mm_limited: int,
                   gap_anchors: list[int], other_adapter: int) -> Counter:
@@ -64,7 +68,7 @@ class MissTracker:
 
         `covered`: tokens present in the trie (blocks and checkpoint tails); `evicted_until`: the end of a run of
         evicted blocks right after `covered` (== covered when none); `mm_limited`: the deepest verified step that
-        was rejected for falling inside a multimodal span (0 when none); `gap_anchors`: hashes of the nodes that
+        was rejected for falling inside a multimodal span (0 when none); `gap_anchors`: keys of the nodes that
         anchor steps in `(hit, covered]`, looked up in the eviction / skip memories; `other_adapter`: tokens cached
         under another adapter.
         """
@@ -75,12 +79,10 @@ class MissTracker:
             hit = mm_limited
         if cached_end > hit:
             reason = 'no_checkpoint'
-            for anchor in gap_anchors:
-                if anchor in self.evicted_checkpoints:
-                    reason = 'evicted'
-                    break
-                if anchor in self.skipped_checkpoints:
-                    reason = 'capacity'
+            if self.evicted_checkpoints.contains_any(gap_anchors):
+                reason = 'evicted'
+            elif self.skipped_checkpoints.contains_any(gap_anchors):
+                reason = 'capacity'
             reasons[reason] += cached_end - hit
         rest = num_prompt - cached_end
         evicted = min(max(evicted_until - cached_end, 0), rest)

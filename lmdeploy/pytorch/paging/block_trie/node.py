@@ -4,10 +4,15 @@ A `Node` is one full KV block of a cached prefix: its tokens, multimodal identit
 the parent's hash, so equal hashes imply (modulo collisions, which exact verification catches) equal prefixes.
 A `NodeStateCheckpoint` is the recurrent state after exactly `step` tokens, plus, when `step` is not
 block-aligned, a frozen copy of the partial KV block holding tokens `[step - step % block_size, step)`.
+
+Each node also keeps its *continuations* sorted: the token bytes of its child blocks and of the tails of the
+checkpoints anchored on it. The longest common prefix of a prompt with any of them is then found next to the
+prompt's own position in that order (binary search), however many branches the node has.
 """
 from __future__ import annotations
 
 import enum
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,9 +45,17 @@ def tail_hash(tokens: np.ndarray, mm_identity: MMIdentity = ()) -> int:
     return h.intdigest()
 
 
+def common_token_prefix(a: bytes, b: bytes) -> int:
+    """Number of leading int64 tokens two token byte strings share."""
+    m = min(len(a), len(b)) // 8
+    diff = np.flatnonzero(np.frombuffer(a, np.int64, m) != np.frombuffer(b, np.int64, m))
+    return int(diff[0]) if diff.size else m
+
+
 @dataclass(slots=True, eq=False)
 class Node:
     block_id: int | None
+    # Read-only int64 view of `token_bytes` (the block's tokens, stored once).
     token_ids: np.ndarray
     hash: int
     depth: int
@@ -54,6 +67,13 @@ class Node:
     checkpoints: dict[tuple[int, int], NodeStateCheckpoint] = field(default_factory=dict)
     last_access: int = 0
     attached: bool = True
+    token_bytes: bytes = b''
+    # Key of the block prefix [0, depth * block_size) (prefix_keys.py) this node is indexed under.
+    prefix_key: int = 0
+    # Blocks with a multimodal identity on the path root..self (lets a path be verified without visiting them all).
+    num_mm_blocks: int = 0
+    # Sorted token bytes of the child blocks and of the anchored checkpoints' tails (duplicates allowed).
+    continuations: list[bytes] = field(default_factory=list)
 
     @property
     def is_root(self) -> bool:
@@ -62,6 +82,26 @@ class Node:
     @property
     def is_leaf(self) -> bool:
         return not self.children
+
+    def add_continuation(self, token_bytes: bytes) -> None:
+        if token_bytes:
+            insort(self.continuations, token_bytes)
+
+    def remove_continuation(self, token_bytes: bytes) -> None:
+        if token_bytes:
+            keys = self.continuations
+            i = bisect_left(keys, token_bytes)
+            assert i < len(keys) and keys[i] == token_bytes, 'continuation not registered'
+            del keys[i]
+
+    def longest_continuation(self, token_bytes: bytes) -> int:
+        """Leading tokens of `token_bytes` shared with a child block or an anchored checkpoint tail. Comparing token
+        bytes compares token sequences lexicographically (every token is 8 bytes), so the longest shared prefix is
+        found next to the insertion point."""
+        keys = self.continuations
+        i = bisect_left(keys, token_bytes)
+        best = common_token_prefix(keys[i], token_bytes) if i < len(keys) else 0
+        return max(best, common_token_prefix(keys[i - 1], token_bytes)) if i else best
 
 
 class CheckpointState(enum.Enum):
@@ -91,6 +131,15 @@ class NodeStateCheckpoint:
     # Logits of the last prompt position (a prompt-end checkpoint): an identical prompt samples its first token
     # from them instead of recomputing. Opaque to paging (a host tensor).
     last_logits: object | None = None
+    # Prefix hashes of `token_ids` (prefix_keys.py; the index prefilter): up to the last hash-chunk boundary before
+    # `step`, and of the rest up to `step`. The multimodal identity of all of [0, step) (verified with the token ids,
+    # it proves the whole prefix). The token bytes of [anchor end, step) (the anchor's continuation).
+    chunk_hash: int = 0
+    tail_sum: int = 0
+    prefix_mm_identity: MMIdentity = ()
+    tail_bytes: bytes = b''
+    # The anchor's path from the root's first child (fixed at publication; attached while published).
+    nodes: tuple[Node, ...] = ()
 
     @property
     def published(self) -> bool:
