@@ -45,7 +45,7 @@ def test_cli_wires_bench_prefix_cache():
     from lmdeploy.bench.prefix_cache import run_cli
     from lmdeploy.cli.entrypoint import build_parser
     args = build_parser().parse_args(['bench', 'prefix-cache', '--mode', 'exact', '--workload', 'repeat'])
-    assert args.func is run_cli and args.mode == 'exact' and args.block_size == 16
+    assert args.func is run_cli and args.mode == ('exact',) and args.block_size == 16
 
 
 def test_multi_turn_smoke_exact_beats_aligned_with_identical_outputs(tmp_path, capsys):
