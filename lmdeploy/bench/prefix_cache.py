@@ -34,7 +34,9 @@ MODES = ('off', 'aligned', 'exact', 'exact+reply', 'exact+logits', 'exact+branch
          'full-lru')
 _POLICIES = ('reply', 'logits', 'branch', 'prefill', 'value')
 DEMO_ARCH = 'qwen3_5'
-_CPU_NUM_BLOCKS = 4096  # the engine's CPU default allocates GiBs of zeros; the demo traces need far less
+# The traces need far less KV than the engine's defaults take (GiBs of zeros on CPU; 80% of the free memory on
+# CUDA, which leaves no room for the next mode's engine), so every device gets this many blocks unless told.
+_NUM_BLOCKS = 4096
 _MIB = float(1 << 20)
 _REQUEST_TIMEOUT_S = 600.0  # a stuck engine fails the bench instead of hanging it
 
@@ -68,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--max-prefill-token-num', type=int, default=256, help='prefill chunk (token budget)')
     parser.add_argument('--concurrency', type=int, default=4, help='conversations in flight at once')
     parser.add_argument('--num-blocks', type=int, default=None,
-                        help=f'KV blocks (default: {_CPU_NUM_BLOCKS} on cpu, sized from memory on cuda)')
+                        help=f'KV blocks (default: {_NUM_BLOCKS}; 0: sized from memory)')
     parser.add_argument('--max-batch-size', type=int, default=128)
     parser.add_argument('--state-budget', type=int, default=0, help='extra state rows for checkpoints')
     parser.add_argument('--decode-state-interval', type=int, default=0,
@@ -108,7 +110,7 @@ class BenchConfig:
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
         from ..demo_model import get_demo_model_path
         device = args.device or ('cuda' if _has_cuda() else 'cpu')
-        num_blocks = args.num_blocks if args.num_blocks is not None else (_CPU_NUM_BLOCKS if device == 'cpu' else 0)
+        num_blocks = args.num_blocks if args.num_blocks is not None else _NUM_BLOCKS
         return cls(model_path=args.model or get_demo_model_path(DEMO_ARCH), device=device, dtype=args.dtype,
                    workloads=WORKLOADS if args.workload == 'all' else (args.workload,),
                    modes=args.mode if isinstance(args.mode, tuple) else _modes(args.mode), num_requests=args.requests,
@@ -350,12 +352,23 @@ def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workl
         return summarize(workload_name, mode, records, probe), workload
 
 
+def _release_device_memory() -> None:
+    """Free the finished run's engine (pools, CUDA graphs) before the next mode builds its own."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_bench(config: BenchConfig, log=sys.stderr) -> list[RunResult]:
     results = []
     for name in config.workloads:
         workload = None
         for mode in config.modes:
             result, workload = run_mode(config, name, mode, workload)
+            _release_device_memory()
             print(f'[bench] {name}/{mode}: hit rate {result.hit_rate:.3f} (oracle {result.oracle_hit_rate:.3f}), '
                   f'TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.wall_s:.1f} s', file=log, flush=True)
             results.append(result)
