@@ -63,10 +63,10 @@ class PytorchEngineConfig:
     # evict checkpoints by recency and compute saved per byte instead of plain LRU.
     prefix_cache_value_eviction: bool = True
     # keep states inside long prefills at steps that are multiples of this many tokens (rounded up to a multiple of
-    # block_size, so no frozen block is needed; 0 = off, the default: each one costs an extra recurrent-kernel round
-    # per layer in that prefill), at most `prefix_cache_prefill_state_cap` per prompt and
+    # block_size, so no frozen block is needed; 0 = off; each one costs an extra recurrent-kernel round per layer in
+    # that prefill), at most `prefix_cache_prefill_state_cap` per prompt and
     # only in free state rows (they never evict another checkpoint).
-    prefix_cache_prefill_state_interval: int = 0
+    prefix_cache_prefill_state_interval: int = 4096
     prefix_cache_prefill_state_cap: int = 2
 
     def __post_init__(self):
