@@ -35,12 +35,11 @@ class StaticPrefills:
                                       max_prefill_tokens=PREFILL_TOKEN_BUCKETS[-1])
         self.last_key = None
 
-    def supports(self, inputs) -> bool:
+    def key_of(self, inputs):
         key = self.runner.key_of(inputs)
-        return key is not None and not key.decode
+        return key if key is not None and not key.decode else None
 
-    def run(self, inputs):
-        key = self.runner.key_of(inputs)
+    def run(self, inputs, key):
         self.last_key = (key, inputs.q_lens_list, inputs.state_ids.tolist())
         self.runner._fill(inputs, key)
         return self.engine.model(self.engine.agent._context(self.runner.static.view(key)))[:inputs.input_ids.numel()]

@@ -180,9 +180,9 @@ class CUDAGraphRunner:
     def supports(self, inputs: ModelInputs) -> bool:
         return self.key_of(inputs) is not None
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Hidden states [T, hidden] of the batch (`supports(inputs)` must hold)."""
-        key = self.key_of(inputs)
+    def run(self, inputs: ModelInputs, key: GraphKey | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of the batch (`supports(inputs)` must hold; `key`: its `key_of`, if known)."""
+        key = key or self.key_of(inputs)
         self._fill(inputs, key)
         num_tokens = inputs.input_ids.numel()
         entry = self.graphs.get(key)

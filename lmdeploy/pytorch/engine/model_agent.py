@@ -71,8 +71,9 @@ class ModelAgent:
     def run_model(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None) -> torch.Tensor:
         """restore copies -> model -> save copies; returns the hidden states."""
         self.restore(cache_inputs)
-        if self.graph_runner is not None and self.graph_runner.supports(inputs):
-            hidden = self.graph_runner.run(inputs)
+        key = self.graph_runner.key_of(inputs) if self.graph_runner is not None else None
+        if key is not None:
+            hidden = self.graph_runner.run(inputs, key)
         else:
             hidden = self.model(self._context(inputs))
         self.save(cache_inputs)
