@@ -7,7 +7,7 @@ import pytest
 
 from lmdeploy.bench import workloads
 from lmdeploy.bench.oracle import MISS_REASONS, RequestTiming, attribute_misses, oracle_hits
-from lmdeploy.bench.report import SUMMARY_KEYS
+from lmdeploy.bench.report import SUMMARY_KEYS, RunResult, compare_outputs, format_table
 
 
 def test_oracle_counts_tokens_earlier_requests_fed_to_the_model():
@@ -48,6 +48,29 @@ def test_cli_wires_bench_prefix_cache():
     assert args.func is run_cli and args.mode == ('exact',) and args.block_size == 16
 
 
+def _run(mode: str, outputs: dict, margins: dict) -> RunResult:
+    return RunResult(workload='w', mode=mode, num_requests=len(outputs), prompt_tokens=10, cached_tokens=0,
+                     generated_tokens=0, hit_rate=0.0, oracle_hit_rate=0.5, ttft_p50_ms=1.0, ttft_p95_ms=1.0,
+                     throughput_tok_s=1.0, wall_s=1.0, match_ms_per_request=0.0, match_calls=0,
+                     checkpoint_mib_peak=0.0, checkpoint_mib_final=0.0, live_checkpoints=0, checkpoints_saved=0,
+                     evicted_checkpoints=0, evicted_blocks=0, outputs_digest=str(sorted(outputs.items())),
+                     outputs=outputs, margins=margins)
+
+
+def test_compare_outputs_counts_identical_requests_and_the_parting_margin():
+    ref = _run('off', {'0:0': [1, 2, 3], '0:1': [4, 5, 6], '1:0': [7, 8]},
+               {'0:0': [2.0, 0.5, 1.0], '0:1': [3.0, 0.01, 2.0], '1:0': [1.0, 0.2]})
+    same = _run('exact', dict(ref.outputs), {})
+    parted = _run('full', {'0:0': [1, 9, 9], '0:1': [4, 5, 6], '1:0': [7, 3]}, {})
+    off, exact, full = compare_outputs([ref, same, parted])
+    assert off.outputs_match is True and off.same_requests == 3 and off.parting_margin is None
+    assert exact.outputs_match is True and exact.same_requests == 3
+    # '0:0' parts at token 1 (reference margin 0.5), '1:0' at token 1 (0.2): the largest is reported
+    assert full.outputs_match is False and full.same_requests == 1 and full.parting_margin == 0.5
+    assert 'NO (1/3 same, parted at margin <= 0.5)' in format_table([full])
+    assert compare_outputs([ref])[0].same_requests is None  # one mode: nothing to compare
+
+
 def test_multi_turn_smoke_exact_beats_aligned_with_identical_outputs(tmp_path, capsys):
     from lmdeploy.bench.__main__ import main  # no benchmark named: defaults to prefix-cache
     out_dir = tmp_path / 'report'
@@ -66,5 +89,8 @@ def test_multi_turn_smoke_exact_beats_aligned_with_identical_outputs(tmp_path, c
     assert all(run['hit_rate'] <= run['oracle_hit_rate'] for run in runs.values())
     assert len({run['outputs_digest'] for run in runs.values()}) == 1
     assert summary['outputs_match'] == {'multi_turn': True}
+    assert all(run['same_requests'] == 6 for run in runs.values())
+    # greedy top-2 margins come back for every generated token
+    assert all(len(m) == 6 and min(m) >= 0 for m in runs['off']['margins'].values())
     assert (out_dir / 'report.md').read_text().count('| multi_turn |') == len(MODES)
     assert (out_dir / 'hit_rate.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -220,6 +220,7 @@ class _Flight:
     def __init__(self, probe: EngineProbe):
         self.probe = probe
         self.token_ids: list[int] = []
+        self.margins: list[float] = []
         self.submit_s = self.first_token_s = self.finish_s = 0.0
         self.evictions_at_first_token = 0
         self.cached_tokens = 0
@@ -232,6 +233,9 @@ class _Flight:
             self.first_token_s = now
             self.evictions_at_first_token = self.probe.evictions()
         self.token_ids += out.new_token_ids
+        for top in out.logprobs or []:
+            best = sorted(top.values(), reverse=True)
+            self.margins.append(best[0] - best[1] if len(best) > 1 else float('inf'))
         self.cached_tokens = out.num_cached
         if out.finished:
             self.probe.sample()
@@ -248,6 +252,8 @@ class RequestRecord:
     cached_tokens: int
     timing: RequestTiming
     finish_s: float
+    # Per generated token: top-1 minus top-2 logprob (how near a tie the greedy choice was).
+    margins: list[float] = field(default_factory=list)
 
 
 def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, probe: EngineProbe
@@ -274,7 +280,7 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
             records.append(RequestRecord(conv.conv_id, len(replies), request.input_ids, flight.token_ids,
                                          flight.cached_tokens, RequestTiming(flight.submit_s, flight.first_token_s,
                                                                              flight.evictions_at_first_token),
-                                         flight.finish_s))
+                                         flight.finish_s, flight.margins))
             replies.append(tokenizer.decode(flight.token_ids))
             history['ids'], history['reply_ids'] = list(request.input_ids), list(flight.token_ids)
         active = [entry for entry in active if len(entry[1]) < len(entry[0].user_turns)]
@@ -325,7 +331,8 @@ def summarize(workload: str, mode: str, records: list[RequestRecord], probe: Eng
         live_checkpoints=len(probe.live_checkpoints()), checkpoints_saved=probe.stat_delta('checkpoints_saved'),
         evicted_checkpoints=probe.stat_delta('evicted_checkpoints'), evicted_blocks=probe.stat_delta('evicted_blocks'),
         miss_reasons=reasons, miss_reasons_source='engine' if engine_reasons else 'bench',
-        outputs_digest=_outputs_digest(records))
+        outputs_digest=_outputs_digest(records), outputs={f'{r.conv_id}:{r.turn}': r.output_ids for r in records},
+        margins={f'{r.conv_id}:{r.turn}': r.margins for r in records})
 
 
 def _warm_up(pipe) -> None:
@@ -338,7 +345,8 @@ def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workl
              ) -> tuple[RunResult, Workload]:
     """One (workload, mode) run on a fresh engine; builds the workload on first use (it needs the tokenizer)."""
     from ..serve.pipeline import pipeline
-    gen = GenerationConfig(max_new_tokens=config.max_new_tokens, ignore_eos=True)
+    # top-2 logprobs: where a mode's greedy tokens part from the reference's, the report gives how near a tie it was
+    gen = GenerationConfig(max_new_tokens=config.max_new_tokens, ignore_eos=True, logprobs=2)
     with pipeline(config.model_path, config.engine_config(mode)) as pipe:
         if workload is None:
             sizing = WorkloadSizing(config.max_prefill_token_num,

@@ -49,6 +49,15 @@ class RunResult:
     outputs_digest: str = ''
     # Same digest as the first mode of this workload (None until compared, or when it ran alone).
     outputs_match: bool | None = None
+    # Generated token ids per request, keyed 'conversation:turn' (for per-request comparison across modes).
+    outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    # Per request, the top-1 minus top-2 logprob of each generated token (same keys as `outputs`).
+    margins: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    # Requests whose generated tokens equal the first mode's for the same conversation turn (None: not compared).
+    same_requests: int | None = None
+    # Where a request's tokens part from the first mode's: the largest, over those requests, of the first mode's
+    # top-1 minus top-2 logprob at the parting token (small = the modes parted at a near-tie). None: no parting.
+    parting_margin: float | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -56,13 +65,33 @@ class RunResult:
 
 def compare_outputs(results: Sequence[RunResult]) -> list[RunResult]:
     """Mark each run with whether its outputs equal those of the first run of the same workload."""
-    reference: dict[str, str] = {}
+    reference: dict[str, RunResult] = {}
     counts: dict[str, int] = {}
     for r in results:
-        reference.setdefault(r.workload, r.outputs_digest)
+        reference.setdefault(r.workload, r)
         counts[r.workload] = counts.get(r.workload, 0) + 1
-    return [dataclasses.replace(r, outputs_match=(r.outputs_digest == reference[r.workload])
-                                if counts[r.workload] > 1 else None) for r in results]
+    out = []
+    for r in results:
+        if counts[r.workload] == 1:
+            out.append(dataclasses.replace(r, outputs_match=None, same_requests=None))
+            continue
+        ref = reference[r.workload]
+        same = sum(ref.outputs.get(key) == ids for key, ids in r.outputs.items())
+        out.append(dataclasses.replace(r, outputs_match=r.outputs_digest == ref.outputs_digest, same_requests=same,
+                                       parting_margin=_parting_margin(ref, r)))
+    return out
+
+
+def _parting_margin(ref: RunResult, run: RunResult) -> float | None:
+    margins = []
+    for key, ids in run.outputs.items():
+        ref_ids = ref.outputs.get(key)
+        if ref_ids is None or ref_ids == ids:
+            continue
+        i = next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b), min(len(ids), len(ref_ids)))
+        ref_margins = ref.margins.get(key, [])
+        margins.append(ref_margins[i] if i < len(ref_margins) else float('nan'))
+    return max(margins) if margins else None
 
 
 def outputs_verdicts(results: Sequence[RunResult]) -> dict[str, bool | None]:
@@ -82,7 +111,8 @@ _COLUMNS = ('workload', 'mode', 'reqs', 'prompt tok', 'hit rate', 'oracle', 'of 
 
 
 def _row(r: RunResult) -> list[str]:
-    match = {None: '-', True: 'yes', False: 'NO'}[r.outputs_match]
+    parted = f', parted at margin <= {r.parting_margin:.2g}' if r.parting_margin is not None else ''
+    match = {None: '-', True: 'yes', False: f'NO ({r.same_requests}/{r.num_requests} same{parted})'}[r.outputs_match]
     misses = [str(r.miss_reasons.get(k, 0)) for k in MISS_REASONS]
     return [r.workload, r.mode, str(r.num_requests), str(r.prompt_tokens), f'{r.hit_rate:.3f}',
             f'{r.oracle_hit_rate:.3f}', f'{r.hit_rate / r.oracle_hit_rate:.1%}' if r.oracle_hit_rate else '-',
@@ -110,7 +140,9 @@ streamed token; `tok/s` = generated tokens / wall time; `match ms/req` = CPU tim
 `ckpt MiB peak` = state rows + frozen partial blocks held by checkpoints (peak over request ends); `ckpts` = live
 checkpoints at the end; `miss *` = missed prompt tokens by reason (novel: never seen before; no_checkpoint: seen,
 but no state checkpoint at a usable step; in_flight: its source was still prefilling; evicted / capacity: see
-`lmdeploy/bench/oracle.py`); `same output` = generated tokens equal those of the first mode of the workload."""
+`lmdeploy/bench/oracle.py`); `same output` = generated tokens equal those of the first mode of the workload; where
+they do not, how many requests are identical and the largest top-1 minus top-2 logprob (in the first mode) at a
+token where a request parted: a small margin means the modes parted at a near-tie, where float rounding decides."""
 
 
 def write_markdown(results: Sequence[RunResult], path: str, header: Sequence[str]) -> None:
