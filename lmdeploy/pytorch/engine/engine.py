@@ -54,6 +54,13 @@ class Engine:
         backend = get_backend(engine_config.device_type)
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
+        if use_graphs:
+            from ..backends.cuda import graphs_supported
+            if not graphs_supported(getattr(torch, dtype), self.model_config.is_hybrid):
+                logger.warning('CUDA graphs are off for this hybrid model in %s: its gated delta rule runs on the '
+                               'torch kernels, whose graph replay is not trusted yet (see docs/architecture.md)',
+                               dtype)
+                use_graphs = False
         kbs = self.cache_config.kernel_block_size
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,

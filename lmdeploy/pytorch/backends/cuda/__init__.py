@@ -41,6 +41,14 @@ def _fla_available() -> bool:
         return False
 
 
+def graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
+    """Whether forwards of a model may replay CUDA graphs. Not for hybrid models whose gated delta rule runs on the
+    torch kernels (float32, or no fla-core): on the H200 their decode graphs replayed wrong logits (about 4 off)
+    while the same decodes run eagerly through the same static buffers were right; the op is not found yet
+    (`scripts/diagnose_graph_ops.py` isolates it). Those models run eagerly."""
+    return not is_hybrid or (dtype != torch.float32 and _fla_available())
+
+
 _build_fla_gated_delta_rule = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule)
 
 
