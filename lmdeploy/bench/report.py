@@ -76,7 +76,7 @@ def compare_outputs(results: Sequence[RunResult]) -> list[RunResult]:
             out.append(dataclasses.replace(r, outputs_match=None, same_requests=None))
             continue
         ref = reference[r.workload]
-        same = sum(ref.outputs.get(key) == ids for key, ids in r.outputs.items())
+        same = sum(ref.outputs.get(key) == ids for key, ids in r.outputs.items()) if r.outputs else None
         out.append(dataclasses.replace(r, outputs_match=r.outputs_digest == ref.outputs_digest, same_requests=same,
                                        parting_margin=_parting_margin(ref, r)))
     return out
@@ -112,7 +112,8 @@ _COLUMNS = ('workload', 'mode', 'reqs', 'prompt tok', 'hit rate', 'oracle', 'of 
 
 def _row(r: RunResult) -> list[str]:
     parted = f', parted at margin <= {r.parting_margin:.2g}' if r.parting_margin is not None else ''
-    match = {None: '-', True: 'yes', False: f'NO ({r.same_requests}/{r.num_requests} same{parted})'}[r.outputs_match]
+    detail = f' ({r.same_requests}/{r.num_requests} same{parted})' if r.same_requests is not None else ''
+    match = {None: '-', True: 'yes', False: f'NO{detail}'}[r.outputs_match]
     misses = [str(r.miss_reasons.get(k, 0)) for k in MISS_REASONS]
     return [r.workload, r.mode, str(r.num_requests), str(r.prompt_tokens), f'{r.hit_rate:.3f}',
             f'{r.oracle_hit_rate:.3f}', f'{r.hit_rate / r.oracle_hit_rate:.1%}' if r.oracle_hit_rate else '-',
