@@ -151,7 +151,9 @@ class BenchConfig:
 class EngineProbe:
     """Engine internals the report needs: times `BlockTrie.match`, samples checkpoint memory, reads evictions.
 
-    `sample()` and `evictions()` run on the engine loop thread (from output callbacks), where the trie is stable.
+    `evictions()` runs on the engine loop thread (from output callbacks); `request_sample()` (also from a callback)
+    makes the probe sample checkpoint memory right after that step, once the step's bookkeeping (blocks attached,
+    checkpoints published) is done: a step delivers its tokens before that bookkeeping.
     """
 
     def __init__(self, engine):
@@ -167,8 +169,26 @@ class EngineProbe:
         self.stats_base: dict = {}
         # Checkpoints that existed before the trace (the warm-up's) are left out of the memory figures.
         self._baseline: set = set()
+        self._sample_due = False
         if self.trie is not None:
             self._wrap_match()
+        self._wrap_step()
+
+    def _wrap_step(self) -> None:
+        original = self.engine.step
+
+        def step_then_sample():
+            try:
+                return original()
+            finally:
+                if self._sample_due:
+                    self._sample_due = False
+                    self.sample()
+
+        self.engine.step = step_then_sample  # shadows the method on this instance only
+
+    def request_sample(self) -> None:
+        self._sample_due = True
 
     def _wrap_match(self) -> None:
         original = self.trie.match
@@ -238,7 +258,7 @@ class _Flight:
             self.margins.append(best[0] - best[1] if len(best) > 1 else float('inf'))
         self.cached_tokens = out.num_cached
         if out.finished:
-            self.probe.sample()
+            self.probe.request_sample()
             self.finish_s, self.error = now, out.error
             self.done.set()
 
@@ -312,7 +332,8 @@ def summarize(workload: str, mode: str, records: list[RequestRecord], probe: Eng
     prompt_lens = [len(r.prompt_ids) for r in records]
     cached = [r.cached_tokens for r in records]
     hits = oracle_hits([r.prompt_ids for r in records], [r.output_ids for r in records])
-    stats = probe.engine.stats
+    stats = probe.engine.stats  # waits for the engine's last step to end
+    probe.sample()
     engine_reasons = stats.get('miss_reasons')
     reasons = dict(engine_reasons) if engine_reasons else attribute_misses(
         prompt_lens, cached, hits, [r.timing for r in records], is_cache_enabled=probe.trie is not None)

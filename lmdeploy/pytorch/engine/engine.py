@@ -10,8 +10,10 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ...messages import PytorchEngineConfig
@@ -27,6 +29,11 @@ from .request import EngineOutput, OutputCallback
 
 logger = logging.getLogger('lmdeploy')
 _CPU_CACHE_BUDGET = 1 << 30
+
+
+# How long a step waits, at most, for stats readers to take the step lock first (see `Engine.step`).
+_STATS_YIELDS = 50
+_STATS_YIELD_S = 1e-4
 
 
 def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
@@ -73,6 +80,10 @@ class Engine:
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
                     self.cache_engine.state_pool_bytes / 2**20)
         self._lock = threading.Lock()
+        # Held for a whole step: a step delivers its tokens before its prefix-cache bookkeeping, so readers on other
+        # threads (stats, /metrics) wait for the step to end instead of seeing it half done.
+        self._step_lock = threading.RLock()
+        self._stats_waiters = 0  # readers waiting for `_step_lock`: the next step lets them in first
         # (request id, command): commands run on the engine thread at the start of a step.
         self._commands: list[tuple[int, Callable[[], list[EngineOutput]]]] = []
         self._seqs: dict[int, tuple[SchedulerSequence, OutputCallback | None]] = {}
@@ -139,7 +150,14 @@ class Engine:
         if len(token_ids) == 0:
             raise ValueError('the prompt is empty')
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        try:  # one C pass over the list; the Python loop below only runs on bad input
+            ids = np.asarray(token_ids)
+        except (ValueError, TypeError, OverflowError):
+            ids = np.zeros(0, dtype=object)
+        if ids.ndim == 1 and ids.dtype.kind in 'iu' and ids.min() >= 0 and ids.max() < vocab:
+            bad = []
+        else:
+            bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
             raise ValueError(f'token ids out of the vocabulary [0, {vocab}): {bad[:8]}')
         if len(token_ids) >= self.session_len:
@@ -207,25 +225,37 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        for _ in range(_STATS_YIELDS):  # a lock is not fair: let a waiting reader in between back-to-back steps
+            if not self._stats_waiters:
+                break
+            time.sleep(_STATS_YIELD_S)
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[EngineOutput]:
         with self._lock:
             commands, self._commands = self._commands, []
         outputs = [out for seq_id, command in commands for out in self._run_command(seq_id, command)]
+        for out in outputs:
+            self._deliver(out)
         sched = self.scheduler.schedule()
         # True when this step ran nothing on the device (the loop thread then backs off instead of spinning).
         self.last_step_idle = sched.is_empty and not sched.has_copies
         if not self.last_step_idle:
-            outputs += self._run_forward(sched)
+            outputs += self._run_forward(sched)  # delivers its outputs itself, before its bookkeeping
         elif self.scheduler.waiting and not self.scheduler.running:
             # Nothing runs and the head of the queue still cannot be admitted: it never will be (everything else
             # the pools hold is evictable), so fail it instead of spinning.
             seq = self.scheduler.waiting[0]
-            outputs.append(self._fail(seq, 'the request does not fit in the KV cache / state pool'))
-        for out in outputs:
+            out = self._fail(seq, 'the request does not fit in the KV cache / state pool')
             self._deliver(out)
+            outputs.append(out)
         return outputs
 
     def _run_forward(self, sched) -> list[EngineOutput]:
-        """Restore copies, forward, save copies, sampling; then tokens, stops and reply checkpoints."""
+        """Restore copies, forward, save copies, sampling; then tokens and stops, whose outputs are delivered at
+        once; then the prefix cache's bookkeeping (attach blocks, publish checkpoints, keep prompt logits, reply
+        checkpoints, releases), which the next step needs but the client does not wait for."""
         sampled, result = [], None
         try:
             cache_inputs = self.inputs_maker.make_cache_inputs(sched)
@@ -244,12 +274,12 @@ class Engine:
             logger.exception('forward failed')
             self.scheduler.cancel_forward(sched)
             failed = sched.seqs + [seq for seq, _ in sched.logits_hits]
-            return [self._fail(seq, f'forward failed: {exc}') for seq in failed]
+            outputs = [self._fail(seq, f'forward failed: {exc}') for seq in failed]
+            for out in outputs:
+                self._deliver(out)
+            return outputs
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             self.scheduler.on_forward_done(seq, n)
-        self.scheduler.after_forward(sched)
-        if result is not None:
-            self._keep_prompt_logits(sched, sampled, result.logits)
         rows = [(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(sampled)] + hits
         outputs, finishing = [], []
@@ -258,6 +288,13 @@ class Engine:
             outputs.append(out)
             if reason is not None:
                 finishing.append((seq, reason))
+        for out in outputs:
+            self._deliver(out)
+        # Bookkeeping reads `num_computed` (the appended tokens are not computed yet) and runs before the next
+        # step is scheduled.
+        self.scheduler.after_forward(sched)
+        if result is not None:
+            self._keep_prompt_logits(sched, sampled, result.logits)
         self._finish(finishing)
         return outputs
 
@@ -278,7 +315,7 @@ class Engine:
         rows = {seq.seq_id: i for i, seq in enumerate(sampled)}
         for seq, ck in sched.reserved:
             row = rows.get(seq.seq_id)
-            if row is not None and ck.step == seq.num_tokens and ck.published:
+            if row is not None and ck.step == seq.num_computed and ck.published:
                 ck.last_logits = logits[row].to('cpu', getattr(torch, self.model_config.dtype))
 
     def _finish(self, finishing: list[tuple[SchedulerSequence, str]]) -> None:
@@ -367,7 +404,17 @@ class Engine:
 
     @property
     def stats(self) -> dict:
-        """Prefix-cache statistics (zeros when prefix caching is off)."""
+        """Prefix-cache statistics (zeros when prefix caching is off), between steps."""
+        with self._lock:
+            self._stats_waiters += 1
+        try:
+            with self._step_lock:
+                return self._stats()
+        finally:
+            with self._lock:
+                self._stats_waiters -= 1
+
+    def _stats(self) -> dict:
         trie = self.scheduler.trie
         if trie is None:
             return {'query_tokens': 0, 'hit_tokens': 0, 'hit_rate': 0.0, 'num_requests': 0, 'num_hits': 0,
