@@ -4,7 +4,8 @@ On the H200, decode graphs of the tiny Qwen3.5 / Qwen3-Next models in float32 re
 from the very first decode, while the same decode run eagerly through the same static buffers was right
 (`scripts/diagnose_prefill_graph.py --mode static-eager-all` vs `--mode decode-only`). bf16 decode graphs (fla's
 recurrent kernel) were right. This script captures each piece of one gated-DeltaNet layer separately on a padded
-decode batch: the conv, the gated delta rule, the gated norm, the whole token mixer, then the whole model; then it
+decode batch: raw ops the torch kernels use (batched matmul, gather / index_put on the pool), the conv, the gated
+delta rule, the gated norm, the whole token mixer, then the whole model; then it
 refills the static inputs and the state rows with new random data, replays, and compares the outputs and the state
 rows with an eager run from the same data. The first piece that differs is the culprit.
 
@@ -101,7 +102,29 @@ def main() -> None:
     z = torch.randn(size, hv, dv, device=device, dtype=dtype)
     activations = [x, mixed, q, k, v, g, beta, o, z]
     use_graph = not args.cpu
+    # Raw ops of the torch gated-delta kernels (float32 runs them; bf16 runs fla): a batched matmul (cuBLAS), the
+    # same product as a broadcast multiply + sum (no cuBLAS), the kernels' gather / index_put on a strided pool
+    # view, and a plain linear (cuBLASLt, which the dense models' graphs use without trouble) as a control.
+    bh = size * hv
+    mat_a = torch.randn(bh, 1, dk, device=device)
+    mat_b = torch.randn(bh, dk, dv, device=device)
+    slot_ids = inputs.state_ids
+    upd = torch.randn(size, hv, dk, dv, device=device)
+    lin_x = torch.randn(size, hidden, device=device, dtype=dtype)
+    lin_w = torch.randn(hidden, hidden, device=device, dtype=dtype)
+    activations += [mat_a, mat_b, upd, lin_x, lin_w]
+    recurrent = states['recurrent']
+
+    def gather_scatter():
+        old = recurrent[slot_ids].float()
+        recurrent[slot_ids] = (old * 0.5 + upd).to(recurrent.dtype)
+        return old
+
     pieces = [
+        Piece('bmm', lambda: mat_a @ mat_b, use_graph),
+        Piece('mul_sum', lambda: (mat_a.transpose(1, 2) * mat_b).sum(1), use_graph),
+        Piece('gather_scatter', gather_scatter, use_graph),
+        Piece('linear', lambda: torch.nn.functional.linear(lin_x, lin_w), use_graph),
         Piece('conv1d', lambda: mixer.conv1d(mixed, states['conv'], inputs), use_graph),
         Piece('gated_delta_rule', lambda: mixer.gated_delta_rule(q, k, v, g, beta, states['recurrent'], inputs),
               use_graph),
