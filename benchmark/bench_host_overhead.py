@@ -38,12 +38,14 @@ def host_ttfts(path: str, tokens: int, reps: int, prefix_caching: bool, args, pr
     for rep in range(reps + 2):  # two warm-up requests
         prompt = torch.randint(0, vocab, (tokens,), generator=g).tolist()
         first: list[float] = []
+
+        def on_output(out, first=first):
+            if out.new_token_ids and not first:
+                first.append(time.perf_counter())
         if profile is not None and rep == 2:
             profile.enable()
         start = time.perf_counter()
-        engine.add_request(prompt, SamplingParams(max_new_tokens=1),
-                           callback=lambda o: first.append(time.perf_counter()) if o.new_token_ids and not first
-                           else None)
+        engine.add_request(prompt, SamplingParams(max_new_tokens=1), callback=on_output)
         while engine.has_work:
             engine.step()
         if rep >= 2:
@@ -65,7 +67,8 @@ def main() -> None:
     args = parser.parse_args()
     path = save_tiny_model(tempfile.mkdtemp(), arch=args.arch,
                            config_overrides={'max_position_embeddings': max(args.tokens) + 64})
-    print(f'| prompt tokens | host ms, cache off (median / min) | host ms, cache on (median / min) | on - off (median) |')
+    print('| prompt tokens | host ms, cache off (median / min) | host ms, cache on (median / min) '
+          '| on - off (median) |')
     print('|---:|---:|---:|---:|')
     for n in args.tokens:
         profile = cProfile.Profile() if args.profile else None
