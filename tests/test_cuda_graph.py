@@ -58,6 +58,8 @@ def test_graphs_only_where_replay_is_trusted():
     assert cuda_backend.graphs_supported(torch.bfloat16, is_hybrid=False)
     assert not cuda_backend.graphs_supported(torch.float32, is_hybrid=True)
     assert cuda_backend.graphs_supported(torch.bfloat16, is_hybrid=True) == cuda_backend._fla_available()
+    assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=False)
+    assert not cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=True)
 
 
 def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, stagger: int = 0):
@@ -116,6 +118,27 @@ def test_cuda_graphs_match_eager(tiny_model_factory, arch, dtype, prefix_caching
     # float32: a replay bug shows as an O(1) logit error; 2e-2 leaves room for GEMM kernels that differ between
     # padded and unpadded shapes. bf16 rounding is coarser.
     _assert_same_greedy_path(got, ref, tol=2e-2 if dtype == 'float32' else 0.1, min_equal=60)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('prefix_caching', [False, True])
+def test_hybrid_prefill_graphs_match_eager(tiny_model_factory, monkeypatch, prefix_caching):
+    """Hybrid prefill graphs (off by default, `backends.cuda.prefill_graphs_supported`) turned on: small prefills
+    and mixed batches replay graphs with fla's token-by-token kernel inside, and generation follows eager mode."""
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    monkeypatch.setattr(cuda_backend, 'prefill_graphs_supported', lambda dtype, is_hybrid: True)
+    path = tiny_model_factory('qwen3_next')
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 1000, (21,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 5, 9, 14, 30, 2, 7)]
+    common = dict(device_type='cuda', dtype='bfloat16', block_size=16, kernel_block_size=8, num_gpu_blocks=128,
+                  max_batch_size=8, max_prefill_token_num=48, enable_prefix_caching=prefix_caching)
+    graphs = Engine(path, PytorchEngineConfig(**common))
+    got = _generate(graphs, prompts, max_new_tokens=40, stagger=3)
+    ref = _generate(Engine(path, PytorchEngineConfig(eager_mode=True, **common)), prompts, max_new_tokens=40,
+                    stagger=3)
+    assert graphs.agent.graph_runner.num_prefill_replays > 0
+    _assert_same_greedy_path(got, ref, tol=0.1, min_equal=60)
 
 
 @pytest.mark.gpu

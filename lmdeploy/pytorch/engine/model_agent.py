@@ -41,10 +41,10 @@ class ModelAgent:
         self.streams = DeviceStreams(device)
         self.graph_runner = None
         if cuda_graph_batch_size > 0 and device.type == 'cuda':
-            # Prefill graphs only for models without recurrent state: hybrid prefill graphs are not validated on
-            # the GPU yet (the failures first blamed on them were float32 decode-graph replays, see
-            # `backends.cuda.graphs_supported`), so hybrid prefills stay eager.
-            prefill_tokens = 0 if cache_engine.model_config.is_hybrid else PREFILL_TOKEN_BUCKETS[-1]
+            from ..backends.cuda import prefill_graphs_supported
+            cfg = cache_engine.model_config
+            prefill_tokens = PREFILL_TOKEN_BUCKETS[-1] \
+                if prefill_graphs_supported(getattr(torch, cfg.dtype), cfg.is_hybrid) else 0
             self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
                                                 device, max_prefill_tokens=prefill_tokens)
 
