@@ -2,6 +2,7 @@
 # One GPU check, run from the repo root on the H200:
 #   (a) install the carried wheels (.whl/*.whl, e.g. fla-core + einops) into /tmp/site, if any;
 #   (b) print the GPU, torch / triton / transformers versions and whether fla imports;
+#   (c0) scripts/diagnose_graph_ops.py (float32 graph replay per op) -> $OUT/graph_ops.txt
 #   (c) the GPU test suite (pytest -m gpu)                     -> $OUT/gpu_tests.log
 #   (d) benchmark/bench_copy_packed_cache.py                   -> $OUT/bench_copy.txt
 #       benchmark/bench_vs_transformers.py                     -> $OUT/bench_vs_transformers.{md,log}
@@ -81,6 +82,13 @@ except Exception as exc:
     print('torch cuda query failed:', exc)
 EOF
 note "environment" "$?"
+
+# ---- (c0) CUDA-graph replay of each piece of a hybrid decode step (float32; the open replay fault) ------------------
+GRAPH_OPS_TIMEOUT="${GRAPH_OPS_TIMEOUT:-120}"
+echo "=== (c0) diagnose_graph_ops (timeout ${GRAPH_OPS_TIMEOUT}s)"
+timeout -k 10 "$GRAPH_OPS_TIMEOUT" python3 scripts/diagnose_graph_ops.py --dtype float32 2>&1 \
+    | grep -v 'Writing model shards' | tee "$OUT/graph_ops.txt"
+note "graph ops diagnostic" "${PIPESTATUS[0]}" "$(grep -c DIFFERS "$OUT/graph_ops.txt" || true) piece(s) differ"
 
 # ---- (c) GPU tests ----------------------------------------------------------------------------------------------
 echo "=== (c) GPU tests (timeout ${TESTS_TIMEOUT}s)"
