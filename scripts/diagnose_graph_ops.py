@@ -104,7 +104,8 @@ def main() -> None:
     use_graph = not args.cpu
     # Raw ops of the torch gated-delta kernels (float32 runs them; bf16 runs fla): a batched matmul (cuBLAS), the
     # same product as a broadcast multiply + sum (no cuBLAS), the kernels' gather / index_put on a strided pool
-    # view, and a plain linear (cuBLASLt, which the dense models' graphs use without trouble) as a control.
+    # view, the key-head expansion (repeat_interleave), and a plain linear (cuBLASLt, which the dense models'
+    # graphs use without trouble) as a control.
     bh = size * hv
     mat_a = torch.randn(bh, 1, dk, device=device)
     mat_b = torch.randn(bh, dk, dv, device=device)
@@ -125,6 +126,7 @@ def main() -> None:
         Piece('mul_sum', lambda: (mat_a.transpose(1, 2) * mat_b).sum(1), use_graph),
         Piece('gather_scatter', gather_scatter, use_graph),
         Piece('linear', lambda: torch.nn.functional.linear(lin_x, lin_w), use_graph),
+        Piece('repeat_interleave', lambda: q.float().repeat_interleave(hv // hk, dim=1), use_graph),
         Piece('conv1d', lambda: mixer.conv1d(mixed, states['conv'], inputs), use_graph),
         Piece('gated_delta_rule', lambda: mixer.gated_delta_rule(q, k, v, g, beta, states['recurrent'], inputs),
               use_graph),
