@@ -4,7 +4,9 @@
 # workloads already done. Builds the checkpoint if MODEL_DIR holds none, and copies the demo model's tokenizer and
 # chat template next to it (the random-weight checkpoint has none; the workloads need a chat template).
 #   OUT=./out MODEL_DIR=/tmp/qwen3next_bench BUDGET=540 REQUESTS=16 MODES=all bash scripts/gpu_bench_prefix.sh
-# Results: $OUT/prefix_bench/<workload>/{report.md,hit_rate.png}, <workload>.log (last line: JSON summary).
+# Results: $OUT/prefix_bench.tgz holding prefix_bench/<workload>/{report.md,hit_rate.png} and <workload>.log (last
+# line: JSON summary; merge them with scripts/merge_prefix_bench.py), plus $OUT/prefix_bench_summary.txt (the device
+# tool returns at most 8 files, none deeper than two folders, so the tree travels as one archive).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-./out}"
@@ -58,5 +60,13 @@ for w in $WORKLOADS; do
     timeout -k 5 "$left" python3 -m lmdeploy.bench prefix-cache --model "$MODEL_DIR" --device "$DEVICE" --workload "$w" \
         --mode "$MODES" --requests "$REQUESTS" --out "$OUT/prefix_bench/$w" --json $EXTRA > "$OUT/prefix_bench/$w.log" 2>&1
     echo "=== $w: rc $? (t=$((SECONDS - START))s)"
-    tail -n 1 "$OUT/prefix_bench/$w.log"
+    grep "^\[bench\]" "$OUT/prefix_bench/$w.log"
 done
+
+{
+    for w in $WORKLOADS; do
+        [ -f "$OUT/prefix_bench/$w.log" ] && grep '^\[bench\]' "$OUT/prefix_bench/$w.log"
+    done
+} > "$OUT/prefix_bench_summary.txt"
+tar czf "$OUT/prefix_bench.tgz" -C "$OUT" prefix_bench && rm -rf "$OUT/prefix_bench"
+cat "$OUT/prefix_bench_summary.txt"
