@@ -655,3 +655,27 @@ def test_stats_and_cached_tokens_through_the_pipeline(model_path, arch):
     off = make_engine(path, cache=False)
     one(off, prefix)
     assert off.stats['hit_tokens'] == 0 and off.stats['live_checkpoints'] == 0
+
+
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5'])
+def test_a_raising_output_callback_does_not_skip_the_cache_bookkeeping(model_path, arch, caplog):
+    """Tokens are delivered before the step's prefix-cache bookkeeping; a consumer whose callback raises must not
+    cut that bookkeeping short: its prompt is still cached, its reply checkpoint saved, nothing leaks."""
+    path = model_path(arch)
+    engine = make_engine(path)
+    prompt = ids(2 * B + 5, seed=41)
+    seen = []
+
+    def boom(out):
+        seen.append(out)
+        raise RuntimeError('consumer failed')
+
+    engine.add_request(prompt, SamplingParams(max_new_tokens=3), callback=boom)
+    drive(engine)
+    assert len(seen) == 3 and seen[-1].finished  # every output still went out
+    assert 'output callback of request' in caplog.text
+    engine.check_integrity()
+    reply = [t for out in seen for t in out.new_token_ids]
+    follow = one(engine, prompt + reply[:2] + ids(6, seed=42))
+    # hybrid: the reply checkpoint (prompt + the 2 reply tokens fed back); dense: the full blocks of those tokens
+    assert follow.cached == (2 * B if arch in DENSE else 2 * B + 7)

@@ -387,7 +387,10 @@ class Engine:
         if out.finished:
             del self._seqs[out.seq_id]
         if entry[1] is not None:
-            entry[1](out)
+            try:
+                entry[1](out)
+            except Exception:  # a consumer's failure must not cut the step short (its bookkeeping follows)
+                logger.exception('output callback of request %d failed', out.seq_id)
 
     # ---- helpers for synchronous use and tests ----------------------------------------------------------------
     def pop_collected_logits(self, seq_id: int) -> torch.Tensor:
