@@ -11,10 +11,14 @@ batch layout, sequence, layer, part.
         [--prefix-caching] [--shared 21 --stagger 3] [--dtype bfloat16]   # on the GPU
     TRITON_INTERPRET=1 python3 scripts/diagnose_prefill_graph.py qwen3_5 --cpu   # the same with the cuda backend's
                                                                        # Triton kernels interpreted on the CPU
+    # bf16 through fla's recurrent kernel on the CPU (fla-core on PYTHONPATH, not installed in the dev venv):
+    TRITON_INTERPRET=1 PYTHONPATH=/tmp/flasite:. python3 scripts/diagnose_prefill_graph.py qwen3_next --cpu \
+        --dtype bfloat16 --recurrent-everywhere --shared 21 --stagger 3 [--prefix-caching]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 
 import torch
@@ -114,6 +118,9 @@ def main() -> None:
                              'tensors, decodes replay graphs (what hybrids shipped with); decode-graphs: '
                              'static-eager prefills, replayed decodes; graphs: both replayed')
     parser.add_argument('--fla-fp32', action='store_true', help='float32 gated delta rule on fla too (not torch)')
+    parser.add_argument('--recurrent-everywhere', action='store_true',
+                        help='both engines run the token-by-token gated delta rule in every forward (so the '
+                             'reference needs no chunked kernel: fla\'s cannot run under TRITON_INTERPRET)')
     parser.add_argument('--reset-static', action='store_true', help='zero the static buffers before each decode')
     parser.add_argument('--prefix-caching', action='store_true')
     parser.add_argument('--shared', type=int, default=0, help='tokens of a prefix shared by every prompt')
@@ -125,6 +132,14 @@ def main() -> None:
     if args.fla_fp32:
         from lmdeploy.pytorch.backends import cuda as cuda_backend
         cuda_backend.BACKEND._builders[cuda_backend.OpType.GatedDeltaRule] = cuda_backend._build_fla_gated_delta_rule
+    if args.recurrent_everywhere:
+        from lmdeploy.pytorch.engine import inputs_maker
+        make = inputs_maker.InputsMaker.make
+
+        def make_recurrent(self, sched):
+            inputs, sampled = make(self, sched)
+            return dataclasses.replace(inputs, use_recurrent_kernel=True), sampled
+        inputs_maker.InputsMaker.make = make_recurrent
     path = save_tiny_model(tempfile.mkdtemp(), arch=args.arch)
     common = dict(device_type=device, dtype=args.dtype, block_size=16, kernel_block_size=8, num_gpu_blocks=256,
                   max_batch_size=8, max_prefill_token_num=48, eager_mode=True,
