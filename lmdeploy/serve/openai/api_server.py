@@ -332,8 +332,8 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None,
         return {'status': 'ok'}
 
     @app.get('/metrics')
-    async def metrics() -> Response:
-        content, media_type = state.metrics.render()
+    def metrics() -> Response:  # sync: FastAPI runs it in a worker thread, since reading the engine's statistics
+        content, media_type = state.metrics.render()  # waits for the running step to end
         return Response(content, media_type=media_type)
 
     _install_error_handlers(app, state.metrics)
