@@ -121,6 +121,18 @@ def main() -> None:
         recurrent[slot_ids] = (old * 0.5 + upd).to(recurrent.dtype)
         return old
 
+    # fla's token-by-token kernel on the same float32 inputs (no tl.dot, so no TF32): if it replays right, float32
+    # hybrids can run their decode graphs on it.
+    fla_pieces = []
+    if not args.cpu:
+        try:
+            from lmdeploy.pytorch.kernels.cuda.gated_delta_rule import recurrent_gated_delta_rule as fla_recurrent
+            fla_pieces.append(Piece('fla_recurrent', lambda: fla_recurrent(
+                q, k, v, g, beta, inputs.cu_seqlens_q, states['recurrent'], inputs.state_ids, inputs.is_fresh,
+                max_seqlen=1), use_graph))
+        except ImportError as exc:
+            print('fla not importable, no fla piece:', exc)
+
     pieces = [
         Piece('bmm', lambda: mat_a @ mat_b, use_graph),
         Piece('mul_sum', lambda: (mat_a.transpose(1, 2) * mat_b).sum(1), use_graph),
@@ -131,6 +143,7 @@ def main() -> None:
         Piece('gated_delta_rule', lambda: mixer.gated_delta_rule(q, k, v, g, beta, states['recurrent'], inputs),
               use_graph),
         Piece('gated_norm', lambda: mixer.norm(o, z), use_graph),
+        *fla_pieces,
         Piece('token_mixer', lambda: mixer(x, ctx), use_graph),
         Piece('model', lambda: model(ctx), use_graph),
     ]
@@ -146,6 +159,17 @@ def main() -> None:
             for layer_states in cache.state_caches:
                 for view in layer_states.values():
                     view.copy_(torch.randn_like(view) * 0.1)
+            if fla_pieces:  # fla vs the torch kernel, both eager, from the same state
+                pool = cache.state_pool.clone()
+                ref = mixer.gated_delta_rule(q, k, v, g, beta, states['recurrent'], inputs).float()
+                torch_rows = states['recurrent'].clone()
+                cache.state_pool.copy_(pool)
+                got = fla_pieces[0].fn().float()
+                out_diff = (got - ref).abs().max().item()
+                state_diff = (states['recurrent'].float() - torch_rows.float()).abs().max().item()
+                print(f'trial {trial} fla vs torch kernel (eager): output max diff {out_diff:.3g}, '
+                      f'state max diff {state_diff:.3g}')
+                cache.state_pool.copy_(pool)
             for piece in pieces:
                 pool = cache.state_pool.clone()
                 kv = cache.kv_pool.clone()
