@@ -72,8 +72,8 @@ def test_cuda_in_prefill_checkpoints(tiny_model_factory, arch, dtype):
     base = torch.randint(0, 1000, (300,), generator=g).tolist()
     follow = base[:140] + torch.randint(0, 1000, (9,), generator=g).tolist()
     common = dict(device_type='cuda', dtype=dtype, block_size=16, num_gpu_blocks=256, max_prefill_token_num=100,
-                  prefix_cache_prefill_state_interval=64, prefix_cache_branch_checkpoints=False,
-                  prefix_cache_reply_checkpoints=False)
+                  prefix_cache_prefill_state_interval=64, prefix_cache_prefill_state_cap=8,
+                  prefix_cache_branch_checkpoints=False, prefix_cache_reply_checkpoints=False)
     warm = Engine(path, PytorchEngineConfig(enable_prefix_caching=True, **common))
     cold = Engine(path, PytorchEngineConfig(**common))
     _run(warm, [base])
