@@ -14,6 +14,8 @@ against eager mode (and where its tokens first part from it):
 - `side-stream`: up-front capture on a side stream (as `torch.cuda.graph` does by default), replay on the forward
   stream;
 - `static-eager`: no capture at all; decode batches run eagerly through the padded static buffers;
+- `bisect`: lazy capture; each of the first two replays is compared module by module (forward hooks) with an eager
+  run through the same static buffers from the same caches;
 - `replay-twice`: replay each graph twice per step after a capture-time replay of garbage-free inputs (to see
   whether a graph's first replay differs from later ones).
 
@@ -111,9 +113,75 @@ def variant(name: str):
             return self.model(self.make_context(self.static.view(key)))[:inputs.input_ids.numel()]
         stack.enter_context(patched(runner_cls, 'capture_all', lambda self: None))
         stack.enter_context(patched(runner_cls, 'run', static_eager))
+    elif name == 'bisect':
+        stack.enter_context(patched(runner_cls, 'capture_all', lambda self: None))
+        stack.enter_context(patched(runner_cls, 'run', _bisect_run(runner_cls.run)))
     elif name != 'graphs':
         raise ValueError(name)
     return stack
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return None
+
+
+def _bisect_run(run):
+    """Graphs captured lazily; at each replay, snapshot the caches, replay, restore, run eagerly through the same
+    static buffers, and print the modules whose outputs differ (hooks copy every module output into persistent
+    buffers, so the copies are part of the captured graph too)."""
+    state = dict(hooked=False, buffers={}, reports=0)
+
+    def hook(name):
+        def fn(_module, _inputs, output):
+            t = _first_tensor(output)
+            if t is None:
+                return
+            key = (name, tuple(t.shape), t.dtype)  # prefills (other shapes) keep their own buffers
+            buf = state['buffers'].get(key)
+            if buf is None:
+                if torch.cuda.is_current_stream_capturing():
+                    return
+                buf = state['buffers'][key] = torch.empty_like(t)
+            buf.copy_(t)
+        return fn
+
+    def bisect_run(self, inputs, key=None):
+        key = key or self.key_of(inputs)
+        if not state['hooked']:
+            for name, module in self.model.named_modules():
+                if name.count('.') <= 4 and name:
+                    module.register_forward_hook(hook(name))
+            state['hooked'] = True
+        entry = self.graphs.get(key)
+        if entry is None or state['reports'] >= 2:
+            return run(self, inputs, key)
+        ctx = self.make_context(inputs)
+        pools = [v.clone() for layer in ctx.state_caches for v in layer.values()]
+        kv = [t.clone() for pair in ctx.kv_caches for t in pair]
+        self._fill(inputs, key)
+        entry[0].replay()
+        got = {n: b.clone() for n, b in state['buffers'].items()}
+        got_out = entry[1].clone()
+        for view, saved in zip([v for layer in ctx.state_caches for v in layer.values()], pools):
+            view.copy_(saved)
+        for view, saved in zip([t for pair in ctx.kv_caches for t in pair], kv):
+            view.copy_(saved)
+        out = self.model(self.make_context(self.static.view(key)))
+        diffs = [(n[0], (got[n].float() - b.float()).abs().max().item())
+                 for n, b in state['buffers'].items() if n in got]
+        bad = [(n, d) for n, d in diffs if d > 1e-3]
+        err = (got_out.float() - out.float()).abs().max().item()
+        print(f'  bisect replay {state["reports"]} {key}: output diff {err:.3g}; {len(bad)} of {len(diffs)} module '
+              f'outputs differ; first ones:')
+        for n, d in bad[:12]:
+            print(f'    {n}: {d:.3g}')
+        state['reports'] += 1
+        return out[:inputs.input_ids.numel()]
+    return bisect_run
 
 
 def main() -> None:
