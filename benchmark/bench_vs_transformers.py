@@ -316,10 +316,6 @@ def build_engine(bench: Bench, prefix_caching: bool):
         num_gpu_blocks=a.num_blocks, max_batch_size=a.max_batch_size, max_prefill_token_num=a.max_prefill_token_num,
         session_len=a.session_len, enable_prefix_caching=prefix_caching)
     t = time.perf_counter()
-    if a.hybrid_prefill_graphs:
-        from lmdeploy.pytorch.backends import cuda as cuda_backend
-        cuda_backend.prefill_graphs_supported = lambda dtype, is_hybrid: True
-        bench.log('EXPERIMENTAL: hybrid prefill CUDA graphs on')
     engine = Engine(a.model_dir, config)
     bench.log(f'engine (prefix caching {"on" if prefix_caching else "off"}) built in {time.perf_counter() - t:.1f}s: '
               f'{engine.cache_config.num_blocks} KV blocks, session_len {engine.session_len}')
@@ -724,9 +720,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='seconds; measurements that would start later are skipped (0: no limit)')
     p.add_argument('--request-timeout', type=float, default=300.0,
                    help='seconds one engine run (a batch of requests) may take before it is aborted')
-    p.add_argument('--hybrid-prefill-graphs', action='store_true',
-                   help='experimental: let the engine replay small hybrid prefills through CUDA graphs (off by '
-                        'default until validated; see backends.cuda.prefill_graphs_supported)')
     p.add_argument('--check-hf-cache', action='store_true',
                    help='also check that the transformers cached-suffix token equals a full forward (default in smoke)')
     args = p.parse_args(argv)

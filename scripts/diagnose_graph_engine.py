@@ -1,10 +1,15 @@
-"""Which part of the engine's CUDA-graph machinery makes hybrid decode graphs replay wrong? (open bug)
+"""CUDA-graph replay vs eager mode in the engine, under variants of the graph machinery (a diagnostic).
 
-`tests/test_cuda_graph.py` shows hybrid models (bf16 through fla, and float32 through the torch kernels) replaying
-decode graphs whose logits are ~3-4 off from eager mode at the first decode, while `scripts/diagnose_graph_ops.py`
-finds the same model captured alone (real inputs, own memory pool, side stream) replaying exactly. This script runs
-one greedy workload through engines that differ in one thing each and prints every variant's largest logit error
-against eager mode (and where its tokens first part from it):
+Written for a fault that looked like hybrid decode graphs replaying logits ~3-4 off from eager mode (bf16 and
+float32) while `scripts/diagnose_graph_ops.py` found the model captured alone replaying exactly. The `bisect`
+variant below showed every replayed module output equal to eager; the fault was in the logits-collecting path the
+tests use: `Engine._forward_collecting` copied the logits to the host on the default stream, which does not wait
+for the forward stream, so after a graph replay (queued in one go) it read stale logits. Fixed in
+`ModelAgent.forward_logits` (the copy is queued on the forward stream); regression test
+`tests/test_device_streams.py::test_collected_logits_wait_for_the_forward_stream`.
+
+The script runs one greedy workload through engines that differ in one thing each and prints every variant's
+largest logit error against eager mode (and where its tokens first part from it):
 
 - `graphs`: the engine as shipped (decode graphs of every size captured up front on all-padding inputs, largest
   first, one shared memory pool, on the forward stream);
@@ -31,7 +36,6 @@ import torch
 
 from lmdeploy.demo_model import save_tiny_model
 from lmdeploy.messages import PytorchEngineConfig
-from lmdeploy.pytorch.backends import cuda as cuda_backend
 from lmdeploy.pytorch.engine import cuda_graph
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
@@ -203,28 +207,26 @@ def main() -> None:
     again = generate(Engine(path, PytorchEngineConfig(eager_mode=True, **common)), prompts, args.new_tokens)
     err = max((a[1] - b[1]).abs().max().item() for a, b in zip(again, ref))
     print(f'[{args.arch} {args.dtype}] eager vs eager (run-to-run noise): max logit diff {err:.3g}')
-    # graphs for every hybrid, whatever the policy says, so float32 can be diagnosed too
-    with patched(cuda_backend, 'graphs_supported', lambda dtype, is_hybrid: True):
-        for name in args.variants.split(','):
-            try:
-                with variant(name):
-                    engine = Engine(path, PytorchEngineConfig(**common))
-                    got = generate(engine, prompts, args.new_tokens)
-            except Exception as exc:  # report and go on with the next variant
-                print(f'[{args.arch} {args.dtype}] {name:15s} FAILED: {type(exc).__name__}: {exc}')
-                continue
-            parts, errs = [], []
-            for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
-                same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
-                rows = logits.shape[0] - len(tokens) + same + 1
-                first_decode = logits.shape[0] - len(tokens) + 1
-                errs.append(((logits[:rows] - ref_logits[:rows]).abs().max().item(),
-                             (logits[:first_decode] - ref_logits[:first_decode]).abs().max().item()))
-                parts.append(same)
-            replays = engine.agent.graph_runner.num_replays if engine.agent.graph_runner is not None else 0
-            print(f'[{args.arch} {args.dtype}] {name:15s} replays {replays:3d}; max logit diff up to the '
-                  f'parting {max(e[0] for e in errs):.3g} (prompt + first decode: {max(e[1] for e in errs):.3g}); '
-                  f'tokens part at {parts}')
+    for name in args.variants.split(','):
+        try:
+            with variant(name):
+                engine = Engine(path, PytorchEngineConfig(**common))
+                got = generate(engine, prompts, args.new_tokens)
+        except Exception as exc:  # report and go on with the next variant
+            print(f'[{args.arch} {args.dtype}] {name:15s} FAILED: {type(exc).__name__}: {exc}')
+            continue
+        parts, errs = [], []
+        for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
+            same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+            rows = logits.shape[0] - len(tokens) + same + 1
+            prompt_rows = logits.shape[0] - len(tokens) + 1
+            errs.append(((logits[:rows] - ref_logits[:rows]).abs().max().item(),
+                         (logits[:prompt_rows] - ref_logits[:prompt_rows]).abs().max().item()))
+            parts.append(same)
+        replays = engine.agent.graph_runner.num_replays if engine.agent.graph_runner is not None else 0
+        print(f'[{args.arch} {args.dtype}] {name:15s} replays {replays:3d}; max logit diff up to the '
+              f'parting {max(e[0] for e in errs):.3g} (prompt rows: {max(e[1] for e in errs):.3g}); '
+              f'tokens part at {parts}')
 
 
 if __name__ == '__main__':

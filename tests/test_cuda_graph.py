@@ -50,16 +50,14 @@ def test_cpu_agent_has_no_graphs(tiny_model_factory):
     assert engine.agent.graph_runner is None
 
 
-def test_graphs_only_where_replay_is_trusted():
-    """Hybrid models get graphs only with fla's gated delta rule (bf16 / fp16 with fla-core installed); their
-    float32 decode graphs on the torch kernels replayed wrong logits on the H200."""
+def test_prefill_graph_policy():
+    """Prefill graphs for dense models, and for hybrids whose token-by-token gated delta rule is one fused fla
+    launch (bf16 / fp16 with fla-core installed); not for the torch kernels' per-token loop (float32)."""
     from lmdeploy.pytorch.backends import cuda as cuda_backend
-    assert cuda_backend.graphs_supported(torch.float32, is_hybrid=False)
-    assert cuda_backend.graphs_supported(torch.bfloat16, is_hybrid=False)
-    assert not cuda_backend.graphs_supported(torch.float32, is_hybrid=True)
-    assert cuda_backend.graphs_supported(torch.bfloat16, is_hybrid=True) == cuda_backend._fla_available()
+    assert cuda_backend.prefill_graphs_supported(torch.float32, is_hybrid=False)
     assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=False)
-    assert not cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=True)
+    assert not cuda_backend.prefill_graphs_supported(torch.float32, is_hybrid=True)
+    assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=True) == cuda_backend._fla_available()
 
 
 def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, stagger: int = 0):
@@ -95,12 +93,13 @@ def _assert_same_greedy_path(got, ref, tol: float, min_equal: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('arch,dtype', [('qwen3', 'float32'), ('qwen3_next', 'bfloat16')])
+@pytest.mark.parametrize('arch,dtype', [('qwen3', 'float32'), ('qwen3_next', 'float32'), ('qwen3_next', 'bfloat16')])
 @pytest.mark.parametrize('prefix_caching', [False, True])
 def test_cuda_graphs_match_eager(tiny_model_factory, arch, dtype, prefix_caching):
     # Staggered arrivals with 48-token prefill chunks: decode batches of changing size replay decode graphs, and
-    # (dense models) small prefills / mixed batches of fewer than 8 sequences replay prefill graphs (pad sequence +
-    # empty ones). Hybrid models run graphs with fla's kernels only, so in bf16.
+    # small prefills / mixed batches of fewer than 8 sequences replay prefill graphs (pad sequence + empty ones)
+    # where the policy allows them (dense models; hybrids on fla, i.e. bf16).
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
     path = tiny_model_factory(arch)
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(0, 1000, (21,), generator=g).tolist()
@@ -114,7 +113,8 @@ def test_cuda_graphs_match_eager(tiny_model_factory, arch, dtype, prefix_caching
     ref = _generate(eager, prompts, max_new_tokens=40, stagger=3)
     runner = graphs.agent.graph_runner
     assert runner.num_replays > 20 and len(runner.graphs) >= 3, (runner.num_replays, sorted(runner.graphs))
-    assert runner.num_prefill_replays > 0 if arch == 'qwen3' else runner.num_prefill_replays == 0  # dense only
+    prefill_graphs = cuda_backend.prefill_graphs_supported(getattr(torch, dtype), is_hybrid=arch != 'qwen3')
+    assert (runner.num_prefill_replays > 0) == prefill_graphs, runner.num_prefill_replays
     # float32: a replay bug shows as an O(1) logit error; 2e-2 leaves room for GEMM kernels that differ between
     # padded and unpadded shapes. bf16 rounding is coarser.
     _assert_same_greedy_path(got, ref, tol=2e-2 if dtype == 'float32' else 0.1, min_equal=60)
@@ -123,11 +123,9 @@ def test_cuda_graphs_match_eager(tiny_model_factory, arch, dtype, prefix_caching
 @pytest.mark.gpu
 @pytest.mark.parametrize('prefix_caching', [False, True])
 def test_hybrid_prefill_graphs_match_eager(tiny_model_factory, monkeypatch, prefix_caching):
-    """Hybrid prefill graphs (off by default, `backends.cuda.prefill_graphs_supported`) turned on: small prefills
-    and mixed batches replay graphs with fla's token-by-token kernel inside, and generation follows eager mode."""
-    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    """Hybrid prefill graphs (bf16, fla): small prefills and mixed batches replay graphs with fla's token-by-token
+    kernel inside, and generation follows eager mode."""
     from lmdeploy.pytorch.engine import inputs_maker
-    monkeypatch.setattr(cuda_backend, 'prefill_graphs_supported', lambda dtype, is_hybrid: True)
     # Eager mode runs the token-by-token kernel too, so the comparison isolates the graphs (chunked vs token-by-token
     # numerics are the kernel tests' business).
     make = inputs_maker.InputsMaker.make
@@ -148,13 +146,6 @@ def test_hybrid_prefill_graphs_match_eager(tiny_model_factory, monkeypatch, pref
                     stagger=3)
     assert graphs.agent.graph_runner.num_prefill_replays > 0
     _assert_same_greedy_path(got, ref, tol=0.1, min_equal=60)
-
-
-@pytest.mark.gpu
-def test_float32_hybrid_runs_eagerly(tiny_model_factory):
-    engine = Engine(tiny_model_factory('qwen3_next'),
-                    PytorchEngineConfig(device_type='cuda', dtype='float32', num_gpu_blocks=32, max_batch_size=4))
-    assert engine.agent.graph_runner is None
 
 
 @pytest.mark.gpu

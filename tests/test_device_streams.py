@@ -54,3 +54,37 @@ def test_payload_memory_is_not_reused_while_the_forward_reads_it():
         clobber.fill_(-7)
     torch.cuda.synchronize()
     assert out.item() == expected
+
+
+@pytest.mark.gpu
+def test_collected_logits_wait_for_the_forward_stream(tiny_model_factory):
+    """Logits collected for tests and scoring are copied to the host after the forward stream has produced them:
+    with the forward stream held back (a sleep before the lm head), they still equal an undisturbed run's. (They
+    were once copied on the default stream, which does not wait for the forward stream, so replayed CUDA graphs,
+    queued in one go, handed back stale logits.)"""
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    from lmdeploy.pytorch.messages import SamplingParams
+
+    def run(engine):
+        outs = {}
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=6), collect_logits=True,
+                                  callback=lambda o: outs.setdefault(o.seq_id, []).extend(o.new_token_ids))
+               for p in ([5, 6, 7], list(range(40, 57)))]
+        engine.run_until_idle()
+        return [(outs[i], engine.pop_collected_logits(i)) for i in ids]
+
+    path = tiny_model_factory('qwen3')
+    common = dict(device_type='cuda', dtype='float32', num_gpu_blocks=64, max_batch_size=4)
+    ref = run(Engine(path, PytorchEngineConfig(**common)))
+    slow = Engine(path, PytorchEngineConfig(**common))
+    compute_logits = slow.model.compute_logits
+
+    def late_logits(hidden):
+        torch.cuda._sleep(50_000_000)  # on the forward stream: the logits come late
+        return compute_logits(hidden)
+    slow.model.compute_logits = late_logits
+    got = run(slow)
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
+        assert tokens == ref_tokens
+        assert torch.allclose(logits, ref_logits, atol=1e-4), (logits - ref_logits).abs().max()

@@ -61,13 +61,6 @@ class Engine:
         backend = get_backend(engine_config.device_type)
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
-        if use_graphs:
-            from ..backends.cuda import graphs_supported
-            if not graphs_supported(getattr(torch, dtype), self.model_config.is_hybrid):
-                logger.warning('CUDA graphs are off for this hybrid model in %s: its gated delta rule runs on the '
-                               'torch kernels, whose graph replay is not trusted yet (see docs/architecture.md)',
-                               dtype)
-                use_graphs = False
         kbs = self.cache_config.kernel_block_size
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
@@ -335,16 +328,13 @@ class Engine:
             self._forget(seq.seq_id)
 
     def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
-        from .model_agent import ForwardOutput
-        logits = self.agent.forward_logits(inputs, cache_inputs).cpu()
+        logits = self.agent.forward_logits(inputs, cache_inputs)
         start = 0
         for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
             if keep:
                 self._collected_logits[seq.seq_id].append(logits[start:start + n])
             start += n
-        rows = logits[inputs.logits_indices].to(self.device)
-        next_ids, logprobs = self.agent._sample(rows, sampling.to(self.device))
-        return ForwardOutput(next_ids.tolist(), logprobs, rows)
+        return self.agent.sample(logits[inputs.logits_indices], sampling)
 
     def _append_token(self, seq: SchedulerSequence, token: int, logprobs) -> tuple[EngineOutput, str | None]:
         """Append a sampled token; returns its output and the finish reason (None: keep going)."""

@@ -120,7 +120,10 @@ class ModelAgent:
     @torch.inference_mode()
     def forward_logits(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None = None
                        ) -> torch.Tensor:
-        """Logits of every fed token (teacher forcing, for tests and scoring); caches are updated as usual."""
+        """Logits of every fed token on the host (teacher forcing, for tests and scoring); caches are updated as
+        usual. The copy to the host is queued on the forward stream: the forward stream does not synchronise with
+        the default stream, so a copy queued there could read the logits before a replayed graph has written
+        them."""
         inputs, cache_inputs = self.streams.to_device(inputs, cache_inputs)
         with self.streams.forward():
-            return self.model.compute_logits(self.run_model(inputs, cache_inputs))
+            return self.model.compute_logits(self.run_model(inputs, cache_inputs)).cpu()

@@ -41,20 +41,12 @@ def _fla_available() -> bool:
         return False
 
 
-def graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
-    """Whether forwards of a model may replay CUDA graphs. Not for hybrid models whose gated delta rule runs on the
-    torch kernels (float32, or no fla-core): on the H200 their decode graphs replayed wrong logits (about 4 off)
-    while the same decodes run eagerly through the same static buffers were right; the op is not found yet
-    (`scripts/diagnose_graph_ops.py` isolates it). Those models run eagerly."""
-    return not is_hybrid or (dtype != torch.float32 and _fla_available())
-
-
 def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
-    """Whether small prefills may replay CUDA graphs too (where `graphs_supported` holds). Dense models only for
-    now: hybrid prefill graphs (fla's token-by-token kernel inside) have not been validated on the GPU since the
-    float32 decode-graph fault was found; `tests/test_cuda_graph.py::test_hybrid_prefill_graphs_match_eager`
-    checks them with this policy patched on."""
-    return not is_hybrid
+    """Whether small prefills replay CUDA graphs too (decode graphs are for every model). A prefill graph runs the
+    gated delta rule token by token over up to 256 tokens: one launch with fla's fused kernel (bf16 / fp16), but a
+    256-step loop of small ops with the torch kernels (float32, or no fla-core), which would make capture slow and
+    replay no faster than eager; those hybrids keep eager prefills."""
+    return not is_hybrid or (dtype != torch.float32 and _fla_available())
 
 
 _build_fla_gated_delta_rule = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule)
