@@ -311,10 +311,14 @@ def build_engine(bench: Bench, prefix_caching: bool):
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
     a = bench.args
+    extra = {}
+    if a.prefill_state_interval is not None:
+        extra['prefix_cache_prefill_state_interval'] = a.prefill_state_interval
     config = PytorchEngineConfig(
         device_type=bench.device, dtype=a.dtype, block_size=a.block_size, cache_max_entry_count=a.cache_max_entry_count,
         num_gpu_blocks=a.num_blocks, max_batch_size=a.max_batch_size, max_prefill_token_num=a.max_prefill_token_num,
-        session_len=a.session_len, enable_prefix_caching=prefix_caching)
+        session_len=a.session_len, enable_prefix_caching=prefix_caching,
+        **extra)
     t = time.perf_counter()
     engine = Engine(a.model_dir, config)
     bench.log(f'engine (prefix caching {"on" if prefix_caching else "off"}) built in {time.perf_counter() - t:.1f}s: '
@@ -720,6 +724,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='seconds; measurements that would start later are skipped (0: no limit)')
     p.add_argument('--request-timeout', type=float, default=300.0,
                    help='seconds one engine run (a batch of requests) may take before it is aborted')
+    p.add_argument('--prefill-state-interval', type=int, default=None,
+                   help='prefix_cache_prefill_state_interval of the cache-on engine (0: no in-prefill checkpoints; '
+                        'default: the engine default)')
     p.add_argument('--check-hf-cache', action='store_true',
                    help='also check that the transformers cached-suffix token equals a full forward (default in smoke)')
     args = p.parse_args(argv)
