@@ -1,13 +1,12 @@
-"""Which op of a hybrid decode step goes wrong under CUDA-graph replay? (open bug, see docs/architecture.md)
+"""Does each op of a hybrid decode step replay exactly under a CUDA graph? (a diagnostic)
 
-On the H200, decode graphs of the tiny Qwen3.5 / Qwen3-Next models in float32 replayed wrong logits (about 4 off)
-from the very first decode, while the same decode run eagerly through the same static buffers was right
-(`scripts/diagnose_prefill_graph.py --mode static-eager-all` vs `--mode decode-only`). bf16 decode graphs (fla's
-recurrent kernel) were right. This script captures each piece of one gated-DeltaNet layer separately on a padded
-decode batch: raw ops the torch kernels use (batched matmul, gather / index_put on the pool), the conv, the gated
-delta rule, the gated norm, the whole token mixer, then the whole model; then it
-refills the static inputs and the state rows with new random data, replays, and compares the outputs and the state
-rows with an eager run from the same data. The first piece that differs is the culprit.
+Written when hybrid decode graphs seemed to replay wrong logits on the H200; every piece and the whole model
+replayed exactly (2026-11-30), and the fault was in how the tests collected logits (see
+`scripts/diagnose_graph_engine.py`). Kept to check new recurrent ops. It captures each piece of one gated-DeltaNet
+layer separately on a padded decode batch: raw ops the torch kernels use (batched matmul, gather / index_put on
+the pool), the conv, the gated delta rule (torch and fla kernels), the gated norm, the whole token mixer, then the
+whole model; then it refills the static inputs and the state rows with new random data, replays, and compares the
+outputs and the state rows with an eager run from the same data.
 
     python3 scripts/diagnose_graph_ops.py [--arch qwen3_next] [--dtype float32]     # on the GPU
     python3 scripts/diagnose_graph_ops.py --cpu     # a dry run of the script itself (no capture: replay = eager)

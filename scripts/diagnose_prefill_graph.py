@@ -1,4 +1,7 @@
-"""Where does a hybrid prefill through the CUDA-graph static buffers go wrong? (open bug, see docs/architecture.md)
+"""Do hybrid prefills through the CUDA-graph static buffers leave the caches an eager prefill leaves? (a diagnostic)
+
+Written when hybrid graphs seemed to go wrong on the H200; the fault turned out to be in how the tests collected
+logits (see `scripts/diagnose_graph_engine.py`). Kept to check the static-buffer padding contract.
 
 Two engines run the same requests in lock step with the same schedule, so they allocate the same KV blocks and
 state rows: `ref` runs every forward eagerly on the batch's own tensors; `static` runs every prefill that a prefill
