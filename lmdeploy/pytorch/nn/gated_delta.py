@@ -113,7 +113,8 @@ class GatedDeltaRule(nn.Module):
 
 
 def _rounds(inputs: ModelInputs, device: torch.device) -> list[tuple]:
-    """Per round: (inputs of the segments it runs, their packed token index, state rows to copy after it)."""
+    """Per round: (inputs of the segments it runs, their packed tokens (a slice when contiguous, else an index
+    tensor), state rows to copy after it)."""
     cuts = inputs.state_cuts
     starts = _row_starts(cuts)
     bounds = [[0, cuts.q_lens[r]] for r in range(len(cuts.q_lens))]
@@ -124,12 +125,15 @@ def _rounds(inputs: ModelInputs, device: torch.device) -> list[tuple]:
     bounds = [sorted(set(b)) for b in bounds]
     rounds = []
     for r in range(max(len(b) for b in bounds) - 1):
-        index, lens, slots, fresh, save_src, save_dst = [], [], [], [], [], []
+        pieces, lens, slots, fresh, save_src, save_dst = [], [], [], [], [], []
         for row, b in enumerate(bounds):
             if r + 1 >= len(b):
                 continue
             lo, hi = b[r], b[r + 1]
-            index.extend(range(starts[row] + lo, starts[row] + hi))
+            if pieces and pieces[-1][1] == starts[row] + lo:  # continues the previous piece
+                pieces[-1][1] = starts[row] + hi
+            else:
+                pieces.append([starts[row] + lo, starts[row] + hi])
             lens.append(hi - lo)
             slots.append(cuts.state_ids[row])
             fresh.append(cuts.is_fresh[row] and r == 0)
@@ -145,5 +149,8 @@ def _rounds(inputs: ModelInputs, device: torch.device) -> list[tuple]:
         round_inputs = dataclasses.replace(
             inputs, q_lens=tensor(lens), cu_seqlens_q=tensor(cu), state_ids=tensor(slots),
             is_fresh=tensor(fresh, torch.bool), q_lens_list=lens, max_seqlen_q=max(lens), state_cuts=None)
-        rounds.append((round_inputs, tensor(index), tensor(save_src), tensor(save_dst)))
+        # One contiguous token range (e.g. a single long prompt) is a slice: a view, no gather and no index upload.
+        index = slice(*pieces[0]) if len(pieces) == 1 else \
+            torch.cat([torch.arange(lo, hi) for lo, hi in pieces]).to(device)
+        rounds.append((round_inputs, index, tensor(save_src), tensor(save_dst)))
     return rounds
