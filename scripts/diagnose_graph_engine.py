@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import tempfile
+from unittest.mock import patch
 
 import torch
 
@@ -51,29 +52,19 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
     return [(outs[i], engine.pop_collected_logits(i).float().cpu()) for i in ids]
 
 
-@contextlib.contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def variant(name: str):
     """A context manager that applies the variant's patch to `CUDAGraphRunner`."""
     runner_cls = cuda_graph.CUDAGraphRunner
     stack = contextlib.ExitStack()
     if name == 'lazy':
-        stack.enter_context(patched(runner_cls, 'capture_all', lambda self: None))
+        stack.enter_context(patch.object(runner_cls, 'capture_all', lambda self: None))
     elif name == 'own-pool':
         capture = runner_cls._capture
 
         def own_pool(self, key, static_inputs):
             self.pool = None
             capture(self, key, static_inputs)
-        stack.enter_context(patched(runner_cls, '_capture', own_pool))
+        stack.enter_context(patch.object(runner_cls, '_capture', own_pool))
     elif name == 'smallest-first':
         def smallest_first(self):
             for size in self.sizes:
@@ -82,7 +73,7 @@ def variant(name: str):
                 static_inputs = self.static.view(key)
                 self.model(self.make_context(static_inputs))
                 self._capture(key, static_inputs)
-        stack.enter_context(patched(runner_cls, 'capture_all', smallest_first))
+        stack.enter_context(patch.object(runner_cls, 'capture_all', smallest_first))
     elif name == 'side-stream':
         def side_stream(self, key, static_inputs):
             graph = torch.cuda.CUDAGraph()
@@ -93,7 +84,7 @@ def variant(name: str):
                 out = self.model(self.make_context(static_inputs))
             torch.cuda.synchronize()
             self.graphs[key] = (graph, out)
-        stack.enter_context(patched(runner_cls, '_capture', side_stream))
+        stack.enter_context(patch.object(runner_cls, '_capture', side_stream))
     elif name == 'replay-twice':
         run = runner_cls.run
 
@@ -108,18 +99,18 @@ def variant(name: str):
                     for n, v in views.items():
                         v.copy_(saved[n])
             return run(self, inputs, key)
-        stack.enter_context(patched(runner_cls, 'run', twice))
+        stack.enter_context(patch.object(runner_cls, 'run', twice))
     elif name == 'static-eager':
         def static_eager(self, inputs, key=None):
             key = key or self.key_of(inputs)
             self._fill(inputs, key)
             self.num_replays += 1
             return self.model(self.make_context(self.static.view(key)))[:inputs.input_ids.numel()]
-        stack.enter_context(patched(runner_cls, 'capture_all', lambda self: None))
-        stack.enter_context(patched(runner_cls, 'run', static_eager))
+        stack.enter_context(patch.object(runner_cls, 'capture_all', lambda self: None))
+        stack.enter_context(patch.object(runner_cls, 'run', static_eager))
     elif name == 'bisect':
-        stack.enter_context(patched(runner_cls, 'capture_all', lambda self: None))
-        stack.enter_context(patched(runner_cls, 'run', _bisect_run(runner_cls.run)))
+        stack.enter_context(patch.object(runner_cls, 'capture_all', lambda self: None))
+        stack.enter_context(patch.object(runner_cls, 'run', _bisect_run(runner_cls.run)))
     elif name != 'graphs':
         raise ValueError(name)
     return stack
