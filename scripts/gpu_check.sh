@@ -8,6 +8,7 @@
 #       benchmark/bench_vs_transformers.py                     -> $OUT/bench_vs_transformers.{md,log}
 #   (e) a summary of the steps that failed; always exits 0.
 # The package is imported from the repo root through PYTHONPATH (it is not pip-installed there).
+# GPU_TEST_WORKERS: pytest-xdist workers for the tests, spread over the visible GPUs (default 1: no xdist).
 # VS_ARGS: extra arguments for the vs-transformers bench (e.g. `--decode-batches 64` to measure a subset).
 # Time limits (seconds, overridable): TESTS_TIMEOUT=240 COPY_TIMEOUT=60 VS_TIMEOUT=240; the vs-transformers bench
 # stops starting new measurements after VS_BUDGET (default VS_TIMEOUT - 40) so it still prints its table and JSON.
@@ -99,9 +100,23 @@ echo "=== (c) GPU tests (timeout ${TESTS_TIMEOUT}s)"
 GPU_TEST_FILES="${GPU_TEST_FILES:-$(grep -l 'pytest.mark.gpu' tests/test_*.py | tr '\n' ' ')}"
 GPU_TEST_K="${GPU_TEST_K:-}"
 echo "files: $GPU_TEST_FILES"
+# GPU_TEST_WORKERS > 1: pytest-xdist workers, one per GPU in turn (tests/conftest.py reads LMDEPLOY_TEST_GPUS).
+GPU_TEST_WORKERS="${GPU_TEST_WORKERS:-1}"
+XDIST_ARGS=""
+if [ "$GPU_TEST_WORKERS" -gt 1 ]; then
+    if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+        LMDEPLOY_TEST_GPUS="$CUDA_VISIBLE_DEVICES"
+    else
+        LMDEPLOY_TEST_GPUS=$(nvidia-smi -L | awk 'NR > 1 { printf "," } { printf NR - 1 }')
+    fi
+    export LMDEPLOY_TEST_GPUS
+    XDIST_ARGS="-n $GPU_TEST_WORKERS"
+    echo "xdist: $GPU_TEST_WORKERS workers over GPUs $LMDEPLOY_TEST_GPUS"
+fi
 # shellcheck disable=SC2086
 timeout -k 10 "$TESTS_TIMEOUT" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts='' --durations=25 \
-    ${GPU_TEST_K:+-k "$GPU_TEST_K"} --continue-on-collection-errors $GPU_TEST_FILES 2>&1 | tee "$OUT/gpu_tests.log"
+    $XDIST_ARGS ${GPU_TEST_K:+-k "$GPU_TEST_K"} --continue-on-collection-errors $GPU_TEST_FILES 2>&1 \
+    | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 tests_line=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/gpu_tests.log" | tail -n 1)
 if [ "$rc" -eq 5 ]; then

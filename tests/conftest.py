@@ -7,6 +7,11 @@ import pytest
 import torch
 
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+# pytest-xdist over several GPUs (scripts/gpu_check.sh GPU_TEST_WORKERS): LMDEPLOY_TEST_GPUS lists the device ids and
+# worker gwN takes id N mod their count. Set here, at import, before anything initialises CUDA in the worker.
+if os.environ.get('LMDEPLOY_TEST_GPUS') and os.environ.get('PYTEST_XDIST_WORKER'):
+    _ids = os.environ['LMDEPLOY_TEST_GPUS'].split(',')
+    os.environ['CUDA_VISIBLE_DEVICES'] = _ids[int(os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw')) % len(_ids)]
 # Tiny models gain nothing from intra-op threads, and engine loop threads plus OpenMP pools oversubscribe a small CI
 # machine badly (spinning workers made some files 10x slower).
 torch.set_num_threads(1)
