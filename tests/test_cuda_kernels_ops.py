@@ -499,6 +499,35 @@ def test_gated_delta_rule_split_equals_unsplit_gpu():
     assert_close_rms(pool[5], pool_whole[5], 5e-3, 'split state', atol=2e-2, rtol=2e-2)
 
 
+def test_chunk_indices_host():
+    """(sequence, chunk) per 64-token chunk, partial last chunks included, empty sequences skipped."""
+    got = cuda_gdr.chunk_indices_host([65, 0, 3, 128])
+    assert got.dtype == torch.int64
+    assert got.tolist() == [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1]]
+    assert cuda_gdr.chunk_indices_host([]).shape == (0, 2)
+
+
+@pytest.mark.gpu
+def test_chunk_indices_host_match_fla_and_skip_its_derivation_gpu():
+    """The host-built indices equal fla's own, and passing them changes no output or state."""
+    pytest.importorskip('fla')
+    from fla.ops.utils.index import prepare_chunk_indices
+    for lens in ([1], [63, 3, 0, 64, 0], [65, 1, 130], [4096, 100, 1]):
+        want = prepare_chunk_indices(cu_seqlens_of(lens).cuda(), 64)
+        assert torch.equal(cuda_gdr.chunk_indices_host(lens).cuda(), want), lens
+    case = GDR_PREFILL_CASES[3]
+    inputs = [x.cuda() for x in gdr_inputs(case, torch.bfloat16)]
+    meta = [cu_seqlens_of(case.lens).cuda(), torch.tensor(SLOT_ORDER[:len(case.lens)], device='cuda'),
+            torch.tensor(case.fresh, device='cuda')]
+    results = []
+    for indices in (None, cuda_gdr.chunk_indices_host(list(case.lens)).cuda()):
+        _, pool = make_pool(case.num_heads, case.dim_k, case.dim_v, seed=8)
+        pool = pool.cuda()
+        out = cuda_gdr.chunk_gated_delta_rule(*inputs, meta[0], pool, *meta[1:], chunk_indices=indices)
+        results.append((out, pool))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 # ------------------------------------------------------------------------------------------------ interpreter
 
 

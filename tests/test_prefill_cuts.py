@@ -84,3 +84,49 @@ def test_cuts_leave_prefix_states_and_change_nothing_else(rows, cuts):
     untouched = set(range(12)) - set(slots) - {d for _, _, d in cuts}
     for slot in untouched:
         assert torch.equal(cut_rec[slot], rec_pool[slot]) and torch.equal(cut_conv[slot], conv_pool[slot])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('with_cuts', [False, True], ids=['plain', 'cuts'])
+def test_cuda_prefill_layers_never_synchronise(with_cuts):
+    """A bf16 prefill through the conv and the gated delta rule (fla) on the cuda backend, in-prefill cuts or not,
+    queues its work without waiting for the device: no index upload from pageable memory, no length read back.
+    Any synchronising op raises under torch's sync debug mode. The cuts still leave the plain forward's output."""
+    pytest.importorskip('fla')
+    torch.manual_seed(0)
+    lens, slots, fresh = [200, 70, 130], [1, 2, 3], [True, False, False]
+    cuts = [(0, 64, 5), (0, 128, 6), (2, 3, 7), (2, 64, 8)] if with_cuts else []
+    hk, h, dk, dv = 2, 4, 64, 64
+    total = sum(lens)
+    with use_backend('cuda'):
+        gdr = GatedDeltaRule()
+        conv = CausalConv1d(C, K)
+    conv.cuda().weight.data.normal_()
+    q, k = torch.randn(total, hk, dk), torch.randn(total, hk, dk)
+    v, beta, g = torch.randn(total, h, dv), torch.rand(total, h), -torch.rand(total, h)
+    q, k, v, beta = (t.cuda().bfloat16() for t in (q, k, v, beta))
+    g, x = g.cuda(), torch.randn(total, C, device='cuda', dtype=torch.bfloat16)
+    rec_pool = torch.randn(12, h, dk, dv, device='cuda') * 0.1
+    conv_pool = torch.randn(12, C, K - 1, device='cuda', dtype=torch.bfloat16)
+
+    def forward(cut_list):
+        stc = cuts_of([r for r, _, _ in cut_list], [o for _, o, _ in cut_list], [d for _, _, d in cut_list],
+                      lens, slots, fresh) if cut_list else None
+        inputs = make_inputs(lens, slots, fresh, stc).to('cuda')
+        rec, cnv = rec_pool.clone(), conv_pool.clone()
+        torch.cuda.synchronize()
+        return inputs, rec, cnv
+
+    inputs, rec, cnv = forward(cuts)
+    conv(x, cnv, inputs), gdr(q, k, v, g, beta, rec, inputs)   # warm-up: Triton compiles and autotunes
+    inputs, rec, cnv = forward(cuts)
+    torch.cuda.set_sync_debug_mode('error')
+    try:
+        got_x, got_o = conv(x, cnv, inputs), gdr(q, k, v, g, beta, rec, inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode('default')
+    inputs, want_rec, want_cnv = forward([])
+    want_x, want_o = conv(x, want_cnv, inputs), gdr(q, k, v, g, beta, want_rec, inputs)
+    torch.testing.assert_close(got_x, want_x)
+    torch.testing.assert_close(got_o.float(), want_o.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(rec[slots], want_rec[slots], atol=5e-2, rtol=5e-2)

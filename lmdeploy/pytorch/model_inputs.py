@@ -59,6 +59,15 @@ class ModelInputs:
     # Run the gated delta rule token by token even for multi-token sequences (CUDA-graph prefills: the chunked
     # kernel reads lengths back to the host, which a capture forbids).
     use_recurrent_kernel: bool = False
+    # Per-forward memo of device index tensors a backend derives from the host data (see `derived`); a copy made
+    # by `dataclasses.replace` or `to` starts empty.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, key, build):
+        """Memoise a per-forward index tensor (built once, shared by every layer)."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     @property
     def batch_size(self) -> int:
@@ -74,9 +83,23 @@ class ModelInputs:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInputs:
         values = {}
         for f in fields(self):
+            if not f.init:
+                continue
             value = getattr(self, f.name)
             values[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
         return ModelInputs(**values)
+
+
+def upload_index_tensors(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Small host index tensors (int64 or bool) on `device`, for index data built during a forward. On CUDA they
+    travel packed in one pinned buffer, copied non-blocking on the current stream: a copy from pageable memory would
+    synchronise the stream, and the device would then idle while the host queues the next kernels."""
+    if device.type != 'cuda':
+        return {name: t.to(device) for name, t in host.items()}
+    flat = [t.reshape(-1).to(torch.int64) for t in host.values()]
+    packed = torch.cat(flat).pin_memory().to(device, non_blocking=True)
+    pieces = packed.split([f.numel() for f in flat])
+    return {name: piece.view(t.shape).to(t.dtype) for (name, t), piece in zip(host.items(), pieces)}
 
 
 @dataclass

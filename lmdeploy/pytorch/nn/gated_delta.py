@@ -21,7 +21,7 @@ from torch import nn
 
 from ..backends.base import OpType
 from ..backends.selector import current_backend
-from ..model_inputs import ModelInputs, StateCuts
+from ..model_inputs import ModelInputs, StateCuts, upload_index_tensors
 
 
 class CausalConv1d(nn.Module):
@@ -63,7 +63,7 @@ def _conv_cut_index(cuts: StateCuts, width: int, device: torch.device) -> dict[s
     out = dict(x_index=(bos + rel).clamp(min=0), from_x=rel >= 0, hist_col=(width + rel).clamp(0, width - 1),
                src=torch.tensor([cuts.state_ids[r] for r in cuts.rows], dtype=torch.int64), fresh=fresh,
                dst=torch.tensor(cuts.slots, dtype=torch.int64))
-    return {k: v.to(device) for k, v in out.items()}
+    return upload_index_tensors(out, device)
 
 
 def save_conv_cuts(x: torch.Tensor, conv_state: torch.Tensor, cuts: StateCuts) -> None:
@@ -143,14 +143,16 @@ def _rounds(inputs: ModelInputs, device: torch.device) -> list[tuple]:
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-
-        def tensor(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype).to(device)
-        round_inputs = dataclasses.replace(
-            inputs, q_lens=tensor(lens), cu_seqlens_q=tensor(cu), state_ids=tensor(slots),
-            is_fresh=tensor(fresh, torch.bool), q_lens_list=lens, max_seqlen_q=max(lens), state_cuts=None)
+        host = dict(q_lens=torch.tensor(lens), cu_seqlens_q=torch.tensor(cu), state_ids=torch.tensor(slots),
+                    is_fresh=torch.tensor(fresh, dtype=torch.bool), save_src=torch.tensor(save_src, dtype=torch.int64),
+                    save_dst=torch.tensor(save_dst, dtype=torch.int64))
         # One contiguous token range (e.g. a single long prompt) is a slice: a view, no gather and no index upload.
-        index = slice(*pieces[0]) if len(pieces) == 1 else \
-            torch.cat([torch.arange(lo, hi) for lo, hi in pieces]).to(device)
-        rounds.append((round_inputs, index, tensor(save_src), tensor(save_dst)))
+        if len(pieces) > 1:
+            host['index'] = torch.cat([torch.arange(lo, hi) for lo, hi in pieces])
+        dev = upload_index_tensors(host, device)
+        round_inputs = dataclasses.replace(
+            inputs, q_lens=dev['q_lens'], cu_seqlens_q=dev['cu_seqlens_q'], state_ids=dev['state_ids'],
+            is_fresh=dev['is_fresh'], q_lens_list=lens, max_seqlen_q=max(lens), state_cuts=None)
+        index = dev['index'] if len(pieces) > 1 else slice(*pieces[0])
+        rounds.append((round_inputs, index, dev['save_src'], dev['save_dst']))
     return rounds

@@ -5,9 +5,11 @@ reach the result), run fla over the packed batch as one varlen sequence set (bat
 scatter the final states back into the pool rows in the pool dtype. fla supports grouped value heads natively
 (value head h reads key head ``h // (H // Hk)``, the mapping of the reference), so q and k are passed unexpanded.
 
-fla memoises its varlen chunk indices by the identity of the ``cu_seqlens`` tensor object, so callers must not
-mutate a ``cu_seqlens`` tensor in place between calls (a new tensor per forward is fine and shares the work
-across layers). fla is imported inside the functions so this module imports without it.
+fla derives its varlen chunk indices from ``cu_seqlens`` on the device, which reads a length sum back to the host
+(a stream synchronisation), and memoises them by the identity of the ``cu_seqlens`` tensor object; so callers
+must not mutate a ``cu_seqlens`` tensor in place between calls. The chunked entry point also takes the indices
+precomputed (``chunk_indices``, see `chunk_indices_host`), which the engine builds from host lengths and uploads
+without a synchronisation. fla is imported inside the functions so this module imports without it.
 """
 from __future__ import annotations
 
@@ -37,7 +39,17 @@ def _check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh) -> N
     assert cu_seqlens.shape == (state_ids.shape[0] + 1,) and is_fresh.shape == state_ids.shape
 
 
-def _run(fla_fn, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm: bool) -> torch.Tensor:
+def chunk_indices_host(q_lens: list[int], chunk_size: int = 64) -> torch.Tensor:
+    """fla's varlen chunk indices on the host: one row ``(sequence, chunk within it)`` per ``chunk_size``-token
+    chunk of each sequence (a partial last chunk counts), in order; int64 ``[num_chunks, 2]``."""
+    counts = torch.tensor([-(-n // chunk_size) for n in q_lens], dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), dtype=torch.int64), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.stack([seq, torch.arange(seq.numel(), dtype=torch.int64) - starts[seq]], 1)
+
+
+def _run(fla_fn, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm: bool,
+         **fla_kwargs) -> torch.Tensor:
     _check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh)
     init = _load_states(state, state_ids, is_fresh)
     if q.shape[0] == 0 or state_ids.numel() == 0:  # nothing to run: every sequence keeps its initial state
@@ -47,7 +59,7 @@ def _run(fla_fn, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_q
     q, k = q.to(v.dtype), k.to(v.dtype)
     o, final = fla_fn(q[None], k[None], v[None], g=g[None].float(), beta=beta[None], scale=q.shape[-1] ** -0.5,
                       initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                      cu_seqlens=cu_seqlens)
+                      cu_seqlens=cu_seqlens, **fla_kwargs)
     _store_states(state, state_ids, final)
     return o[0].to(v.dtype)
 
@@ -64,14 +76,18 @@ def chunk_gated_delta_rule(
     is_fresh: torch.Tensor,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked (prefill) gated delta rule over packed varlen sequences via fla's `chunk_gated_delta_rule`.
 
     Shapes and state semantics as the default kernel. `chunk_size` is accepted for signature compatibility; the
-    result does not depend on it and fla uses its own (64). Returns ``[T, H, Dv]`` in ``v.dtype``.
+    result does not depend on it and fla uses its own (64). `chunk_indices`: `chunk_indices_host` of the sequence
+    lengths, on the device (None: fla derives them, synchronising once per new ``cu_seqlens``). Returns
+    ``[T, H, Dv]`` in ``v.dtype``.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    return _run(fla_chunk, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm)
+    return _run(fla_chunk, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm,
+                **({} if chunk_indices is None else {'chunk_indices': chunk_indices}))
 
 
 def recurrent_gated_delta_rule(
