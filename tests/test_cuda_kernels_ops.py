@@ -399,7 +399,7 @@ def assert_close_rms(actual: torch.Tensor, expected: torch.Tensor, max_rms_ratio
     """Element-wise closeness plus an RMS error ratio bound (fla's own test metric)."""
     assert_close(actual, expected, what=what, **kwargs)
     if expected.numel():
-        actual, expected = actual.detach().float().cpu(), expected.float()
+        actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
         ratio = ((actual - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt().clamp(min=1e-12)).item()
         assert ratio <= max_rms_ratio, f'{what}: rms error ratio {ratio:.3e} > {max_rms_ratio}'
 
