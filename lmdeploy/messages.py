@@ -63,10 +63,12 @@ class PytorchEngineConfig:
     # evict checkpoints by recency and compute saved per byte instead of plain LRU.
     prefix_cache_value_eviction: bool = True
     # keep states inside long prefills at steps that are multiples of this many tokens (rounded up to a multiple of
-    # block_size, so no frozen block is needed; 0 = off; each one costs an extra recurrent-kernel round per layer in
-    # that prefill), at most `prefix_cache_prefill_state_cap` per prompt and
-    # only in free state rows (they never evict another checkpoint).
-    prefix_cache_prefill_state_interval: int = 4096
+    # block_size, so no frozen block is needed; 0 = off), at most `prefix_cache_prefill_state_cap` per prompt and
+    # only in free state rows (they never evict another checkpoint). Each one costs an extra recurrent-kernel call
+    # per recurrent layer in that prefill (~4% of a cold 16K-token prefill on an H200, docs/prefix_caching.md), so
+    # the default is twice the default prefill chunk: default chunks (8192 tokens, each ending in a checkpoint)
+    # never pay it, larger chunks keep a state every 16384 tokens.
+    prefix_cache_prefill_state_interval: int = 16384
     prefix_cache_prefill_state_cap: int = 2
 
     def __post_init__(self):

@@ -8,6 +8,7 @@
 #       benchmark/bench_vs_transformers.py                     -> $OUT/bench_vs_transformers.{md,log}
 #   (e) a summary of the steps that failed; always exits 0.
 # The package is imported from the repo root through PYTHONPATH (it is not pip-installed there).
+# SKIP_WHEEL_INSTALL=1: use /tmp/site as it is (two checks at once must not install into it concurrently).
 # GPU_TEST_WORKERS: pytest-xdist workers for the tests, spread over the visible GPUs (default 1: no xdist).
 # VS_ARGS: extra arguments for the vs-transformers bench (e.g. `--decode-batches 64` to measure a subset).
 # Time limits (seconds, overridable): TESTS_TIMEOUT=240 COPY_TIMEOUT=60 VS_TIMEOUT=240; the vs-transformers bench
@@ -43,7 +44,10 @@ note() {  # note NAME RC [detail]
 
 # ---- (a) wheels -------------------------------------------------------------------------------------------------
 echo "=== (a) wheels"
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+if [ -n "${SKIP_WHEEL_INSTALL:-}" ]; then  # installed already (e.g. by a caller running two checks at once)
+    echo "SKIP_WHEEL_INSTALL set: using /tmp/site as it is"
+    export PYTHONPATH="/tmp/site:$PWD"
+elif [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     ls .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     rc=$?
