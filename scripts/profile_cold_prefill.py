@@ -2,7 +2,8 @@
 
 On the H200 a cold 16K-token prompt of the Qwen3-Next-shaped model took ~13 ms longer with the prefix cache on and
 its default in-prefill checkpoints (two cuts: two more gated-delta-rule rounds per layer) than off, and ~1 ms
-longer with the in-prefill interval at 0 (docs/benchmarks.md, runs D and E). For each configuration (cache off;
+longer with the in-prefill interval at 0 (docs/benchmarks.md has the attribution this script made: stream
+synchronisations first, then the extra kernel calls' host time). For each configuration (cache off;
 cache on; cache on without in-prefill checkpoints) this script prints the median time to the first token over a
 few new prompts, then profiles one more: torch.profiler's top ops by device time and by host time, the number of
 host-device synchronisations, and the gaps where the device sat idle.
