@@ -94,7 +94,7 @@ def upload_index_tensors(host: dict[str, torch.Tensor], device: torch.device) ->
     """Small host index tensors (int64 or bool) on `device`, for index data built during a forward. On CUDA they
     travel packed in one pinned buffer, copied non-blocking on the current stream: a copy from pageable memory would
     synchronise the stream, and the device would then idle while the host queues the next kernels."""
-    if device.type != 'cuda':
+    if device.type != 'cuda' or not any(t.numel() for t in host.values()):  # nothing to copy: no transfer at all
         return {name: t.to(device) for name, t in host.items()}
     flat = [t.reshape(-1).to(torch.int64) for t in host.values()]
     packed = torch.cat(flat).pin_memory().to(device, non_blocking=True)
