@@ -6,6 +6,7 @@ import torch
 
 from lmdeploy.pytorch.engine.cache_inputs import CacheCheckpointInputs
 from lmdeploy.pytorch.engine.device_streams import DeviceStreams, payload_tensors, register_payload
+from lmdeploy.pytorch.model_inputs import upload_index_tensors
 
 
 class _UnknownPayload:
@@ -88,3 +89,33 @@ def test_collected_logits_wait_for_the_forward_stream(tiny_model_factory):
     for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
         assert tokens == ref_tokens
         assert torch.allclose(logits, ref_logits, atol=1e-4), (logits - ref_logits).abs().max()
+
+
+def _index_host_tensors() -> dict[str, torch.Tensor]:
+    return dict(a=torch.tensor([[1, 2], [3, -4]]), b=torch.tensor([True, False, True]),
+                c=torch.zeros(0, dtype=torch.int64), d=torch.tensor(2**40))
+
+
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.gpu)])
+def test_upload_index_tensors_keep_values_and_dtypes(device):
+    host = _index_host_tensors()
+    got = upload_index_tensors(host, torch.device(device))
+    assert got.keys() == host.keys()
+    for name, t in host.items():
+        assert got[name].device.type == device and got[name].dtype == t.dtype and got[name].shape == t.shape
+        assert torch.equal(got[name].cpu(), t), name
+    empty = upload_index_tensors(dict(x=torch.zeros(0, dtype=torch.int64)), torch.device(device))
+    assert empty['x'].shape == (0,) and empty['x'].device.type == device
+
+
+@pytest.mark.gpu
+def test_upload_index_tensors_never_synchronise():
+    """The upload is one pinned non-blocking copy: torch's sync debug mode raises on any synchronising op."""
+    host = _index_host_tensors()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try:
+        got = upload_index_tensors(host, torch.device('cuda'))
+    finally:
+        torch.cuda.set_sync_debug_mode('default')
+    assert torch.equal(got['a'].cpu(), host['a'])
