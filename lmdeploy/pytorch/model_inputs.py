@@ -28,13 +28,6 @@ class StateCuts:
     q_lens: list[int]
     state_ids: list[int]
     is_fresh: list[bool]
-    _derived: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def derived(self, key, build):
-        """Memoise per-forward index tensors (built once, shared by every layer)."""
-        if key not in self._derived:
-            self._derived[key] = build()
-        return self._derived[key]
 
 
 @dataclass
@@ -57,7 +50,7 @@ class ModelInputs:
     # In-prefill state checkpoints (None: none this forward).
     state_cuts: StateCuts | None = None
     # Run the gated delta rule token by token even for multi-token sequences (CUDA-graph prefills: the chunked
-    # kernel reads lengths back to the host, which a capture forbids).
+    # kernels index their chunks from the sequence lengths, built per forward, which a replayed graph cannot redo).
     use_recurrent_kernel: bool = False
     # Per-forward memo of device index tensors a backend derives from the host data (see `derived`); a copy made
     # by `dataclasses.replace` or `to` starts empty.

@@ -42,7 +42,7 @@ class CausalConv1d(nn.Module):
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """x [T, C], conv_state pool [num_slots, C, K-1] -> [T, C]."""
         if inputs.state_cuts is not None:
-            save_conv_cuts(x, conv_state, inputs.state_cuts)  # before the kernel overwrites the old histories
+            save_conv_cuts(x, conv_state, inputs)  # before the kernel overwrites the old histories
         return self._impl(x, self.weight.squeeze(1), self.bias, conv_state, inputs, self.activation)
 
 
@@ -66,10 +66,10 @@ def _conv_cut_index(cuts: StateCuts, width: int, device: torch.device) -> dict[s
     return upload_index_tensors(out, device)
 
 
-def save_conv_cuts(x: torch.Tensor, conv_state: torch.Tensor, cuts: StateCuts) -> None:
+def save_conv_cuts(x: torch.Tensor, conv_state: torch.Tensor, inputs: ModelInputs) -> None:
     """Write the conv history at each cut (the last K-1 inputs before it) into the cut's pool row."""
     width = conv_state.shape[-1]
-    idx = cuts.derived(('conv', width, x.device), lambda: _conv_cut_index(cuts, width, x.device))
+    idx = inputs.derived(('conv_cuts', width, x.device), lambda: _conv_cut_index(inputs.state_cuts, width, x.device))
     from_x = x[idx['x_index']].transpose(1, 2).to(conv_state.dtype)              # [n, C, K-1]
     hist = conv_state[idx['src']]                                                 # [n, C, K-1]
     hist = hist.gather(2, idx['hist_col'][:, None, :].expand_as(hist))
@@ -102,7 +102,7 @@ class GatedDeltaRule(nn.Module):
                 state: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         if inputs.state_cuts is None:
             return self._impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=self.use_qk_l2norm)
-        rounds = inputs.state_cuts.derived(('rounds', q.device), lambda: _rounds(inputs, q.device))
+        rounds = inputs.derived(('rounds', q.device), lambda: _rounds(inputs, q.device))
         out = v.new_empty(v.shape)
         for round_inputs, index, save_src, save_dst in rounds:
             out[index] = self._impl(q[index], k[index], v[index], g[index], beta[index], state, round_inputs,

@@ -15,7 +15,7 @@ from ...kernels.cuda.rotary import apply_rotary
 from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
-from ..default import causal_conv1d_builder
+from ..default import causal_conv1d_builder, gated_delta_rule_builder
 
 
 def _const(fn):
@@ -50,31 +50,25 @@ def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
     return not is_hybrid or (dtype != torch.float32 and _fla_available())
 
 
-def _fla_chunk_indices(inputs, device: torch.device) -> torch.Tensor:
+def _fla_chunk_kwargs(inputs, device: torch.device) -> dict:
     """fla's chunk indices of this forward's sequences, built on the host once per forward and uploaded without a
     stream synchronisation (fla would derive them on the device and read a length sum back)."""
-    return inputs.derived(('fla_chunk_indices', device), lambda: upload_index_tensors(
-        {'i': _gdr.chunk_indices_host(inputs.q_lens_list)}, device)['i'])
+    return {'chunk_indices': inputs.derived(('fla_chunk_indices', device), lambda: upload_index_tensors(
+        {'i': _gdr.chunk_indices_host(inputs.q_lens_list)}, device)['i'])}
 
 
 def _build_gated_delta_rule(**kwargs):
     default = DEFAULT_BACKEND.build(OpType.GatedDeltaRule, **kwargs)
     if not _fla_available():  # fla-core is the `cuda` extra; without it the torch kernels still run on the GPU
         return default
+    fla = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule,
+                                   chunk_kwargs=_fla_chunk_kwargs)(**kwargs)
 
     def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
         # fla computes float32 inputs with TF32 matmuls (~1e-2 off); float32 serving is for exactness, so it keeps
-        # the exact torch kernels. bf16 / fp16 take fla: the token-by-token form for pure decode batches and
-        # graph-captured prefills, the chunked form otherwise.
-        if q.dtype == torch.float32:
-            return default(q, k, v, g, beta, state, inputs, use_qk_l2norm=use_qk_l2norm)
-        if inputs.is_decode or inputs.use_recurrent_kernel:
-            return _gdr.recurrent_gated_delta_rule(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids,
-                                                   inputs.is_fresh, use_qk_l2norm=use_qk_l2norm,
-                                                   max_seqlen=inputs.max_seqlen_q)
-        return _gdr.chunk_gated_delta_rule(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids,
-                                           inputs.is_fresh, use_qk_l2norm=use_qk_l2norm,
-                                           chunk_indices=_fla_chunk_indices(inputs, q.device))
+        # the exact torch kernels. bf16 / fp16 take fla.
+        impl = default if q.dtype == torch.float32 else fla
+        return impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=use_qk_l2norm)
     return forward
 
 

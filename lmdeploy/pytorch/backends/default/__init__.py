@@ -24,8 +24,9 @@ def _build_attention(**_kwargs):
     return forward
 
 
-def gated_delta_rule_builder(chunk_fn, recurrent_fn):
-    """A builder over a (chunked, recurrent) kernel pair with the default kernels' signatures."""
+def gated_delta_rule_builder(chunk_fn, recurrent_fn, chunk_kwargs=None):
+    """A builder over a (chunked, recurrent) kernel pair with the default kernels' signatures; `chunk_kwargs(inputs,
+    device) -> dict` adds backend-specific keyword arguments to the chunked call."""
     def build(**_kwargs):
         def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
             # Pure decode batches (and graph-captured prefills) take the token-by-token form; anything else with a
@@ -33,8 +34,9 @@ def gated_delta_rule_builder(chunk_fn, recurrent_fn):
             if inputs.is_decode or inputs.use_recurrent_kernel:
                 return recurrent_fn(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
                                     use_qk_l2norm=use_qk_l2norm, max_seqlen=inputs.max_seqlen_q)
+            extra = chunk_kwargs(inputs, q.device) if chunk_kwargs is not None else {}
             return chunk_fn(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids, inputs.is_fresh,
-                            use_qk_l2norm=use_qk_l2norm)
+                            use_qk_l2norm=use_qk_l2norm, **extra)
         return forward
     return build
 

@@ -87,7 +87,7 @@ def chunk_gated_delta_rule(
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     return _run(fla_chunk, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm,
-                **({} if chunk_indices is None else {'chunk_indices': chunk_indices}))
+                chunk_indices=chunk_indices)
 
 
 def recurrent_gated_delta_rule(
