@@ -130,3 +130,45 @@ def test_cuda_prefill_layers_never_synchronise(with_cuts):
     torch.testing.assert_close(got_x, want_x)
     torch.testing.assert_close(got_o.float(), want_o.float(), atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(rec[slots], want_rec[slots], atol=5e-2, rtol=5e-2)
+
+
+def test_cuda_backend_routes_the_gated_delta_rule_and_hands_fla_chunk_indices(monkeypatch):
+    """The cuda backend's op (fla present; kernels replaced by recorders so it runs on the CPU): bf16 prefills take
+    the chunked kernel with host-built chunk indices, built once per forward; pure decodes and graph prefills take
+    the token-by-token kernel; float32 keeps the torch kernels."""
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    from lmdeploy.pytorch.backends.base import OpType
+    from lmdeploy.pytorch.kernels.cuda import gated_delta_rule as cuda_gdr
+    calls = []
+
+    def recorder(kind):
+        def kernel(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, **kwargs):
+            calls.append((kind, kwargs))
+            return v.new_zeros(v.shape)
+        return kernel
+    monkeypatch.setattr(cuda_backend, '_fla_available', lambda: True)
+    monkeypatch.setattr(cuda_gdr, 'chunk_gated_delta_rule', recorder('chunk'))
+    monkeypatch.setattr(cuda_gdr, 'recurrent_gated_delta_rule', recorder('recurrent'))
+    op = cuda_backend.BACKEND.build(OpType.GatedDeltaRule)
+
+    def run(lens, dtype=torch.bfloat16, **overrides):
+        total = sum(lens)
+        q, k = torch.randn(total, HK, DK, dtype=dtype), torch.randn(total, HK, DK, dtype=dtype)
+        v, beta, g = torch.randn(total, H, DV, dtype=dtype), torch.rand(total, H, dtype=dtype), -torch.rand(total, H)
+        inputs = make_inputs(lens, list(range(1, len(lens) + 1)), [False] * len(lens), None)
+        for name, value in overrides.items():
+            setattr(inputs, name, value)
+        pool = torch.zeros(4, H, DK, DV)
+        op(q, k, v, g, beta, pool, inputs)
+        op(q, k, v, g, beta, pool, inputs)  # a second layer of the same forward
+        return calls[-2:]
+
+    first, second = run([130, 1, 64])
+    assert first[0] == second[0] == 'chunk'
+    assert first[1]['chunk_indices'].tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [2, 0]]
+    assert first[1]['chunk_indices'] is second[1]['chunk_indices']  # built once per forward
+    assert [kind for kind, _ in run([1, 1])] == ['recurrent'] * 2
+    assert [kind for kind, _ in run([5, 3], use_recurrent_kernel=True)] == ['recurrent'] * 2
+    before = len(calls)
+    run([70], dtype=torch.float32)
+    assert len(calls) == before  # the torch kernels ran, not fla
