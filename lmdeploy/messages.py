@@ -6,7 +6,10 @@ value fails before any model is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 _DEVICES = ('cuda', 'cpu')
@@ -70,6 +73,10 @@ class PytorchEngineConfig:
     # never pay it, larger chunks keep a state every 16384 tokens.
     prefix_cache_prefill_state_interval: int = 16384
     prefix_cache_prefill_state_cap: int = 2
+    # Let requests ask for the experts each MoE layer routed every token to (`GenerationConfig.
+    # return_routed_experts`); MoE layers then record them and, with prefix caching, cached blocks and checkpoints
+    # keep them (`engine.stats['routed_experts_bytes_per_token']` says what a cached token costs).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -129,6 +136,8 @@ class GenerationConfig:
     random_seed: int | None = None
     # Number of top log-probabilities to return per generated token (None: none).
     logprobs: int | None = None
+    # Return `Response.routed_experts` with the final response (the engine needs enable_return_routed_experts).
+    return_routed_experts: bool = False
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first invalid field."""
@@ -167,3 +176,7 @@ class Response:
     logprobs: list[dict[int, float]] | None = None
     index: int = 0
     error: str | None = None
+    # Final response of a request that asked (`return_routed_experts`): uint16 [num_prompt + num_generated - 1,
+    # num_moe_layers, top_k], the experts each MoE layer (in layer order) routed every fed position to, for prompt
+    # and reply alike, cached positions included. Dense models have no MoE layer: [n - 1, 0, 0].
+    routed_experts: np.ndarray | None = None

@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=PytorchEngineConfig.prefix_cache_prefill_state_interval,
                        help='hybrid models: in-prefill checkpoints every N tokens (0: off)')
     group.add_argument('--eager-mode', action='store_true', help='disable CUDA graphs')
+    group.add_argument('--enable-return-routed-experts', action='store_true',
+                       help='MoE models: let requests ask for the experts each token was routed to')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
@@ -40,7 +42,8 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   session_len=args.session_len, prefix_cache_state_budget=args.prefix_cache_state_budget,
                   eager_mode=args.eager_mode, prefix_cache_checkpoint_mode=args.prefix_cache_checkpoint_mode,
                   prefix_cache_decode_state_interval=args.prefix_cache_decode_state_interval,
-                  prefix_cache_prefill_state_interval=args.prefix_cache_prefill_state_interval)
+                  prefix_cache_prefill_state_interval=args.prefix_cache_prefill_state_interval,
+                  enable_return_routed_experts=args.enable_return_routed_experts)
     if args.device is not None:
         kwargs['device_type'] = args.device
     return PytorchEngineConfig(**kwargs)

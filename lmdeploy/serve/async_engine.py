@@ -52,8 +52,9 @@ class AsyncEngine:
         return PreparedRequest(input_ids, gen_config, index)
 
     def validate_generation_config(self, gen_config: GenerationConfig) -> None:
-        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges)."""
-        self._sampling_params(gen_config)
+        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges,
+        routed experts without the engine flag)."""
+        self.engine.validate_sampling(self._sampling_params(gen_config))
 
     def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
         model_config = self.engine.model_config

@@ -55,7 +55,7 @@ def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_
         temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p, top_k=gen.top_k,
         repetition_penalty=gen.repetition_penalty, stop_token_ids=tuple(stop_ids),
         stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
-        logprobs=gen.logprobs)
+        logprobs=gen.logprobs, return_routed_experts=bool(gen.return_routed_experts))
     params.validate(vocab_size)
     return params
 
@@ -73,6 +73,7 @@ class ResponseBuilder:
         self.finish_reason = None
         self.error: str | None = None
         self.text = ''
+        self.routed_experts = None
 
     def update(self, out: EngineOutput) -> Response:
         self.token_ids += out.new_token_ids
@@ -84,13 +85,15 @@ class ResponseBuilder:
         self.text += delta
         if out.finished:
             self.finish_reason = 'stop' if self.detok.stopped and out.finish_reason == 'length' else out.finish_reason
+            self.routed_experts = out.routed_experts
         return Response(text=delta, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(out.new_token_ids),
                         cached_tokens=self.cached_tokens,
                         logprobs=list(out.logprobs or []) if self.logprobs is not None else None,
-                        index=self.index, error=out.error)
+                        index=self.index, error=out.error, routed_experts=out.routed_experts)
 
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(self.token_ids),
-                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error)
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error,
+                        routed_experts=self.routed_experts)

@@ -26,6 +26,7 @@ from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
+from .routes_recorder import RoutesRecorder
 
 logger = logging.getLogger('lmdeploy')
 _CPU_CACHE_BUDGET = 1 << 30
@@ -62,7 +63,12 @@ class Engine:
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
+        if engine_config.enable_return_routed_experts and engine_config.enable_prefix_caching:
+            raise ValueError('enable_return_routed_experts does not work with enable_prefix_caching yet')
+        self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
+                                     keep_in_cache=engine_config.enable_prefix_caching)
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
+                                record_routed_experts=engine_config.enable_return_routed_experts,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
                                 max_pages_per_seq=-(-self.session_len // kbs))
         self.agent.capture_cuda_graphs()
@@ -163,9 +169,10 @@ class Engine:
         prompt, and every sampling parameter against the ranges the sampling kernels accept."""
         token_ids = list(token_ids)
         self.validate_prompt(token_ids)
-        sampling.validate(self.model_config.vocab_size)
+        self.validate_sampling(sampling)
         seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
                                 sampling=sampling)
+        self.routes.attach(seq)
         seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
 
         def command() -> list[EngineOutput]:
@@ -182,6 +189,12 @@ class Engine:
 
         self._push(seq.seq_id, command)
         return seq.seq_id
+
+    def validate_sampling(self, sampling: SamplingParams) -> None:
+        """Raise `ValueError` for sampling parameters outside what the kernels take, or asking for what this engine
+        does not do (routed experts with the engine flag off)."""
+        sampling.validate(self.model_config.vocab_size)
+        self.routes.validate(sampling)
 
     def abort_request(self, seq_id: int) -> None:
         def command() -> list[EngineOutput]:
@@ -256,6 +269,7 @@ class Engine:
             cache_inputs = self.inputs_maker.make_cache_inputs(sched)
             if sched.seqs:
                 inputs, sampled = self.inputs_maker.make(sched)
+                inputs.record_routed_experts = self.routes.wants(sched.seqs)
                 sampling, errors = make_sampling_inputs(sampled, self._generators)
                 if errors:  # those requests fail alone after this forward; the others sample as usual
                     rejected = [(sampled[i], error) for i, error in errors.items()]
@@ -276,6 +290,8 @@ class Engine:
             for out in outputs:
                 self._deliver(out)
             return outputs
+        if result is not None:
+            self.routes.store(sched.seqs, sched.num_new_tokens, result.routed_experts)
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             self.scheduler.on_forward_done(seq, n)
         rows = [(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
@@ -344,13 +360,15 @@ class Engine:
             self._forget(seq.seq_id)
 
     def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
-        logits, _ = self.agent.forward_logits(inputs, cache_inputs)
+        logits, routes = self.agent.forward_logits(inputs, cache_inputs)
         start = 0
         for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
             if keep:
                 self._collected_logits[seq.seq_id].append(logits[start:start + n])
             start += n
-        return self.agent.sample(logits[inputs.logits_indices], sampling)
+        result = self.agent.sample(logits[inputs.logits_indices], sampling)
+        result.routed_experts = routes
+        return result
 
     def _append_token(self, seq: SchedulerSequence, token: int, logprobs) -> tuple[EngineOutput, str | None]:
         """Append a sampled token; returns its output and the finish reason (None: keep going)."""
@@ -371,6 +389,7 @@ class Engine:
                            logprobs=[logprobs] if params.logprobs is not None and logprobs and new_ids else None)
         if reason is not None:
             out.finished, out.finish_reason = True, reason
+            out.routed_experts = self.routes.result(seq)
         return out, reason
 
     def _fail(self, seq: SchedulerSequence, error: str) -> EngineOutput:
@@ -381,7 +400,8 @@ class Engine:
 
     def _finish_output(self, seq: SchedulerSequence) -> EngineOutput:
         self._forget(seq.seq_id)
-        return EngineOutput(seq.seq_id, finished=True, finish_reason=seq.finish_reason, num_cached=seq.num_cached)
+        return EngineOutput(seq.seq_id, finished=True, finish_reason=seq.finish_reason, num_cached=seq.num_cached,
+                            routed_experts=self.routes.result(seq))
 
     def _forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)

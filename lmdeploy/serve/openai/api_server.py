@@ -45,6 +45,7 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    RoutedExpertsData,
     UsageInfo,
     chat_logprobs,
     completion_logprobs,
@@ -144,7 +145,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if not (r.text or r.finish_reason or (logprobs and logprobs.content)):
             return None
         return chunk([ChatChunkChoice(delta=DeltaMessage(content=r.text), logprobs=logprobs,
-                                      finish_reason=r.finish_reason)])
+                                      finish_reason=r.finish_reason,
+                                      routed_experts=RoutedExpertsData.of(r.routed_experts))])
 
     if body.stream:
         head = chunk([ChatChunkChoice(delta=DeltaMessage(role='assistant', content=''))])
@@ -153,7 +155,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     final = await _unless_disconnected(request, _collect(responses))
     logprobs = chat_logprobs(final, k, state.decode) if final.logprobs is not None else None
     choice = ChatChoice(message=ChatResponseMessage(content=final.text), logprobs=logprobs,
-                        finish_reason=final.finish_reason)
+                        finish_reason=final.finish_reason, routed_experts=RoutedExpertsData.of(final.routed_experts))
     return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=[choice],
                                   usage=UsageInfo.of(final))
 
@@ -176,14 +178,16 @@ async def completions(body: CompletionRequest, request: Request):
         offset += len(r.text)
         if not (r.text or r.finish_reason or (logprobs and logprobs.tokens)):
             return None
-        return completion([CompletionChoice(text=r.text, logprobs=logprobs, finish_reason=r.finish_reason)])
+        return completion([CompletionChoice(text=r.text, logprobs=logprobs, finish_reason=r.finish_reason,
+                                            routed_experts=RoutedExpertsData.of(r.routed_experts))])
 
     if body.stream:
         usage = (lambda r: completion([], UsageInfo.of(r))) if body.include_usage else None
         return _event_stream(responses, delta, usage)
     final = await _unless_disconnected(request, _collect(responses))
     logprobs = completion_logprobs(final, k, state.decode, 0) if final.logprobs is not None else None
-    choice = CompletionChoice(text=final.text, logprobs=logprobs, finish_reason=final.finish_reason)
+    choice = CompletionChoice(text=final.text, logprobs=logprobs, finish_reason=final.finish_reason,
+                              routed_experts=RoutedExpertsData.of(final.routed_experts))
     return completion([choice], UsageInfo.of(final))
 
 

@@ -7,11 +7,13 @@ Unknown OpenAI fields (`user`, `metadata`, ...) are accepted and ignored; known 
 """
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
 
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -77,6 +79,8 @@ class _SamplingRequest(_Record):
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
+    # The experts each MoE layer routed every position to, in the final chunk / response (LMDeploy's name).
+    return_routed_experts: bool = False
 
     @field_validator('n')
     @classmethod
@@ -105,7 +109,7 @@ class _SamplingRequest(_Record):
             do_sample=temperature > 0, temperature=temperature or 1.0,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k, 0),
             repetition_penalty=self.repetition_penalty, stop_words=stop or None, ignore_eos=self.ignore_eos,
-            random_seed=self.seed, logprobs=logprobs)
+            random_seed=self.seed, logprobs=logprobs, return_routed_experts=self.return_routed_experts)
 
 
 class TextContentPart(_Record):
@@ -203,6 +207,30 @@ class UsageInfo(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=response.cached_tokens))
 
 
+class RoutedExpertsData(BaseModel):
+    """`Response.routed_experts` compactly: `data` is the base64 of the array's bytes, little-endian uint16 in
+    row-major order, of `shape` [num_prompt + num_generated - 1, num_moe_layers, top_k]. Decode with
+    `np.frombuffer(base64.b64decode(data), '<u2').reshape(shape)`."""
+    dtype: Literal['uint16'] = 'uint16'
+    shape: list[int]
+    data: str
+
+    @classmethod
+    def of(cls, routes: np.ndarray | None) -> RoutedExpertsData | None:
+        if routes is None:
+            return None
+        little = np.ascontiguousarray(routes, dtype='<u2')
+        return cls(shape=list(little.shape), data=base64.b64encode(little.tobytes()).decode('ascii'))
+
+
+def _absent(value) -> bool:
+    return value is None
+
+
+# Only present where asked for and only in the final chunk / response (no bytes in other chunks).
+RoutedExpertsField = Field(None, exclude_if=_absent)
+
+
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -227,6 +255,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class ChatCompletionResponse(BaseModel):
@@ -248,6 +277,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class ChatCompletionChunk(BaseModel):
@@ -271,6 +301,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class CompletionResponse(BaseModel):
