@@ -5,6 +5,7 @@ value fails before any model is loaded.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -131,26 +132,73 @@ class GenerationConfig:
     logprobs: int | None = None
 
     def validate(self) -> None:
-        """Raise `ValueError` naming the first invalid field."""
-        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-                 f'max_new_tokens must be a non-negative int, got {self.max_new_tokens!r}')
-        _require(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
-                 f'min_new_tokens must be a non-negative int, got {self.min_new_tokens!r}')
-        _require(self.temperature >= 0, f'temperature must be >= 0, got {self.temperature!r}')
-        _require(0 < self.top_p <= 1, f'top_p must be in (0, 1], got {self.top_p!r}')
-        _require(isinstance(self.top_k, int) and self.top_k >= 0,
-                 f'top_k must be a non-negative int, got {self.top_k!r}')
-        _require(self.repetition_penalty > 0,
-                 f'repetition_penalty must be > 0, got {self.repetition_penalty!r}')
-        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 64),
-                 f'logprobs must be None or an int in [0, 64], got {self.logprobs!r}')
-        _require(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 f'stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}')
-        _require(self.random_seed is None or (isinstance(self.random_seed, int)
-                                              and -2**63 <= self.random_seed < 2**64),
-                 f'random_seed must be None or an int in [-2**63, 2**64), got {self.random_seed!r}')
-        _require(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
-                 f'stop_words must be non-empty strings, got {self.stop_words!r}')
+        """Raise `ValueError` naming the first invalid field: its type first (`True` is not an int, `1` is not a
+        bool; floats are finite), then its range. Every field has a check (`GENERATION_CHECKS`)."""
+        for name, check in GENERATION_CHECKS.items():
+            problem = check(getattr(self, name))
+            if problem is not None:
+                raise ValueError(f'{name} must be {problem}, got {getattr(self, name)!r}')
+
+
+# ---- field checks: each returns None when the value is fine, else what the value must be ---------------------------
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return (isinstance(value, float) or _is_int(value)) and math.isfinite(value)
+
+
+def _int(low: int | None = None, high: int | None = None, optional: bool = False, text: str | None = None):
+    what = ('None or ' if optional else '') + 'an int' + (text or _range_text(low, high))
+
+    def check(value):
+        if optional and value is None:
+            return None
+        ok = _is_int(value) and (low is None or value >= low) and (high is None or value <= high)
+        return None if ok else what
+    return check
+
+
+def _real(what: str, ok):
+    def check(value):
+        return None if _is_real(value) and ok(value) else f'a finite number {what}'
+    return check
+
+
+def _bool(value):
+    return None if isinstance(value, bool) else 'a bool'
+
+
+def _list_of(item_ok, what: str):
+    def check(value):
+        if value is None:
+            return None
+        ok = isinstance(value, list | tuple) and all(item_ok(item) for item in value)
+        return None if ok else f'None or a list of {what}'
+    return check
+
+
+def _range_text(low, high) -> str:
+    if low is not None and high is not None:
+        return f' in [{low}, {high}]'
+    return f' >= {low}' if low is not None else ''
+
+
+GENERATION_CHECKS = {
+    'max_new_tokens': _int(0),
+    'min_new_tokens': _int(0),
+    'do_sample': _bool,
+    'temperature': _real('>= 0', lambda v: v >= 0),
+    'top_p': _real('in (0, 1]', lambda v: 0 < v <= 1),
+    'top_k': _int(0),
+    'repetition_penalty': _real('> 0', lambda v: v > 0),
+    'stop_words': _list_of(lambda w: isinstance(w, str) and w != '', 'non-empty strings'),
+    'stop_token_ids': _list_of(lambda t: _is_int(t) and t >= 0, 'non-negative ints'),
+    'ignore_eos': _bool,
+    'random_seed': _int(-2**63, 2**64 - 1, optional=True, text=' in [-2**63, 2**64)'),
+    'logprobs': _int(0, 64, optional=True),
+}
 
 
 @dataclass

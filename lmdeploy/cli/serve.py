@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .engine_args import add_engine_args, engine_config_from_args, resolve_model_path
+from .server_args import add_server_args, server_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -18,12 +19,12 @@ def add_parser(sub) -> None:
                      help='accepted Bearer tokens; when given, /v1/* requires one of them')
     api.add_argument('--log-level', default='info', choices=['critical', 'error', 'warning', 'info', 'debug'])
     add_engine_args(api)
+    add_server_args(api)
     api.set_defaults(func=run_api_server)
 
 
 def run_api_server(args: argparse.Namespace) -> int:
     from ..serve.openai.api_server import serve
-    serve(resolve_model_path(args.model_path), engine_config_from_args(args), server_name=args.server_name,
-          server_port=args.server_port, api_keys=args.api_keys, model_name=args.model_name,
-          log_level=args.log_level)
-    return 0
+    return serve(resolve_model_path(args.model_path), engine_config_from_args(args), server_name=args.server_name,
+                 server_port=args.server_port, api_keys=args.api_keys, model_name=args.model_name,
+                 log_level=args.log_level, config=server_config_from_args(args))

@@ -47,7 +47,7 @@ class AsyncEngine:
         """Tokenize and validate; raises `ValueError` naming the problem."""
         gen_config = gen_config or GenerationConfig()
         self.validate_generation_config(gen_config)
-        input_ids = encode_prompt(self.tokenizer, prompt, do_preprocess)
+        input_ids = encode_prompt(self.tokenizer, prompt, do_preprocess, max_tokens=self.session_len - 1)
         self.engine.validate_prompt(input_ids)
         return PreparedRequest(input_ids, gen_config, index)
 

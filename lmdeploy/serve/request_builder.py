@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..messages import GenerationConfig, Response
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SamplingParams
+from .bounded_encode import encode_within
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int] | list[dict]
@@ -19,14 +20,22 @@ def is_single_prompt(prompts) -> bool:
     raise ValueError(f'a prompt must be a str, a list of token ids or a list of messages, got {type(prompts)}')
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True,
+                  max_tokens: int | None = None) -> list[int]:
+    """Token ids of `prompt`. With `max_tokens`, a text far longer than that is refused (`PromptTooLong`) before
+    it is tokenized whole (the exact length check is the engine's)."""
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        if max_tokens is None:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encode_within(tokenizer, text, max_tokens, add_special_tokens)
+
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError('the prompt is empty')
         if do_preprocess:
             text = tokenizer.apply_chat_template([{'role': 'user', 'content': prompt}])
-            return tokenizer.encode(text, add_special_tokens=False)
-        return tokenizer.encode(prompt)
+            return encode(text, False)
+        return encode(prompt, True)
     if isinstance(prompt, list | tuple) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return list(prompt)
     if isinstance(prompt, list | tuple) and not prompt:
@@ -36,7 +45,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = Tr
             if 'role' not in message or 'content' not in message:
                 raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
         text = tokenizer.apply_chat_template(list(prompt))
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode(text, False)
     raise ValueError(f'unsupported prompt: {prompt!r:.80}')
 
 

@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP server over one `AsyncEngine`.
 
-Request path: API key check (ASGI middleware, before the body is read; 401) -> body parse and type check (pydantic;
-400) -> model name check (404) -> `AsyncEngine.prepare` in a worker thread (tokenize + engine checks; 400) ->
+Request path: API key check (ASGI middleware, before the body is read; 401) -> body read under a size limit and a
+deadline, lone surrogates refused (`body.py`; 413, 408, 400) -> body parse and type check (pydantic; 400) -> model
+name check (404) -> request limits (`limits.py`; 400) -> `AsyncEngine.prepare` on a `TokenizerPool` lane (tokenize,
+length bounded while tokenizing, engine checks; 400) ->
 `max_tokens` clamped to what the session leaves -> engine responses streamed out (SSE) or collected.
 
-The event loop never blocks: tokenization runs in a worker thread, the engine on its own thread. Closing the
+The event loop never blocks: tokenization runs in a bounded pool of threads, the engine on its own thread. Closing the
 response iteration (a client disconnect) closes `AsyncEngine.astream`, which aborts the request in the engine:
 for SSE Starlette cancels the body iterator, for plain responses `_unless_disconnected` watches the socket.
 """
@@ -29,6 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ...messages import PytorchEngineConfig
 from ...messages import Response as EngineResponse
 from ..async_engine import AsyncEngine, PreparedRequest
+from ..server_config import ServerConfig
+from .body import BodyLimitMiddleware
+from .errors import APIError
+from .limits import check_request_limits
 from .metrics import ServerMetrics
 from .protocol import (
     ChatChoice,
@@ -51,29 +57,19 @@ from .protocol import (
     new_id,
     now,
 )
+from .tokenizer_pool import TokenizerPool, prompt_chars
 
 OPEN_PATHS = ('/health', '/metrics')
-
-
-class APIError(Exception):
-    """Raised anywhere in a handler; rendered as an OpenAI error body with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = 'invalid_request_error'):
-        super().__init__(message)
-        self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
 
 
 class ServerState:
     """What the handlers of one app share: the engine, the served name and the metrics."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, config: ServerConfig):
         self.async_engine = async_engine
         self.model_name = model_name
+        self.config = config
+        self.tokenizers = TokenizerPool(config.tokenizer_workers)
         self.created = now()
         self.metrics = ServerMetrics(async_engine.engine)
         tokenizer = async_engine.tokenizer
@@ -87,13 +83,15 @@ class ServerState:
 
     async def prepare(self, prompt, body: ChatCompletionRequest | CompletionRequest, do_preprocess: bool,
                       param: str) -> PreparedRequest:
+        check_request_limits(body, self.config)
         gen = body.to_generation_config()
         try:
             self.async_engine.validate_generation_config(gen)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         try:
-            prepared = await asyncio.to_thread(self.async_engine.prepare, prompt, gen, do_preprocess)
+            prepared = await self.tokenizers.run(prompt_chars(prompt), self.async_engine.prepare, prompt, gen,
+                                                 do_preprocess)
         except ValueError as exc:
             code = 'context_length_exceeded' if 'session_len' in str(exc) else None
             raise APIError(400, str(exc), param=param, code=code) from exc
@@ -319,10 +317,11 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return await api_error(_, APIError(500, f'internal error: {exc}', type='internal_error'))
 
 
-def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None,
-               model_name: str | None = None) -> FastAPI:
+def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
+               config: ServerConfig | None = None) -> FastAPI:
     """A FastAPI app serving `async_engine`; the caller owns (and closes) the engine."""
-    state = ServerState(async_engine, model_name or async_engine.model_name)
+    config = config or ServerConfig()
+    state = ServerState(async_engine, model_name or async_engine.model_name, config)
     app = FastAPI(title='lmdeploy OpenAI-compatible API')
     app.state.server = state
     app.include_router(router)
@@ -337,6 +336,9 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None,
         return Response(content, media_type=media_type)
 
     _install_error_handlers(app, state.metrics)
+    # Middleware added last runs first: API key (no body read) -> body limits -> handlers.
+    app.add_middleware(BodyLimitMiddleware, payload_limit=config.payload_limit, timeout_body=config.timeout_body,
+                       metrics=state.metrics)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics)
     return app
@@ -344,12 +346,13 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None,
 
 def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, server_name: str = '127.0.0.1',
           server_port: int = 23333, api_keys: list[str] | None = None, model_name: str | None = None,
-          log_level: str = 'info') -> None:
-    """Load the model and serve it until interrupted."""
+          log_level: str = 'info', config: ServerConfig | None = None) -> int:
+    """Load the model and serve it until interrupted; returns the process exit status."""
     import uvicorn
     async_engine = AsyncEngine(model_path, engine_config, model_name)
     try:
-        app = create_app(async_engine, api_keys, model_name)
+        app = create_app(async_engine, api_keys, model_name, config)
         uvicorn.run(app, host=server_name, port=server_port, log_level=log_level)
+        return 0
     finally:
         async_engine.close()

@@ -62,7 +62,7 @@ class StreamOptions(_Record):
 # ---- requests --------------------------------------------------------------------------------------------------
 class _SamplingRequest(_Record):
     """Fields shared by chat and text completions; `None` means the OpenAI default."""
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: Text | list[Text] | None = None
@@ -127,7 +127,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # upper bound: --max-logprobs (limits.py)
 
     @model_validator(mode='after')
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -153,7 +153,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # upper bound: --max-logprobs (limits.py)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
