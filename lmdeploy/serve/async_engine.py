@@ -7,8 +7,10 @@ in the caller's thread before anything is queued.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
@@ -39,6 +41,7 @@ class AsyncEngine:
         self.engine = Engine(model_path, backend_config)
         self.tokenizer = Tokenizer(model_path, chat_template)
         self._loop = EngineLoop(self.engine)
+        self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')
 
     @property
     def session_len(self) -> int:
@@ -70,35 +73,52 @@ class AsyncEngine:
         self.engine.abort_request(seq_id)
 
     def stream(self, request: PreparedRequest) -> Iterator[Response]:
-        """Incremental responses of one request (blocking); closing the iterator early aborts the request."""
+        """Incremental responses of one request (blocking); closing the iterator early aborts the request, and so
+        does a stop string (the engine may have run a step past it; those tokens are dropped)."""
         outputs: queue.Queue[EngineOutput] = queue.Queue()
         builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
         seq_id = self.submit(request, outputs.put)
-        finished = False
         try:
-            while not finished:
-                out = outputs.get()
-                finished = out.finished
-                yield builder.update(out)
+            while not builder.finished:
+                response = builder.update(outputs.get())
+                if response is not None:
+                    yield response
         finally:
-            if not finished:
+            if not builder.engine_finished:
                 self.abort(seq_id)
 
     async def astream(self, request: PreparedRequest) -> AsyncIterator[Response]:
-        """asyncio flavour of `stream`; cancellation (e.g. a client disconnect) aborts the request."""
+        """asyncio flavour of `stream`; cancellation (e.g. a client disconnect) aborts the request.
+
+        Detokenization runs on the detokenizer thread, not on the event loop: outputs go engine thread ->
+        detokenizer thread (one for all requests, so each request's outputs stay in order) -> event loop.
+        """
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        responses: asyncio.Queue[Response | BaseException] = asyncio.Queue()
         builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
-        seq_id = self.submit(request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+
+        def build(out: EngineOutput) -> None:  # on the detokenizer thread
+            try:
+                item = builder.update(out)
+            except Exception as exc:  # handed to the request's own coroutine
+                item = exc
+            if item is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for it
+                    loop.call_soon_threadsafe(responses.put_nowait, item)
+
+        seq_id = self.submit(request, lambda out: self._detokenizer.submit(build, out))
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
-                finished = out.finished
-                yield builder.update(out)
+                item = await responses.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
         finally:
-            if not finished:
+            if not builder.engine_finished:
                 self.abort(seq_id)
 
     def close(self) -> None:
         self._loop.close()
+        self._detokenizer.shutdown(wait=True)

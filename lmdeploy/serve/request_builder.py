@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from ..messages import GenerationConfig, Response
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .detokenizer import IncrementalDetokenizer
+from .tokenizer import Tokenizer
 
 Prompt = str | list[int] | list[dict]
 
@@ -85,7 +86,12 @@ def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_
 
 
 class ResponseBuilder:
-    """Accumulates one request's engine outputs; `update` returns the incremental `Response`."""
+    """Accumulates one request's engine outputs; `update` returns the incremental `Response`.
+
+    The request is `finished` when the engine finished it or when a stop string completed; in the latter case
+    `engine_finished` is still False and the caller aborts the engine request. Tokens after the one that
+    completed the stop string are dropped, so `generate_token_len` counts up to that token.
+    """
 
     def __init__(self, tokenizer: Tokenizer, input_len: int, gen: GenerationConfig, index: int = 0):
         self.detok = IncrementalDetokenizer(tokenizer, gen.stop_words)
@@ -95,26 +101,37 @@ class ResponseBuilder:
         self.logprobs: list[dict[int, float]] = [] if gen.logprobs is not None else None
         self.cached_tokens = 0
         self.finish_reason = None
-        self.error: str | None = None
+        self.engine_finished = False
         self.text = ''
 
-    def update(self, out: EngineOutput) -> Response:
-        self.token_ids += out.new_token_ids
-        if self.logprobs is not None and out.logprobs:
-            self.logprobs += out.logprobs
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: EngineOutput) -> Response | None:
+        """The new part of the response; None for outputs after the request finished."""
+        if self.finished:
+            self.engine_finished = self.engine_finished or out.finished
+            return None
+        before = self.detok.num_tokens
+        delta = self.detok.update(out.new_token_ids, final=out.finished)
+        new_ids = list(out.new_token_ids[:self.detok.num_tokens - before])
+        new_logprobs = list(out.logprobs or [])[:len(new_ids)] if self.logprobs is not None else None
+        self.token_ids += new_ids
+        if new_logprobs:
+            self.logprobs += new_logprobs
         self.cached_tokens = out.num_cached
-        self.error = out.error or self.error
-        delta = self.detok.update(self.token_ids, final=out.finished)
         self.text += delta
-        if out.finished:
-            self.finish_reason = 'stop' if self.detok.stopped and out.finish_reason == 'length' else out.finish_reason
+        self.engine_finished = out.finished
+        if self.detok.stopped:
+            self.finish_reason = 'stop'
+        elif out.finished:
+            self.finish_reason = out.finish_reason
         return Response(text=delta, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
-                        finish_reason=self.finish_reason, token_ids=list(out.new_token_ids),
-                        cached_tokens=self.cached_tokens,
-                        logprobs=list(out.logprobs or []) if self.logprobs is not None else None,
-                        index=self.index, error=out.error)
+                        finish_reason=self.finish_reason, token_ids=new_ids, cached_tokens=self.cached_tokens,
+                        logprobs=new_logprobs, index=self.index, error=out.error)
 
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(self.token_ids),
-                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error)
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index)

@@ -91,6 +91,7 @@ class ServerState:
         tokenizer = async_engine.tokenizer
         self.decode: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+        self.token_bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=1 << 16)(tokenizer.token_bytes)
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
@@ -170,7 +171,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
 
     def delta(r: EngineResponse) -> ChatCompletionChunk | None:
-        logprobs = chat_logprobs(r, k, state.decode) if r.logprobs is not None else None
+        logprobs = chat_logprobs(r, k, state.decode, state.token_bytes) if r.logprobs is not None else None
         num_calls = parser.num_tool_calls
         message = _chat_delta(parser.feed(r.text, final=r.finish_reason is not None), num_calls)
         if not (message.content or message.reasoning_content or message.tool_calls or r.finish_reason
@@ -184,7 +185,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         usage = (lambda r: chunk([], UsageInfo.of(r))) if body.include_usage else None
         return _event_stream(responses, delta, usage, head)
     final = await _unless_disconnected(request, _collect(responses))
-    logprobs = chat_logprobs(final, k, state.decode) if final.logprobs is not None else None
+    logprobs = chat_logprobs(final, k, state.decode, state.token_bytes) if final.logprobs is not None else None
     parsed = parser.feed(final.text, final=True)
     calls = [ToolCallOut(id=c.id, function={'name': c.name, 'arguments': c.arguments}) for c in parsed.tool_calls]
     message = ChatResponseMessage(content=parsed.content if parsed.content or not calls else None,

@@ -412,10 +412,13 @@ def _ranked(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def chat_logprobs(response: Response, k: int, decode: Callable[[int], str]) -> ChatLogprobs:
+def chat_logprobs(response: Response, k: int, decode: Callable[[int], str],
+                  token_bytes: Callable[[int], bytes] | None = None) -> ChatLogprobs:
+    """`token_bytes`: the token's own bytes (part of a UTF-8 character for some tokens); default: its text's."""
     def item(token_id: int, logprob: float) -> TopLogprob:
         token = decode(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+        raw = token_bytes(token_id) if token_bytes is not None else token.encode()
+        return TopLogprob(token=token, logprob=logprob, bytes=list(raw))
 
     content = []
     for token_id, entry in zip(response.token_ids, response.logprobs or ()):
