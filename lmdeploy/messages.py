@@ -70,6 +70,9 @@ class PytorchEngineConfig:
     # never pay it, larger chunks keep a state every 16384 tokens.
     prefix_cache_prefill_state_interval: int = 16384
     prefix_cache_prefill_state_cap: int = 2
+    # Vision-language models: MiB of device memory for encoded images kept by content hash (0 = off), so an image
+    # seen again outside a prefix-cache hit skips the vision tower.
+    vision_encoder_cache_mb: int = 256
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -107,6 +110,8 @@ class PytorchEngineConfig:
                  f'prefix_cache_prefill_state_interval must be a non-negative int, got {interval!r}')
         _require(isinstance(self.prefix_cache_prefill_state_cap, int) and self.prefix_cache_prefill_state_cap >= 0,
                  f'prefix_cache_prefill_state_cap must be >= 0, got {self.prefix_cache_prefill_state_cap!r}')
+        _require(isinstance(self.vision_encoder_cache_mb, int) and self.vision_encoder_cache_mb >= 0,
+                 f'vision_encoder_cache_mb must be >= 0, got {self.vision_encoder_cache_mb!r}')
 
     @property
     def resolved_kernel_block_size(self) -> int:

@@ -13,6 +13,36 @@ from ..model_inputs import ModelInputs, SamplingInputs, StateCuts
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import SchedulerOutput
 from .cache_inputs import CacheCheckpointInputs
+from .mm_inputs import sequence_mm_inputs
+
+
+class _MultiModalBatch:
+    """Collects the M-RoPE positions and image rows of a forward's multimodal sequences."""
+
+    def __init__(self):
+        self.mrope: dict[int, np.ndarray] = {}  # batch token offset of the sequence -> its [3, n] positions
+        self.rows: list[np.ndarray] = []
+        self.items: list = []
+
+    def add(self, seq: SchedulerSequence, start: int, n: int, offset: int) -> np.ndarray:
+        """The sequence's 1-D positions; its 3-D positions and image rows are kept for `attach`."""
+        got = sequence_mm_inputs(seq, start, n)
+        if got.mrope_positions is not None:
+            self.mrope[offset] = got.mrope_positions
+        if got.items:
+            self.rows.append(got.rows + offset)
+            self.items += got.items
+        return got.positions
+
+    def attach(self, inputs: ModelInputs) -> None:
+        if self.mrope:
+            flat = np.broadcast_to(inputs.position_ids.numpy(), (3, inputs.position_ids.numel())).copy()
+            for offset, pos in self.mrope.items():
+                flat[:, offset:offset + pos.shape[1]] = pos
+            inputs.mrope_position_ids = torch.from_numpy(flat)
+        if self.items:
+            inputs.mm_token_rows = torch.from_numpy(np.concatenate(self.rows))
+            inputs.vision_items = self.items
 
 
 class InputsMaker:
@@ -32,13 +62,14 @@ class InputsMaker:
         """Model inputs for the batch, and the sequences that sample a token after this forward (in row order)."""
         ids, positions, slots, logits_idx, tables, sampled = [], [], [], [], [], []
         q_lens, kv_lens, state_ids, fresh = [], [], [], []
+        mm = _MultiModalBatch()
         offset = 0
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed
             pos = np.arange(start, start + n, dtype=np.int64)
             pages = self._page_table(seq)
             ids.append(seq.token_array()[start:start + n])
-            positions.append(pos)
+            positions.append(mm.add(seq, start, n, offset) if seq.mm_spans else pos)
             slots.append(pages[pos // self.kernel_block_size] * self.kernel_block_size + pos % self.kernel_block_size)
             tables.append(pages)
             q_lens.append(n)
@@ -64,6 +95,7 @@ class InputsMaker:
             state_ids=torch.tensor(state_ids, dtype=torch.int64), is_fresh=torch.tensor(fresh, dtype=torch.bool),
             q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens),
             state_cuts=self._state_cuts(out, q_lens, state_ids, fresh))
+        mm.attach(inputs)
         return inputs, sampled
 
     @staticmethod
