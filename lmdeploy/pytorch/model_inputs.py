@@ -47,6 +47,9 @@ class ModelInputs:
     kv_lens_list: list[int] = field(default_factory=list)
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # LoRA: adapter slot of each sequence [B] int64 (0 = the base model; see `nn.lora`). None: no sequence of this
+    # forward uses an adapter, and LoRA layers skip their adapters entirely.
+    lora_ids: torch.Tensor | None = None
     # In-prefill state checkpoints (None: none this forward).
     state_cuts: StateCuts | None = None
     # Run the gated delta rule token by token even for multi-token sequences (CUDA-graph prefills: the chunked

@@ -16,11 +16,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ...messages import PytorchEngineConfig
+from ...messages import PytorchEngineConfig, UnknownAdapterError
 from ..backends.selector import get_backend
 from ..config import CacheConfig, ModelConfig, SchedulerConfig
 from ..messages import SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
+from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..paging.scheduler import Scheduler
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
 from .inputs_maker import InputsMaker, make_sampling_inputs
@@ -53,6 +54,10 @@ class Engine:
         dtype = resolve_dtype(engine_config)
         self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
                                                     engine_config.state_dtype)
+        # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
+        self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
+            self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
+            engine_config.max_lora_rank)
         self.cache_config = self._make_cache_config(self.model_config)
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
@@ -64,10 +69,11 @@ class Engine:
         kbs = self.cache_config.kernel_block_size
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
-                                max_pages_per_seq=-(-self.session_len // kbs))
+                                max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters))
         self.agent.capture_cuda_graphs()
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
-                                        self.cache_config.kernel_block_size)
+                                        self.cache_config.kernel_block_size,
+                                        lora_slots={a.identity: a.slot for a in self.adapters.values()})
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
                     self.cache_config.num_blocks, self.cache_config.block_size,
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
@@ -157,13 +163,25 @@ class Engine:
             raise ValueError(f'the prompt has {len(token_ids)} tokens; session_len is {self.session_len} '
                              '(the prompt must leave room for at least one generated token)')
 
+    def adapter_identity(self, adapter_name: str | None) -> str | None:
+        """The prefix-cache identity of a resident adapter (None: the base model); `UnknownAdapterError` (a
+        `ValueError`) for an unknown name."""
+        if adapter_name is None:
+            return None
+        adapter = self.adapters.get(adapter_name)
+        if adapter is None:
+            raise UnknownAdapterError(f'unknown adapter {adapter_name!r}; loaded adapters: {sorted(self.adapters)}')
+        return adapter.identity
+
     def add_request(self, token_ids: list[int], sampling: SamplingParams, callback: OutputCallback | None = None,
-                    collect_logits: bool = False) -> int:
-        """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then)."""
+                    collect_logits: bool = False, adapter_name: str | None = None) -> int:
+        """Queue a request; returns its id. Raises `ValueError` for invalid input, an unknown adapter included
+        (nothing is queued then)."""
         token_ids = list(token_ids)
+        identity = self.adapter_identity(adapter_name)
         self.validate_prompt(token_ids)
         seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                                sampling=sampling)
+                                sampling=sampling, adapter_name=identity)
         seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
 
         def command() -> list[EngineOutput]:

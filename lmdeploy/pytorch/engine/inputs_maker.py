@@ -17,8 +17,11 @@ from .cache_inputs import CacheCheckpointInputs
 
 class InputsMaker:
 
-    def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int):
+    def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int,
+                 lora_slots: dict[str, int] | None = None):
+        """`lora_slots`: adapter identity (`SchedulerSequence.adapter_name`) -> slot in the LoRA layers."""
         self.block_manager = block_manager
+        self.lora_slots = lora_slots or {}
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
         self.pages_per_block = block_size // kernel_block_size
@@ -63,8 +66,15 @@ class InputsMaker:
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             state_ids=torch.tensor(state_ids, dtype=torch.int64), is_fresh=torch.tensor(fresh, dtype=torch.bool),
             q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens),
-            state_cuts=self._state_cuts(out, q_lens, state_ids, fresh))
+            state_cuts=self._state_cuts(out, q_lens, state_ids, fresh), lora_ids=self._lora_ids(out))
         return inputs, sampled
+
+    def _lora_ids(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Each row's adapter slot, or None when no row uses an adapter (LoRA layers then skip entirely)."""
+        if not self.lora_slots:
+            return None
+        slots = [self.lora_slots[seq.adapter_name] if seq.adapter_name is not None else 0 for seq in out.seqs]
+        return torch.tensor(slots, dtype=torch.int64) if any(slots) else None
 
     @staticmethod
     def _state_cuts(out: SchedulerOutput, q_lens: list[int], state_ids: list[int], fresh: list[bool]

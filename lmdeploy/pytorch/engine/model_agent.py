@@ -31,9 +31,10 @@ class ForwardOutput:
 class ModelAgent:
 
     def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
-                 cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0):
+                 cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0, has_lora: bool = False):
         """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
-        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence."""
+        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence; `has_lora`: the
+        model has LoRA adapters attached (graphs then carry each row's adapter slot)."""
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
@@ -46,7 +47,7 @@ class ModelAgent:
             prefill_tokens = PREFILL_TOKEN_BUCKETS[-1] \
                 if prefill_graphs_supported(getattr(torch, cfg.dtype), cfg.is_hybrid) else 0
             self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
-                                                device, max_prefill_tokens=prefill_tokens)
+                                                device, max_prefill_tokens=prefill_tokens, has_lora=has_lora)
 
     def _context(self, inputs: ModelInputs) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,

@@ -23,6 +23,7 @@ from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention
 from ..nn.gated_delta import CausalConv1d, GatedDeltaRule, gated_delta_gating
 from ..nn.linear import Embedding, Linear, MergedLinear
+from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
 from ..nn.rotary import RotaryEmbedding
@@ -208,7 +209,8 @@ class HybridForCausalLM(nn.Module):
             recurrent_layer_ids=linear, state_specs=specs)
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
-        return self.model(ctx)
+        with lora_step(ctx.inputs):
+            return self.model(ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
