@@ -46,10 +46,14 @@ class AsyncEngine:
                 index: int = 0) -> PreparedRequest:
         """Tokenize and validate; raises `ValueError` naming the problem."""
         gen_config = gen_config or GenerationConfig()
-        self._sampling_params(gen_config)  # validates, including checks against the vocabulary
+        self.validate_generation_config(gen_config)
         input_ids = encode_prompt(self.tokenizer, prompt, do_preprocess)
         self.engine.validate_prompt(input_ids)
         return PreparedRequest(input_ids, gen_config, index)
+
+    def validate_generation_config(self, gen_config: GenerationConfig) -> None:
+        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges)."""
+        self._sampling_params(gen_config)
 
     def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
         model_config = self.engine.model_config

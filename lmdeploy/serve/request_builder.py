@@ -42,21 +42,22 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = Tr
 
 def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
                          vocab_size: int) -> SamplingParams:
+    """Validated engine parameters: `GenerationConfig.validate` (types and ranges of the user's fields), then
+    `SamplingParams.validate` (the ranges the sampling kernels accept, the vocabulary)."""
     gen.validate()
-    bad = [t for t in gen.stop_token_ids or () if t >= vocab_size]
-    if bad:
-        raise ValueError(f'stop_token_ids outside the vocabulary [0, {vocab_size}): {bad}')
     stop_ids = list(gen.stop_token_ids or ())
     if not gen.ignore_eos:
         stop_ids += [t for t in eos_token_ids if t not in stop_ids]
     stop_sequences = tokenizer.stop_sequences(gen.stop_words)
     stop_ids += [s[0] for s in stop_sequences if len(s) == 1 and s[0] not in stop_ids]
-    return SamplingParams(
+    params = SamplingParams(
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
         temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p, top_k=gen.top_k,
         repetition_penalty=gen.repetition_penalty, stop_token_ids=tuple(stop_ids),
         stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
         logprobs=gen.logprobs)
+    params.validate(vocab_size)
+    return params
 
 
 class ResponseBuilder:
@@ -70,6 +71,7 @@ class ResponseBuilder:
         self.logprobs: list[dict[int, float]] = [] if gen.logprobs is not None else None
         self.cached_tokens = 0
         self.finish_reason = None
+        self.error: str | None = None
         self.text = ''
 
     def update(self, out: EngineOutput) -> Response:
@@ -77,6 +79,7 @@ class ResponseBuilder:
         if self.logprobs is not None and out.logprobs:
             self.logprobs += out.logprobs
         self.cached_tokens = out.num_cached
+        self.error = out.error or self.error
         delta = self.detok.update(self.token_ids, final=out.finished)
         self.text += delta
         if out.finished:
@@ -90,4 +93,4 @@ class ResponseBuilder:
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(self.token_ids),
-                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index)
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error)

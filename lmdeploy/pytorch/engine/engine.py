@@ -24,7 +24,7 @@ from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..paging.scheduler import Scheduler
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
-from .inputs_maker import InputsMaker, make_sampling_inputs
+from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
 
@@ -175,11 +175,12 @@ class Engine:
 
     def add_request(self, token_ids: list[int], sampling: SamplingParams, callback: OutputCallback | None = None,
                     collect_logits: bool = False, adapter_name: str | None = None) -> int:
-        """Queue a request; returns its id. Raises `ValueError` for invalid input, an unknown adapter included
-        (nothing is queued then)."""
+        """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then): the
+        prompt, every sampling parameter against the ranges the sampling kernels accept, and an unknown adapter."""
         token_ids = list(token_ids)
         identity = self.adapter_identity(adapter_name)
         self.validate_prompt(token_ids)
+        sampling.validate(self.model_config.vocab_size)
         seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
                                 sampling=sampling, adapter_name=identity)
         seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
@@ -267,12 +268,15 @@ class Engine:
         """Restore copies, forward, save copies, sampling; then tokens and stops, whose outputs are delivered at
         once; then the prefix cache's bookkeeping (attach blocks, publish checkpoints, keep prompt logits, reply
         checkpoints, releases), which the next step needs but the client does not wait for."""
-        sampled, result = [], None
+        sampled, result, rejected = [], None, []
         try:
             cache_inputs = self.inputs_maker.make_cache_inputs(sched)
             if sched.seqs:
                 inputs, sampled = self.inputs_maker.make(sched)
-                sampling = make_sampling_inputs(sampled, self._generators)
+                sampling, errors = make_sampling_inputs(sampled, self._generators)
+                if errors:  # those requests fail alone after this forward; the others sample as usual
+                    rejected = [(sampled[i], error) for i, error in errors.items()]
+                    sampled = drop_sampled_rows(inputs, sampled, errors)
                 collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
                 if any(collect):
                     result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
@@ -280,7 +284,7 @@ class Engine:
                     result = self.agent.forward(inputs, sampling, cache_inputs)
             elif cache_inputs is not None:
                 self.agent.copy_only(cache_inputs)
-            hits = self._sample_logits_hits(sched.logits_hits)
+            hits = self._sample_logits_hits(sched.logits_hits, rejected)
         except Exception as exc:  # a failed forward fails its batch only; the engine keeps serving
             logger.exception('forward failed')
             self.scheduler.cancel_forward(sched)
@@ -307,15 +311,26 @@ class Engine:
         if result is not None:
             self._keep_prompt_logits(sched, sampled, result.logits)
         self._finish(finishing)
+        for seq, error in rejected:  # computed and cached like the others, then failed (blocks and slot released)
+            logger.error('request %d: %s', seq.seq_id, error)
+            out = self._fail(seq, error)
+            self._deliver(out)
+            outputs.append(out)
         return outputs
 
-    def _sample_logits_hits(self, hits) -> list[tuple]:
-        """First tokens of identical prompts, sampled from the logits kept with their prompt-end checkpoint."""
+    def _sample_logits_hits(self, hits, rejected: list[tuple[SchedulerSequence, str]]) -> list[tuple]:
+        """First tokens of identical prompts, sampled from the logits kept with their prompt-end checkpoint. Rows
+        whose sampling inputs cannot be built go to `rejected`."""
+        if not hits:
+            return []
+        sampling, errors = make_sampling_inputs([seq for seq, _ in hits], self._generators)
+        rejected += [(hits[i][0], error) for i, error in errors.items()]
+        hits = [hit for i, hit in enumerate(hits) if i not in errors]
         if not hits:
             return []
         seqs = [seq for seq, _ in hits]
         logits = torch.stack([logits.to(torch.float32) for _, logits in hits])
-        result = self.agent.sample(logits, make_sampling_inputs(seqs, self._generators))
+        result = self.agent.sample(logits, sampling)
         return [(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(seqs)]
 

@@ -89,7 +89,7 @@ class ServerState:
                       param: str) -> PreparedRequest:
         gen = body.to_generation_config()
         try:
-            gen.validate()
+            self.async_engine.validate_generation_config(gen)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         try:
