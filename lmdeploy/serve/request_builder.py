@@ -1,6 +1,8 @@
 """Turns user prompts into token ids and sampling parameters, and engine outputs back into `Response`s."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..messages import GenerationConfig, Response
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SamplingParams
@@ -19,24 +21,46 @@ def is_single_prompt(prompts) -> bool:
     raise ValueError(f'a prompt must be a str, a list of token ids or a list of messages, got {type(prompts)}')
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
+@dataclass(frozen=True)
+class TemplateOptions:
+    """What a chat request adds to its messages when the template renders them."""
+    tools: list[dict] | None = None
+    # Passed to the template as variables (`enable_thinking`, `preserve_thinking`, ...).
+    kwargs: dict | None = None
+
+
+_RESERVED_TEMPLATE_KWARGS = ('messages', 'tools', 'add_generation_prompt', 'tokenize', 'chat_template')
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict], template: TemplateOptions | None) -> str:
+    template = template or TemplateOptions()
+    kwargs = dict(template.kwargs or {})
+    clash = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS or not isinstance(k, str)]
+    if clash:
+        raise ValueError(f'chat_template_kwargs may not set {clash}')
+    return tokenizer.apply_chat_template(messages, tools=template.tools, **kwargs)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True,
+                  template: TemplateOptions | None = None) -> tuple[list[int], str | None]:
+    """Token ids of `prompt` and the text they were encoded from (None for a prompt given as token ids)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError('the prompt is empty')
         if do_preprocess:
-            text = tokenizer.apply_chat_template([{'role': 'user', 'content': prompt}])
-            return tokenizer.encode(text, add_special_tokens=False)
-        return tokenizer.encode(prompt)
+            text = render_chat(tokenizer, [{'role': 'user', 'content': prompt}], template)
+            return tokenizer.encode(text, add_special_tokens=False), text
+        return tokenizer.encode(prompt), prompt
     if isinstance(prompt, list | tuple) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return list(prompt)
+        return list(prompt), None
     if isinstance(prompt, list | tuple) and not prompt:
         raise ValueError('the prompt is empty')
     if isinstance(prompt, list | tuple) and all(isinstance(m, dict) for m in prompt):
         for message in prompt:
-            if 'role' not in message or 'content' not in message:
+            if 'role' not in message or ('content' not in message and 'tool_calls' not in message):
                 raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
-        text = tokenizer.apply_chat_template(list(prompt))
-        return tokenizer.encode(text, add_special_tokens=False)
+        text = render_chat(tokenizer, list(prompt), template)
+        return tokenizer.encode(text, add_special_tokens=False), text
     raise ValueError(f'unsupported prompt: {prompt!r:.80}')
 
 

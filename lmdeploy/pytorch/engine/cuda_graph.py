@@ -23,6 +23,10 @@ autotunes every kernel for exactly the captured shapes and writes nothing a sequ
 real step itself (capture executes nothing, so the step is not applied twice). Then the graph is captured; later
 runs copy their inputs into the buffers and replay. Every capture shares one memory pool; everything runs on the
 caller's current stream (the forward stream).
+
+With `routes_shape` (routed experts on for the engine) every graph records the routed experts of its tokens into
+one static `[max_tokens, num_moe_layers, top_k]` buffer (`routes_of` reads a batch's rows after a replay); the
+MoE layers then do one small copy each, whether or not the batch asked.
 """
 from __future__ import annotations
 
@@ -150,8 +154,9 @@ class _StaticInputs:
 class CUDAGraphRunner:
     """Runs forwards of `model` through captured CUDA graphs (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, make_context: Callable[[ModelInputs], StepContext], max_batch_size: int,
-                 max_pages: int, device: torch.device, max_prefill_tokens: int = PREFILL_TOKEN_BUCKETS[-1],
+    def __init__(self, model: nn.Module, make_context: Callable[[ModelInputs, torch.Tensor | None], StepContext],
+                 max_batch_size: int, max_pages: int, device: torch.device,
+                 max_prefill_tokens: int = PREFILL_TOKEN_BUCKETS[-1], routes_shape: tuple[int, int] | None = None,
                  has_lora: bool = False):
         self.model = model
         self.make_context = make_context
@@ -162,6 +167,8 @@ class CUDAGraphRunner:
         max_seqs = max(max_batch_size, PREFILL_SEQ_BUCKETS[-1])
         max_tokens = max((max_batch_size, *self.token_buckets))
         self.static = _StaticInputs(max_tokens, max_seqs, max_pages, device, has_lora=has_lora)
+        self.static_routes = None if routes_shape is None else \
+            torch.zeros((max_tokens, *routes_shape), dtype=torch.int16, device=device)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
@@ -193,6 +200,16 @@ class CUDAGraphRunner:
     def supports(self, inputs: ModelInputs) -> bool:
         return self.key_of(inputs) is not None
 
+    def _context(self, static_inputs: ModelInputs) -> StepContext:
+        routes = None if self.static_routes is None else self.static_routes[:static_inputs.input_ids.numel()]
+        return self.make_context(static_inputs, routes)
+
+    def routes_of(self, inputs: ModelInputs) -> torch.Tensor:
+        """The routed experts of the batch `run` last ran (rows of its real tokens; valid until the next run)."""
+        if self.static_routes is None:
+            raise ValueError('routed experts were asked for, but the graphs were captured without recording them')
+        return self.static_routes[:inputs.input_ids.numel()]
+
     def run(self, inputs: ModelInputs, key: GraphKey | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch (`supports(inputs)` must hold; `key`: its `key_of`, if known)."""
         key = key or self.key_of(inputs)
@@ -201,7 +218,7 @@ class CUDAGraphRunner:
         entry = self.graphs.get(key)
         if entry is None:
             static_inputs = self.static.view(key)
-            out = self.model(self.make_context(static_inputs))  # the real step, eager, on the captured shapes
+            out = self.model(self._context(static_inputs))  # the real step, eager, on the captured shapes
             self._capture(key, static_inputs)
             return out[:num_tokens]
         graph, out = entry
@@ -225,7 +242,7 @@ class CUDAGraphRunner:
             if key not in self.graphs:
                 self._fill(None, key)
                 static_inputs = self.static.view(key)
-                self.model(self.make_context(static_inputs))  # compile / autotune for exactly these shapes
+                self.model(self._context(static_inputs))  # compile / autotune for exactly these shapes
                 self._capture(key, static_inputs)
 
     def _capture(self, key: GraphKey, static_inputs: ModelInputs) -> None:
@@ -234,6 +251,6 @@ class CUDAGraphRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode='thread_local'):
-            out = self.model(self.make_context(static_inputs))
+            out = self.model(self._context(static_inputs))
         self.graphs[key] = (graph, out)
         logger.info('captured a CUDA graph for %s', key)

@@ -361,7 +361,7 @@ class Engine:
             self._forget(seq.seq_id)
 
     def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
-        logits = self.agent.forward_logits(inputs, cache_inputs)
+        logits, _ = self.agent.forward_logits(inputs, cache_inputs)
         start = 0
         for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
             if keep:
