@@ -66,6 +66,9 @@ class ModelInputs:
     kv_lens_list: list[int] = field(default_factory=list)
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # LoRA: adapter slot of each sequence [B] int64 (0 = the base model; see `nn.lora`). None: no sequence of this
+    # forward uses an adapter, and LoRA layers skip their adapters entirely.
+    lora_ids: torch.Tensor | None = None
     # In-prefill state checkpoints (None: none this forward).
     state_cuts: StateCuts | None = None
     # M-RoPE positions [3, T] (temporal, height, width) when this forward feeds image tokens; None otherwise, and
@@ -80,6 +83,9 @@ class ModelInputs:
     # Run the gated delta rule token by token even for multi-token sequences (CUDA-graph prefills: the chunked
     # kernels index their chunks from the sequence lengths, built per forward, which a replayed graph cannot redo).
     use_recurrent_kernel: bool = False
+    # Record the top-k expert ids every MoE layer routes each fed token to (`StepContext.routed_experts`); the
+    # forward's output then carries them. False costs nothing.
+    record_routed_experts: bool = False
     # Per-forward memo of device index tensors a backend derives from the host data (see `derived`); a copy made
     # by `dataclasses.replace` or `to` starts empty.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -133,6 +139,13 @@ class StepContext:
     # Per recurrent layer (in `ModelConfig.recurrent_layer_ids` order): name -> [num_slots, *shape] pool view.
     state_caches: list[dict[str, torch.Tensor]] = field(default_factory=list)
     kernel_block_size: int = 64
+    # Routed-experts record of this forward, or None (nothing is recorded): [T, num_moe_layers, top_k] int16. MoE
+    # layer i writes the top-k expert ids its router chose for every fed token into `[:, i]` (see `routes_of`).
+    routed_experts: torch.Tensor | None = None
+
+    def routes_of(self, moe_index: int) -> torch.Tensor | None:
+        """Where MoE layer `moe_index` (its rank among the MoE layers) records its top-k ids, or None."""
+        return None if self.routed_experts is None else self.routed_experts[:, moe_index]
 
 
 @dataclass

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_close
+from numeric import assert_close
 
 from lmdeploy.pytorch.kernels.default.varlen_attention import varlen_attention as ref_varlen
 

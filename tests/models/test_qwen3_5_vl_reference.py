@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close
+from numeric import assert_close
 from vl_helpers import draw_image, reference_logits, user_message
 
 from lmdeploy.messages import PytorchEngineConfig

@@ -26,6 +26,7 @@ class OpType(enum.Enum):
     CacheBlockCopy = enum.auto()
     StateSlotCopy = enum.auto()
     Sampling = enum.auto()
+    LoRA = enum.auto()
 
 
 Builder = Callable[..., Any]

@@ -40,6 +40,10 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Every layer's MLP is a sparse MoE with renormalised top-k weights and a gated shared expert."""
 
+    @classmethod
+    def moe_layer_ids(cls, cfg) -> tuple[int, ...]:
+        return tuple(range(cfg.num_hidden_layers))
+
     def make_mlp(self, layer_id: int) -> nn.Module:
         cfg = self.config
         return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,

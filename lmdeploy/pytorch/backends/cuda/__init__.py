@@ -8,6 +8,7 @@ from ...kernels.cuda import causal_conv1d as _conv
 from ...kernels.cuda import gated_delta_rule as _gdr
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
+from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from ...kernels.cuda.rms_norm import gated_rms_norm, rms_norm
@@ -79,6 +80,13 @@ def _build_gated_delta_rule(**kwargs):
     return forward
 
 
+def _build_lora(**_kwargs):
+    def forward(x, out, lora_a, lora_b, slice_sizes, inputs):
+        return sgmv_lora(x, out, lora_a, lora_b, slice_sizes, inputs.lora_ids, inputs.cu_seqlens_q,
+                         inputs.max_seqlen_q)
+    return forward
+
+
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
@@ -89,6 +97,7 @@ _BUILDERS = {
     OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.MoE: _const(fused_moe),
+    OpType.LoRA: _build_lora,
 }
 
 BACKEND = Backend('cuda', _BUILDERS, parent=DEFAULT_BACKEND)

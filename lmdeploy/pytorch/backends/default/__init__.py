@@ -1,9 +1,12 @@
 """The `default` backend: plain torch, runs on CPU and GPU. Every other backend falls back to it."""
 from __future__ import annotations
 
+import torch
+
 from ...kernels.default import cache_copy as _cache_copy
 from ...kernels.default import causal_conv1d as _conv
 from ...kernels.default import gated_delta_rule as _gdr
+from ...kernels.default import lora as _lora
 from ...kernels.default import paged_attention as _attn
 from ...kernels.default import varlen_attention as _varlen
 from ..base import Backend, OpType
@@ -58,6 +61,18 @@ def causal_conv1d_builder(conv_fn):
     return build
 
 
+def token_lora_slots(inputs):
+    """Each token's adapter slot [T] (from the per-sequence `inputs.lora_ids`), built once per forward."""
+    return inputs.derived('lora_token_slots', lambda: torch.repeat_interleave(
+        inputs.lora_ids, inputs.q_lens, output_size=inputs.input_ids.numel()))
+
+
+def _build_lora(**_kwargs):
+    def forward(x, out, lora_a, lora_b, slice_sizes, inputs):
+        return _lora.lora_shrink_expand(x, out, lora_a, lora_b, slice_sizes, token_lora_slots(inputs))
+    return forward
+
+
 _build_gated_delta_rule = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule)
 _build_causal_conv1d = causal_conv1d_builder(_conv.causal_conv1d)
 
@@ -77,6 +92,7 @@ _BUILDERS = {
     OpType.Sampling: _const(sampling.sample),
     OpType.CacheBlockCopy: _const(_cache_copy.copy_packed_cache),
     OpType.StateSlotCopy: _const(_cache_copy.copy_state_slots),
+    OpType.LoRA: _build_lora,
 }
 
 BACKEND = Backend('default', _BUILDERS)
