@@ -46,8 +46,9 @@ def test_stop_string_across_token_boundaries_is_cut_and_never_leaks(tokenizer, s
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, [stop, 'never there'])
     expected = text[:text.find(stop)]
-    sent = ''
-    for n, token_id in enumerate(ids, 1):
+    sent, n = '', 0
+    for token_id in ids:
+        n += 1
         sent += detok.update([token_id])
         assert expected.startswith(sent)  # never a character past the cut
         if detok.stopped:
