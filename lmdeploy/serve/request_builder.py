@@ -102,6 +102,7 @@ class ResponseBuilder:
         self.cached_tokens = 0
         self.finish_reason = None
         self.engine_finished = False
+        self.error: str | None = None
         self.text = ''
 
     @property
@@ -121,6 +122,7 @@ class ResponseBuilder:
         if new_logprobs:
             self.logprobs += new_logprobs
         self.cached_tokens = out.num_cached
+        self.error = out.error or self.error
         self.text += delta
         self.engine_finished = out.finished
         if self.detok.stopped:
@@ -134,4 +136,4 @@ class ResponseBuilder:
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(self.token_ids),
-                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index)
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error)
