@@ -23,13 +23,14 @@ BAD_VALUES = {
     'ignore_eos': [1, None, 'true'],
     'random_seed': [True, 2**64, -2**63 - 1, 1.0, '7'],
     'logprobs': [True, -1, 65, 2.0],
+    'adapter_name': ['', 5, ['a']],
 }
 GOOD_VALUES = {
     'max_new_tokens': [0, 10**9], 'min_new_tokens': [0, 3], 'do_sample': [True, False],
     'temperature': [0, 0.0, 2, 1e30], 'top_p': [1, 1e-9, 0.5], 'top_k': [0, 50],
     'repetition_penalty': [1, 1e-3, 2.5], 'stop_words': [None, [], ['a', 'bc']],
     'stop_token_ids': [None, [], [0, 7]], 'ignore_eos': [True, False],
-    'random_seed': [None, 0, -2**63, 2**64 - 1], 'logprobs': [None, 0, 64],
+    'random_seed': [None, 0, -2**63, 2**64 - 1], 'logprobs': [None, 0, 64], 'adapter_name': [None, 'sql'],
 }
 
 

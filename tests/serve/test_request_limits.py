@@ -39,7 +39,7 @@ def async_engine(tiny_model_factory) -> Iterator[AsyncEngine]:
 
 @pytest.fixture(scope='module')
 def server(async_engine, live_server_factory) -> LiveServer:  # noqa: F811
-    return live_server_factory(create_app(async_engine, None, MODEL, CONFIG), async_engine)
+    return live_server_factory(create_app(async_engine, None, MODEL, config=CONFIG), async_engine)
 
 
 def _rss_bytes() -> int:
