@@ -103,10 +103,27 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class MultiModalSpan:
-    """Positions `[start, end)` hold embeddings of one multimodal item whose content hash is `content_hash`."""
+    """Positions `[start, end)` hold embeddings of one multimodal item whose content hash is `content_hash`.
+
+    `grid` is the item's (t, h, w) grid in merged-token units (t * h * w == end - start) when it takes M-RoPE
+    positions; None for an item laid out like text. `data` is the engine's opaque payload for encoding the item
+    (the preprocessed pixels and patch grid); it takes no part in identity, which is `content_hash`.
+    """
     start: int
     end: int
     content_hash: int
+    grid: tuple[int, int, int] | None = None
+    data: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_positions(self) -> int:
+        """Rotary positions the item advances the sequence by (max(h, w) for an M-RoPE grid, its length else)."""
+        return max(self.grid[1], self.grid[2]) if self.grid is not None else self.end - self.start
+
+    @property
+    def position_delta(self) -> int:
+        """Position offset the item introduces: the tokens after it sit at `index + delta` (<= 0 for images)."""
+        return self.num_positions - (self.end - self.start)
 
 
 @dataclass(slots=True, eq=False)
@@ -182,6 +199,11 @@ class SchedulerSequence:
     @property
     def is_finished(self) -> bool:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
+
+    def position_offset(self, step: int) -> int:
+        """Rotary position minus token index for a text token at `step` (or a resume at `step`): the sum of the
+        offsets of the spans that end at or before it. Meaningful only outside spans."""
+        return sum(span.position_delta for span in self.mm_spans if span.end <= step)
 
     def is_prefix_cache_boundary_safe(self, step: int) -> bool:
         """False when `step` falls strictly inside a multimodal span (no checkpoint or match may end there)."""

@@ -16,14 +16,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ...messages import PytorchEngineConfig
+from ...messages import PytorchEngineConfig, UnknownAdapterError
 from ..backends.selector import get_backend
 from ..config import CacheConfig, ModelConfig, SchedulerConfig
-from ..messages import SamplingParams, SchedulerSequence, SequenceStatus
+from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
+from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..paging.scheduler import Scheduler
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
+from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
 from .routes_recorder import RoutesRecorder
@@ -54,6 +56,10 @@ class Engine:
         dtype = resolve_dtype(engine_config)
         self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
                                                     engine_config.state_dtype)
+        # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
+        self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
+            self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
+            engine_config.max_lora_rank)
         self.cache_config = self._make_cache_config(self.model_config)
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
@@ -70,10 +76,13 @@ class Engine:
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
                                 record_routed_experts=engine_config.enable_return_routed_experts,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
-                                max_pages_per_seq=-(-self.session_len // kbs))
+                                max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
+                                vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
+                                if self.model_config.image_token_id is not None else 0)
         self.agent.capture_cuda_graphs()
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
-                                        self.cache_config.kernel_block_size)
+                                        self.cache_config.kernel_block_size,
+                                        lora_slots={a.identity: a.slot for a in self.adapters.values()})
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
                     self.cache_config.num_blocks, self.cache_config.block_size,
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
@@ -163,15 +172,38 @@ class Engine:
             raise ValueError(f'the prompt has {len(token_ids)} tokens; session_len is {self.session_len} '
                              '(the prompt must leave room for at least one generated token)')
 
+    def adapter_identity(self, adapter_name: str | None) -> str | None:
+        """The prefix-cache identity of a resident adapter (None: the base model); `UnknownAdapterError` (a
+        `ValueError`) for an unknown name."""
+        if adapter_name is None:
+            return None
+        adapter = self.adapters.get(adapter_name)
+        if adapter is None:
+            raise UnknownAdapterError(f'unknown adapter {adapter_name!r}; loaded adapters: {sorted(self.adapters)}')
+        return adapter.identity
+
+    def validate_mm_spans(self, token_ids: list[int], mm_spans: tuple[MultiModalSpan, ...]) -> None:
+        """Raise `ValueError` for image spans the model cannot take (see `mm_inputs.validate_mm_spans`)."""
+        validate_mm_spans(token_ids, mm_spans, self.model_config.image_token_id)
+        for span in mm_spans:
+            if self.model.num_image_tokens(span.data.grid_thw) != span.end - span.start:
+                raise ValueError(f'image span [{span.start}, {span.end}) does not match its patch grid '
+                                 f'{span.data.grid_thw}')
+
     def add_request(self, token_ids: list[int], sampling: SamplingParams, callback: OutputCallback | None = None,
-                    collect_logits: bool = False) -> int:
+                    collect_logits: bool = False, adapter_name: str | None = None,
+                    mm_spans: tuple[MultiModalSpan, ...] = ()) -> int:
         """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then): the
-        prompt, and every sampling parameter against the ranges the sampling kernels accept."""
+        prompt, every sampling parameter against the ranges the sampling kernels accept, an unknown adapter, and
+        image spans (`mm_spans`: the prompt's images, placeholder ranges with pixels, grid and content hash)."""
         token_ids = list(token_ids)
+        identity = self.adapter_identity(adapter_name)
         self.validate_prompt(token_ids)
         self.validate_sampling(sampling)
+        mm_spans = tuple(mm_spans)
+        self.validate_mm_spans(token_ids, mm_spans)
         seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                                sampling=sampling)
+                                sampling=sampling, adapter_name=identity, mm_spans=mm_spans)
         self.routes.attach(seq)
         seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
 
@@ -444,6 +476,17 @@ class Engine:
                 self._stats_waiters -= 1
 
     def _stats(self) -> dict:
+        return {**self._prefix_cache_stats(), **self._vision_cache_stats()}
+
+    def _vision_cache_stats(self) -> dict:
+        cache = self.agent.vision_cache
+        if cache is None:
+            return {}
+        s = cache.stats
+        return {'vision_cache_hits': s.hits, 'vision_cache_misses': s.misses, 'vision_cache_entries': s.entries,
+                'vision_cache_bytes': s.bytes}
+
+    def _prefix_cache_stats(self) -> dict:
         trie = self.scheduler.trie
         if trie is None:
             return {'query_tokens': 0, 'hit_tokens': 0, 'hit_rate': 0.0, 'num_requests': 0, 'num_hits': 0,

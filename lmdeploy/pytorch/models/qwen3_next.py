@@ -23,6 +23,7 @@ from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention
 from ..nn.gated_delta import CausalConv1d, GatedDeltaRule, gated_delta_gating
 from ..nn.linear import Embedding, Linear, MergedLinear
+from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
 from ..nn.rotary import RotaryEmbedding
@@ -172,8 +173,12 @@ class HybridModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg))
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(ctx.inputs.input_ids)
-        cos_sin = self.rotary_emb.cos_sin(ctx.inputs.position_ids)
+        inputs = ctx.inputs
+        x = self.embed_tokens(inputs.input_ids)
+        if inputs.mm_embeds is not None:  # image placeholders take the vision tower's embeddings
+            x = x.index_copy(0, inputs.mm_token_rows, inputs.mm_embeds.to(x.dtype))
+        positions = inputs.position_ids if inputs.mrope_position_ids is None else inputs.mrope_position_ids
+        cos_sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, self.rotary_emb, cos_sin, ctx)
         return self.norm(x)
@@ -227,7 +232,8 @@ class HybridForCausalLM(nn.Module):
             moe_top_k=cfg.num_experts_per_tok if moe else 0)
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
-        return self.model(ctx)
+        with lora_step(ctx.inputs):
+            return self.model(ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
