@@ -10,6 +10,7 @@ from typing import Literal
 
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 _DEVICES = ('cuda', 'cpu')
+MAX_N = 128  # samples per prompt
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
 
@@ -155,6 +156,16 @@ class GenerationConfig:
     logprobs: int | None = None
     # LoRA adapter to run the request with (a name of `PytorchEngineConfig.adapters`); None: the base model.
     adapter_name: str | None = None
+    # Independent samples per prompt (`pipe` then returns a list of `n` responses per prompt); with a seed,
+    # sample i uses seed + i.
+    n: int = 1
+    # OpenAI penalties over the generated tokens, each in [-2, 2]: logit -= frequency * count + presence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Keep only tokens with probability >= min_p times the most likely token's (after temperature); 0 = off.
+    min_p: float = 0.0
+    # token id -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first invalid field."""
@@ -179,6 +190,10 @@ class GenerationConfig:
                  f'stop_words must be non-empty strings, got {self.stop_words!r}')
         _require(self.adapter_name is None or (isinstance(self.adapter_name, str) and self.adapter_name),
                  f'adapter_name must be None or a non-empty string, got {self.adapter_name!r}')
+        _require(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_N,
+                 f'n must be an int in [1, {MAX_N}], got {self.n!r}')
+        _require(self.logit_bias is None or isinstance(self.logit_bias, dict),
+                 f'logit_bias must be None or a dict of token id -> bias, got {self.logit_bias!r}')
 
 
 @dataclass
