@@ -37,20 +37,22 @@ class Pipeline:
         """Run prompts to completion. One prompt gives one `Response`, a list gives a list (in order)."""
         single, requests = self._prepare_all(prompts, gen_config, do_preprocess)
         done: queue.Queue = queue.Queue()
-        builders = {}
+        builders, seq_ids = {}, {}
         for request in requests:
             builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
             builders[request.index] = builder
-            self.async_engine.submit(request, lambda out, b=builder: done.put((b, out)))
+            seq_ids[request.index] = self.async_engine.submit(request, lambda out, b=builder: done.put((b, out)))
         show = use_tqdm if use_tqdm is not None else len(requests) >= _TQDM_THRESHOLD
         remaining = len(requests)
         with tqdm(total=remaining, disable=not show, desc='generating') as bar:
             while remaining:
                 builder, out = done.get()
-                builder.update(out)
-                if out.finished:
+                response = builder.update(out)
+                if response is not None and builder.finished:
                     remaining -= 1
                     bar.update(1)
+                    if not builder.engine_finished:  # a stop string: the engine does not know
+                        self.async_engine.abort(seq_ids[builder.index])
         responses = [builders[i].final() for i in range(len(requests))]
         return responses[0] if single else responses
 
@@ -70,9 +72,14 @@ class Pipeline:
         try:
             while unfinished:
                 builder, out = merged.get()
-                if out.finished:
-                    del unfinished[builder.index]
-                yield builder.update(out)
+                response = builder.update(out)
+                if response is None:
+                    continue
+                if builder.finished:
+                    seq_id = unfinished.pop(builder.index)
+                    if not builder.engine_finished:  # a stop string: the engine does not know
+                        self.async_engine.abort(seq_id)
+                yield response
         finally:
             for seq_id in unfinished.values():
                 self.async_engine.abort(seq_id)

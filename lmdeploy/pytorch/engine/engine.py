@@ -17,17 +17,20 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ...messages import PytorchEngineConfig
+from ...messages import PytorchEngineConfig, UnknownAdapterError
 from ..backends.selector import get_backend
 from ..config import CacheConfig, ModelConfig, SchedulerConfig
-from ..messages import SamplingParams, SchedulerSequence, SequenceStatus
+from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
+from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
-from .inputs_maker import InputsMaker, make_sampling_inputs
+from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
+from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
+from .routes_recorder import RoutesRecorder
 
 logger = logging.getLogger('lmdeploy')
 _CPU_CACHE_BUDGET = 1 << 30
@@ -55,6 +58,10 @@ class Engine:
         dtype = resolve_dtype(engine_config)
         self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
                                                     engine_config.state_dtype)
+        # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
+        self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
+            self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
+            engine_config.max_lora_rank)
         self.cache_config = self._make_cache_config(self.model_config)
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
@@ -64,12 +71,20 @@ class Engine:
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
+        if engine_config.enable_return_routed_experts and engine_config.enable_prefix_caching:
+            raise ValueError('enable_return_routed_experts does not work with enable_prefix_caching yet')
+        self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
+                                     keep_in_cache=engine_config.enable_prefix_caching)
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
+                                record_routed_experts=engine_config.enable_return_routed_experts,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
-                                max_pages_per_seq=-(-self.session_len // kbs))
+                                max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
+                                vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
+                                if self.model_config.image_token_id is not None else 0)
         self.agent.capture_cuda_graphs()
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
-                                        self.cache_config.kernel_block_size)
+                                        self.cache_config.kernel_block_size,
+                                        lora_slots={a.identity: a.slot for a in self.adapters.values()})
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
                     self.cache_config.num_blocks, self.cache_config.block_size,
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
@@ -159,13 +174,39 @@ class Engine:
             raise ValueError(f'the prompt has {len(token_ids)} tokens; session_len is {self.session_len} '
                              '(the prompt must leave room for at least one generated token)')
 
+    def adapter_identity(self, adapter_name: str | None) -> str | None:
+        """The prefix-cache identity of a resident adapter (None: the base model); `UnknownAdapterError` (a
+        `ValueError`) for an unknown name."""
+        if adapter_name is None:
+            return None
+        adapter = self.adapters.get(adapter_name)
+        if adapter is None:
+            raise UnknownAdapterError(f'unknown adapter {adapter_name!r}; loaded adapters: {sorted(self.adapters)}')
+        return adapter.identity
+
+    def validate_mm_spans(self, token_ids: list[int], mm_spans: tuple[MultiModalSpan, ...]) -> None:
+        """Raise `ValueError` for image spans the model cannot take (see `mm_inputs.validate_mm_spans`)."""
+        validate_mm_spans(token_ids, mm_spans, self.model_config.image_token_id)
+        for span in mm_spans:
+            if self.model.num_image_tokens(span.data.grid_thw) != span.end - span.start:
+                raise ValueError(f'image span [{span.start}, {span.end}) does not match its patch grid '
+                                 f'{span.data.grid_thw}')
+
     def add_request(self, token_ids: list[int], sampling: SamplingParams, callback: OutputCallback | None = None,
-                    collect_logits: bool = False) -> int:
-        """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then)."""
+                    collect_logits: bool = False, adapter_name: str | None = None,
+                    mm_spans: tuple[MultiModalSpan, ...] = ()) -> int:
+        """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then): the
+        prompt, every sampling parameter against the ranges the sampling kernels accept, an unknown adapter, and
+        image spans (`mm_spans`: the prompt's images, placeholder ranges with pixels, grid and content hash)."""
         token_ids = list(token_ids)
+        identity = self.adapter_identity(adapter_name)
         self.validate_prompt(token_ids)
+        self.validate_sampling(sampling)
+        mm_spans = tuple(mm_spans)
+        self.validate_mm_spans(token_ids, mm_spans)
         seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                                sampling=sampling)
+                                sampling=sampling, adapter_name=identity, mm_spans=mm_spans)
+        self.routes.attach(seq)
         seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
 
         def command() -> list[EngineOutput]:
@@ -182,6 +223,12 @@ class Engine:
 
         self._push(seq.seq_id, command)
         return seq.seq_id
+
+    def validate_sampling(self, sampling: SamplingParams) -> None:
+        """Raise `ValueError` for sampling parameters outside what the kernels take, or asking for what this engine
+        does not do (routed experts with the engine flag off)."""
+        sampling.validate(self.model_config.vocab_size)
+        self.routes.validate(sampling)
 
     def abort_request(self, seq_id: int) -> None:
         def command() -> list[EngineOutput]:
@@ -250,29 +297,38 @@ class Engine:
     def _run_forward(self, sched: SchedulerOutput) -> list[EngineOutput]:
         """forward -> update -> deliver -> commit -> copy -> release (see `Scheduler`). Tokens and stops are
         delivered before the prefix cache's bookkeeping, which the next step needs but the client does not wait
-        for; a failed forward fails its batch only."""
+        for; a failed forward fails its batch only. Requests whose sampling inputs cannot be built are computed and
+        cached like the others, then fail alone (blocks and slot released)."""
+        rejected: list[tuple[SchedulerSequence, str]] = []
         try:
-            sampled, prompt_logits = self._forward(sched)
+            result, sampled = self._forward(sched, rejected)
+            rows = self._sampled_rows(result, sampled) + self._sample_logits_hits(sched.logits_hits, rejected)
         except Exception as exc:  # the engine keeps serving
             logger.exception('forward failed')
             return self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
                                       for seq in self.scheduler.cancel(sched)])
-        updates = self.scheduler.update(sched, sampled)
+        if result is not None:
+            self.routes.store(sched.seqs, sched.num_new_tokens, result.routed_experts)
+        updates = self.scheduler.update(sched, rows)
         outputs = self._deliver_all([self._update_output(update) for update in updates])
-        plan = self.scheduler.commit(sched, updates, prompt_logits)
+        plan = self.scheduler.commit(sched, updates, self._prompt_logits(sampled, result))
         self.scheduler.release(plan, copied=self._copy(plan))
         for seq, _ in plan.finishing:
             self._forget(seq.seq_id)
-        return outputs
+        return outputs + self._deliver_all([self._reject(seq, error) for seq, error in rejected])
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[list[SampledToken], Callable | None]:
-        """Restore copies, forward, save copies, sampling (fed rows, then whole-prompt hits from kept logits).
-        Returns the sampled rows and the lookup of a sampled sequence's last-position logits (None: no forward)."""
+    def _forward(self, sched: SchedulerOutput, rejected: list[tuple[SchedulerSequence, str]]):
+        """Restore copies, forward, save copies, sampling of the fed rows. Returns the forward's output (None: no
+        forward) and the sequences it sampled, in row order; rows whose sampling inputs fail go to `rejected`."""
         sampled, result = [], None
         cache_inputs = self.inputs_maker.make_cache_inputs(sched)
         if sched.seqs:
             inputs, sampled = self.inputs_maker.make(sched)
-            sampling = make_sampling_inputs(sampled, self._generators)
+            inputs.record_routed_experts = self.routes.wants(sched.seqs)
+            sampling, errors = make_sampling_inputs(sampled, self._generators)
+            if errors:  # those requests fail alone after this forward; the others sample as usual
+                rejected += [(sampled[i], error) for i, error in errors.items()]
+                sampled = drop_sampled_rows(inputs, sampled, errors)
             collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
             if any(collect):
                 result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
@@ -280,16 +336,19 @@ class Engine:
                 result = self.agent.forward(inputs, sampling, cache_inputs)
         elif cache_inputs is not None:
             self.agent.copy_only(cache_inputs)
-        hits = self._sample_logits_hits(sched.logits_hits)
-        rows = [SampledToken(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
-                for i, seq in enumerate(sampled)] + hits
-        return rows, self._prompt_logits(sampled, result.logits if result is not None else None)
+        return result, sampled
 
-    def _prompt_logits(self, sampled: list[SchedulerSequence], logits: torch.Tensor | None) -> Callable | None:
+    @staticmethod
+    def _sampled_rows(result, sampled: list[SchedulerSequence]) -> list[SampledToken]:
+        return [SampledToken(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
+                for i, seq in enumerate(sampled)]
+
+    def _prompt_logits(self, sampled: list[SchedulerSequence], result) -> Callable | None:
         """Kept logits of a sampled sequence's last position, copied to the host in the model dtype on demand (only
-        prompt-end checkpoints keep them)."""
-        if logits is None:
+        prompt-end checkpoints keep them); None without a forward."""
+        if result is None or result.logits is None:
             return None
+        logits = result.logits
         rows = {seq.seq_id: i for i, seq in enumerate(sampled)}
         dtype = getattr(torch, self.model_config.dtype)
 
@@ -309,36 +368,50 @@ class Engine:
             logger.exception('reply checkpoint copies failed')
             return False
 
-    def _sample_logits_hits(self, hits) -> list[SampledToken]:
-        """First tokens of identical prompts, sampled from the logits kept with their prompt-end checkpoint."""
+    def _sample_logits_hits(self, hits, rejected: list[tuple[SchedulerSequence, str]]) -> list[SampledToken]:
+        """First tokens of identical prompts, sampled from the logits kept with their prompt-end checkpoint. Rows
+        whose sampling inputs cannot be built go to `rejected`."""
+        if not hits:
+            return []
+        sampling, errors = make_sampling_inputs([seq for seq, _ in hits], self._generators)
+        rejected += [(hits[i][0], error) for i, error in errors.items()]
+        hits = [hit for i, hit in enumerate(hits) if i not in errors]
         if not hits:
             return []
         seqs = [seq for seq, _ in hits]
         logits = torch.stack([logits.to(torch.float32) for _, logits in hits])
-        result = self.agent.sample(logits, make_sampling_inputs(seqs, self._generators))
+        result = self.agent.sample(logits, sampling)
         return [SampledToken(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(seqs)]
 
     def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
-        logits = self.agent.forward_logits(inputs, cache_inputs)
+        logits, routes = self.agent.forward_logits(inputs, cache_inputs)
         start = 0
         for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
             if keep:
                 self._collected_logits[seq.seq_id].append(logits[start:start + n])
             start += n
-        return self.agent.sample(logits[inputs.logits_indices], sampling)
+        result = self.agent.sample(logits[inputs.logits_indices], sampling)
+        result.routed_experts = routes
+        return result
 
-    @staticmethod
-    def _update_output(update: SequenceUpdate) -> EngineOutput:
+    def _update_output(self, update: SequenceUpdate) -> EngineOutput:
         seq, reason = update.seq, update.finish_reason
-        return EngineOutput(seq.seq_id, update.new_token_ids, finished=reason is not None, finish_reason=reason,
-                            num_cached=seq.num_cached, logprobs=update.logprobs)
+        out = EngineOutput(seq.seq_id, update.new_token_ids, finished=reason is not None, finish_reason=reason,
+                           num_cached=seq.num_cached, logprobs=update.logprobs)
+        if reason is not None:
+            out.routed_experts = self.routes.result(seq)
+        return out
 
     def _error_output(self, seq: SchedulerSequence, error: str) -> EngineOutput:
         """The output of a sequence the scheduler already failed."""
         out = self._finish_output(seq)
         out.error = error
         return out
+
+    def _reject(self, seq: SchedulerSequence, error: str) -> EngineOutput:
+        logger.error('request %d: %s', seq.seq_id, error)
+        return self._fail(seq, error)
 
     def _deliver_all(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
         for out in outputs:
@@ -353,7 +426,8 @@ class Engine:
 
     def _finish_output(self, seq: SchedulerSequence) -> EngineOutput:
         self._forget(seq.seq_id)
-        return EngineOutput(seq.seq_id, finished=True, finish_reason=seq.finish_reason, num_cached=seq.num_cached)
+        return EngineOutput(seq.seq_id, finished=True, finish_reason=seq.finish_reason, num_cached=seq.num_cached,
+                            routed_experts=self.routes.result(seq))
 
     def _forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -396,6 +470,17 @@ class Engine:
                 self._stats_waiters -= 1
 
     def _stats(self) -> dict:
+        return {**self._prefix_cache_stats(), **self._vision_cache_stats()}
+
+    def _vision_cache_stats(self) -> dict:
+        cache = self.agent.vision_cache
+        if cache is None:
+            return {}
+        s = cache.stats
+        return {'vision_cache_hits': s.hits, 'vision_cache_misses': s.misses, 'vision_cache_entries': s.entries,
+                'vision_cache_bytes': s.bytes}
+
+    def _prefix_cache_stats(self) -> dict:
         trie = self.scheduler.trie
         if trie is None:
             return {'query_tokens': 0, 'hit_tokens': 0, 'hit_rate': 0.0, 'num_requests': 0, 'num_hits': 0,

@@ -7,11 +7,14 @@ Unknown OpenAI fields (`user`, `metadata`, ...) are accepted and ignored; known 
 """
 from __future__ import annotations
 
+import base64
+import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -62,7 +65,7 @@ class StreamOptions(_Record):
 # ---- requests --------------------------------------------------------------------------------------------------
 class _SamplingRequest(_Record):
     """Fields shared by chat and text completions; `None` means the OpenAI default."""
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: Text | list[Text] | None = None
@@ -77,6 +80,8 @@ class _SamplingRequest(_Record):
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
+    # The experts each MoE layer routed every position to, in the final chunk / response (LMDeploy's name).
+    return_routed_experts: bool = False
 
     @field_validator('n')
     @classmethod
@@ -105,7 +110,7 @@ class _SamplingRequest(_Record):
             do_sample=temperature > 0, temperature=temperature or 1.0,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k, 0),
             repetition_penalty=self.repetition_penalty, stop_words=stop or None, ignore_eos=self.ignore_eos,
-            random_seed=self.seed, logprobs=logprobs)
+            random_seed=self.seed, logprobs=logprobs, return_routed_experts=self.return_routed_experts)
 
 
 class TextContentPart(_Record):
@@ -113,13 +118,67 @@ class TextContentPart(_Record):
     text: Text
 
 
+class FunctionCall(_Record):
+    name: Text
+    arguments: Text = '{}'  # JSON, as the model wrote it
+
+
+class ToolCallMessage(_Record):
+    """An assistant's tool call in the history."""
+    id: str | None = None
+    type: Literal['function'] = 'function'
+    function: FunctionCall
+
+    def as_template_call(self) -> dict:
+        # Templates expect `arguments` as a mapping (Qwen3.5 iterates its items); text that is not a JSON object
+        # stays text, which Qwen3's template prints as is.
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {'id': self.id, 'type': 'function',
+                'function': {'name': self.function.name, 'arguments': arguments}}
+
+
 class ChatMessage(_Record):
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
     content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
 
     def as_template_message(self) -> dict:
+        """The message as Hugging Face chat templates take it (`content` always a string)."""
         content = self.content if isinstance(self.content, str) else ''.join(p.text for p in self.content or ())
-        return {'role': 'system' if self.role == 'developer' else self.role, 'content': content}
+        message: dict[str, Any] = {'role': 'system' if self.role == 'developer' else self.role, 'content': content}
+        if self.tool_calls:
+            message['tool_calls'] = [call.as_template_call() for call in self.tool_calls]
+        for key in ('name', 'tool_call_id', 'reasoning_content'):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class FunctionDefinition(_Record):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Record):
+    type: Literal['function']
+    function: FunctionDefinition
+
+
+class NamedFunction(_Record):
+    name: Text
+
+
+class NamedToolChoice(_Record):
+    type: Literal['function']
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -127,13 +186,37 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # upper bound: --max-logprobs (limits.py)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Extension (vLLM / LMDeploy): variables for the chat template, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode='after')
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError('top_logprobs requires logprobs=true')
         return self
+
+    @model_validator(mode='after')
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        if self.tool_choice == 'required' and not self.tools:
+            raise ValueError('tool_choice "required" needs tools')
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(f'tool_choice names the function {name!r}, which is not in tools')
+        return self
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the template shows the model: none for tool_choice "none", only the named one if named."""
+        if not self.tools or self.tool_choice == 'none':
+            return None
+        tools = self.tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t.function.name == self.tool_choice.function.name]
+        return [t.model_dump(exclude_none=True) for t in tools]
 
     @property
     def num_logprobs(self) -> int | None:
@@ -153,7 +236,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # upper bound: --max-logprobs (limits.py)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -203,6 +286,30 @@ class UsageInfo(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=response.cached_tokens))
 
 
+class RoutedExpertsData(BaseModel):
+    """`Response.routed_experts` compactly: `data` is the base64 of the array's bytes, little-endian uint16 in
+    row-major order, of `shape` [num_prompt + num_generated - 1, num_moe_layers, top_k]. Decode with
+    `np.frombuffer(base64.b64decode(data), '<u2').reshape(shape)`."""
+    dtype: Literal['uint16'] = 'uint16'
+    shape: list[int]
+    data: str
+
+    @classmethod
+    def of(cls, routes: np.ndarray | None) -> RoutedExpertsData | None:
+        if routes is None:
+            return None
+        little = np.ascontiguousarray(routes, dtype='<u2')
+        return cls(shape=list(little.shape), data=base64.b64encode(little.tobytes()).decode('ascii'))
+
+
+def _absent(value) -> bool:
+    return value is None
+
+
+# Only present where asked for and only in the final chunk / response (no bytes in other chunks).
+RoutedExpertsField = Field(None, exclude_if=_absent)
+
+
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -217,9 +324,27 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal['function'] = 'function'
+    function: FunctionCallOut
+
+
+class DeltaToolCall(ToolCallOut):
+    """A streamed tool call: sent whole, in one delta, once its block is complete."""
+    index: int
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal['assistant'] = 'assistant'
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -227,6 +352,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class ChatCompletionResponse(BaseModel):
@@ -241,6 +367,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal['assistant'] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -248,6 +376,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class ChatCompletionChunk(BaseModel):
@@ -271,6 +400,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class CompletionResponse(BaseModel):
@@ -313,10 +443,13 @@ def _ranked(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def chat_logprobs(response: Response, k: int, decode: Callable[[int], str]) -> ChatLogprobs:
+def chat_logprobs(response: Response, k: int, decode: Callable[[int], str],
+                  token_bytes: Callable[[int], bytes] | None = None) -> ChatLogprobs:
+    """`token_bytes`: the token's own bytes (part of a UTF-8 character for some tokens); default: its text's."""
     def item(token_id: int, logprob: float) -> TopLogprob:
         token = decode(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+        raw = token_bytes(token_id) if token_bytes is not None else token.encode()
+        return TopLogprob(token=token, logprob=logprob, bytes=list(raw))
 
     content = []
     for token_id, entry in zip(response.token_ids, response.logprobs or ()):
