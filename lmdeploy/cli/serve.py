@@ -5,6 +5,7 @@ import argparse
 
 from ..serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from .engine_args import add_engine_args, engine_config_from_args, resolve_model_path
+from .server_args import add_server_args, server_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -30,13 +31,14 @@ def add_parser(sub) -> None:
     api.add_argument('--reasoning-parser', default=None, choices=sorted(REASONING_PARSERS),
                      help='separate <think>...</think> into reasoning_content')
     add_engine_args(api)
+    add_server_args(api)
     api.set_defaults(func=run_api_server)
 
 
 def run_api_server(args: argparse.Namespace) -> int:
     from ..serve.openai.api_server import serve
-    serve(resolve_model_path(args.model_path), engine_config_from_args(args), server_name=args.server_name,
-          server_port=args.server_port, api_keys=args.api_keys, model_name=args.model_name,
-          log_level=args.log_level, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
-          tool_call_parser=args.tool_call_parser, generation_config=args.generation_config)
-    return 0
+    return serve(resolve_model_path(args.model_path), engine_config_from_args(args), server_name=args.server_name,
+                 server_port=args.server_port, api_keys=args.api_keys, model_name=args.model_name,
+                 log_level=args.log_level, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
+                 tool_call_parser=args.tool_call_parser, config=server_config_from_args(args),
+                 generation_config=args.generation_config)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .routed_experts import RoutedExperts
+
 # Ranges the sampling kernels accept (`backends/default/sampling.py`): parameters travel as float32 / int64 tensors
 # and seeds go to `torch.Generator.manual_seed`.
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -59,6 +61,8 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     random_seed: int | None = None
     logprobs: int | None = None
+    # Return the experts every MoE layer routed each position to (needs `enable_return_routed_experts`).
+    return_routed_experts: bool = False
     # OpenAI penalties over the generated tokens: logit -= frequency * count + presence * (count > 0).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -165,6 +169,9 @@ class SchedulerSequence:
     num_prefill_checkpoints: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Routed experts of positions [0, num_computed) (engine flag on and the request asked, or the prefix cache keeps
+    # them); None: not recorded.
+    routed_experts: RoutedExperts | None = None
     # int64 copy of `token_ids[:_array_len]` (capacity may exceed it) and the list object it was converted from.
     _array: np.ndarray | None = field(default=None, init=False, repr=False)
     _array_src: list[int] | None = field(default=None, init=False, repr=False)

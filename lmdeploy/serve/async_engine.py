@@ -74,13 +74,15 @@ class AsyncEngine:
             gen_config = GenerationConfig()
             apply_to_generation_config(gen_config, self.sampling_defaults)
         self.validate_generation_config(gen_config)
-        input_ids, text = encode_prompt(self.tokenizer, prompt, do_preprocess, template)
+        input_ids, text = encode_prompt(self.tokenizer, prompt, do_preprocess, template,
+                                        max_tokens=self.session_len - 1)
         self.engine.validate_prompt(input_ids)
         return PreparedRequest(input_ids, gen_config, index, text)
 
     def validate_generation_config(self, gen_config: GenerationConfig) -> None:
-        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges)."""
-        self._sampling_params(gen_config)
+        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges,
+        routed experts without the engine flag)."""
+        self.engine.validate_sampling(self._sampling_params(gen_config))
 
     def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
         model_config = self.engine.model_config

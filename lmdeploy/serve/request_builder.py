@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from ..messages import GenerationConfig, Response
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SamplingParams
+from .bounded_encode import encode_within
 from .detokenizer import IncrementalDetokenizer
 from .tokenizer import Tokenizer
 
@@ -43,15 +44,23 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], template: TemplateOp
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True,
-                  template: TemplateOptions | None = None) -> tuple[list[int], str | None]:
-    """Token ids of `prompt` and the text they were encoded from (None for a prompt given as token ids)."""
+                  template: TemplateOptions | None = None,
+                  max_tokens: int | None = None) -> tuple[list[int], str | None]:
+    """Token ids of `prompt` and the text they were encoded from (None for a prompt given as token ids). With
+    `max_tokens`, a text far longer than that is refused (`PromptTooLong`) before it is tokenized whole (the exact
+    length check is the engine's)."""
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        if max_tokens is None:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encode_within(tokenizer, text, max_tokens, add_special_tokens)
+
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError('the prompt is empty')
         if do_preprocess:
             text = render_chat(tokenizer, [{'role': 'user', 'content': prompt}], template)
-            return tokenizer.encode(text, add_special_tokens=False), text
-        return tokenizer.encode(prompt), prompt
+            return encode(text, False), text
+        return encode(prompt, True), prompt
     if isinstance(prompt, list | tuple) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return list(prompt), None
     if isinstance(prompt, list | tuple) and not prompt:
@@ -61,7 +70,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = Tr
             if 'role' not in message or ('content' not in message and 'tool_calls' not in message):
                 raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
         text = render_chat(tokenizer, list(prompt), template)
-        return tokenizer.encode(text, add_special_tokens=False), text
+        return encode(text, False), text
     raise ValueError(f'unsupported prompt: {prompt!r:.80}')
 
 
@@ -81,7 +90,8 @@ def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_
         repetition_penalty=gen.repetition_penalty, stop_token_ids=tuple(stop_ids),
         stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
         logprobs=gen.logprobs, presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty,
-        min_p=gen.min_p, logit_bias=tuple(sorted((gen.logit_bias or {}).items())))
+        min_p=gen.min_p, logit_bias=tuple(sorted((gen.logit_bias or {}).items())),
+        return_routed_experts=gen.return_routed_experts)
     params.validate(vocab_size)
     return params
 
@@ -105,6 +115,7 @@ class ResponseBuilder:
         self.engine_finished = False
         self.error: str | None = None
         self.text = ''
+        self.routed_experts = None
 
     @property
     def finished(self) -> bool:
@@ -130,11 +141,15 @@ class ResponseBuilder:
             self.finish_reason = 'stop'
         elif out.finished:
             self.finish_reason = out.finish_reason
+        if out.finished:
+            self.routed_experts = out.routed_experts
         return Response(text=delta, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=new_ids, cached_tokens=self.cached_tokens,
-                        logprobs=new_logprobs, index=self.index, error=out.error)
+                        logprobs=new_logprobs, index=self.index, error=out.error,
+                        routed_experts=out.routed_experts if out.finished else None)
 
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(self.token_ids),
-                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error)
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error,
+                        routed_experts=self.routed_experts)

@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP server over one `AsyncEngine`.
 
-Request path: API key check (ASGI middleware, before the body is read; 401) -> body parse and type check (pydantic;
-400) -> model name check (404) -> `AsyncEngine.prepare` in a worker thread (tokenize + engine checks; 400) ->
+Request path: API key check (ASGI middleware, before the body is read; 401) -> body read under a size limit and a
+deadline, lone surrogates refused (`body.py`; 413, 408, 400) -> body parse and type check (pydantic; 400) -> model
+name check (404) -> request limits (`limits.py`; 400) -> `AsyncEngine.prepare` on a `TokenizerPool` lane (tokenize,
+length bounded while tokenizing, engine checks; 400) ->
 `max_tokens` clamped to what the session leaves -> engine responses streamed out (SSE) or collected.
 
-The event loop never blocks: tokenization runs in a worker thread, the engine on its own thread. Closing the
+The event loop never blocks: tokenization runs in a bounded pool of threads, the engine on its own thread. Closing the
 response iteration (a client disconnect) closes `AsyncEngine.astream`, which aborts the request in the engine:
 for SSE Starlette cancels the body iterator, for plain responses `_unless_disconnected` watches the socket.
 """
@@ -32,6 +34,10 @@ from ...messages import Response as EngineResponse
 from ..async_engine import AsyncEngine, PreparedRequest, choice_requests
 from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser, ParsedDelta
 from ..request_builder import TemplateOptions
+from ..server_config import ServerConfig
+from .body import BodyLimitMiddleware
+from .errors import APIError
+from .limits import check_request_limits
 from .metrics import ServerMetrics
 from .protocol import (
     ChatChoice,
@@ -49,6 +55,7 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    RoutedExpertsData,
     ToolCallOut,
     UsageInfo,
     chat_logprobs,
@@ -56,28 +63,16 @@ from .protocol import (
     new_id,
     now,
 )
+from .tokenizer_pool import TokenizerPool, prompt_chars
 
 OPEN_PATHS = ('/health', '/metrics')
-
-
-class APIError(Exception):
-    """Raised anywhere in a handler; rendered as an OpenAI error body with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = 'invalid_request_error'):
-        super().__init__(message)
-        self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
 
 
 class ServerState:
     """What the handlers of one app share: the engine, the served name and the metrics."""
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, reasoning_parser: str | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, config: ServerConfig | None = None):
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f'unknown reasoning parser {reasoning_parser!r}; choose from {sorted(REASONING_PARSERS)}')
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
@@ -86,6 +81,8 @@ class ServerState:
         self.model_name = model_name
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
+        self.config = config = config or ServerConfig()
+        self.tokenizers = TokenizerPool(config.tokenizer_workers)
         self.created = now()
         self.metrics = ServerMetrics(async_engine.engine)
         tokenizer = async_engine.tokenizer
@@ -105,13 +102,15 @@ class ServerState:
 
     async def prepare(self, prompt, body: ChatCompletionRequest | CompletionRequest, do_preprocess: bool,
                       param: str, template: TemplateOptions | None = None) -> PreparedRequest:
+        check_request_limits(body, self.config)
         gen = body.with_defaults(self.async_engine.sampling_defaults).to_generation_config()
         try:
             self.async_engine.validate_generation_config(gen)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         try:
-            prepared = await asyncio.to_thread(self.async_engine.prepare, prompt, gen, do_preprocess, 0, template)
+            prepared = await self.tokenizers.run(prompt_chars(prompt), self.async_engine.prepare, prompt, gen,
+                                                 do_preprocess, 0, template)
         except ValueError as exc:
             code = 'context_length_exceeded' if 'session_len' in str(exc) else None
             raise APIError(400, str(exc), param=param, code=code) from exc
@@ -189,7 +188,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 or (logprobs and logprobs.content)):
             return None
         return chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,
-                                      finish_reason=_chat_finish_reason(r.finish_reason, parser))])
+                                      finish_reason=_chat_finish_reason(r.finish_reason, parser),
+                                      routed_experts=RoutedExpertsData.of(r.routed_experts))])
 
     if body.stream:
         heads = [chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role='assistant', content=''))])
@@ -206,7 +206,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         message = ChatResponseMessage(content=parsed.content if parsed.content or not calls else None,
                                       reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
         out.append(ChatChoice(index=index, message=message, logprobs=logprobs,
-                              finish_reason=_chat_finish_reason(final.finish_reason, parser)))
+                              finish_reason=_chat_finish_reason(final.finish_reason, parser),
+                              routed_experts=RoutedExpertsData.of(final.routed_experts)))
     return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=out,
                                   usage=UsageInfo.total(finals, n))
 
@@ -229,7 +230,8 @@ async def completions(body: CompletionRequest, request: Request):
         if not (r.text or r.finish_reason or (logprobs and logprobs.tokens)):
             return None
         return completion([CompletionChoice(index=index, text=r.text, logprobs=logprobs,
-                                            finish_reason=r.finish_reason)])
+                                            finish_reason=r.finish_reason,
+                                            routed_experts=RoutedExpertsData.of(r.routed_experts))])
 
     if body.stream:
         usage = (lambda lasts: completion([], UsageInfo.total(lasts, n))) if body.include_usage else None
@@ -237,7 +239,8 @@ async def completions(body: CompletionRequest, request: Request):
     finals = await _unless_disconnected(request, _collect_all(streams))
     out = [CompletionChoice(index=index, text=final.text, finish_reason=final.finish_reason,
                             logprobs=completion_logprobs(final, k, state.decode, 0)
-                            if final.logprobs is not None else None)
+                            if final.logprobs is not None else None,
+                            routed_experts=RoutedExpertsData.of(final.routed_experts))
            for index, final in enumerate(finals)]
     return completion(out, UsageInfo.total(finals, n))
 
@@ -431,9 +434,12 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               config: ServerConfig | None = None) -> FastAPI:
     """A FastAPI app serving `async_engine`; the caller owns (and closes) the engine."""
-    state = ServerState(async_engine, model_name or async_engine.model_name, reasoning_parser, tool_call_parser)
+    state = ServerState(async_engine, model_name or async_engine.model_name, reasoning_parser, tool_call_parser,
+                        config)
+    config = state.config
     app = FastAPI(title='lmdeploy OpenAI-compatible API')
     app.state.server = state
     app.include_router(router)
@@ -448,6 +454,9 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
         return Response(content, media_type=media_type)
 
     _install_error_handlers(app, state.metrics)
+    # Middleware added last runs first: API key (no body read) -> body limits -> handlers.
+    app.add_middleware(BodyLimitMiddleware, payload_limit=config.payload_limit, timeout_body=config.timeout_body,
+                       metrics=state.metrics)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics)
     return app
@@ -470,16 +479,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, server_name: str = '127.0.0.1',
           server_port: int = 23333, api_keys: list[str] | None = None, model_name: str | None = None,
           log_level: str = 'info', chat_template: str | None = None, reasoning_parser: str | None = None,
-          tool_call_parser: str | None = None, generation_config: str = 'auto') -> None:
-    """Bind the port, load the model and serve it until interrupted."""
+          tool_call_parser: str | None = None, config: ServerConfig | None = None,
+          generation_config: str = 'auto') -> int:
+    """Bind the port, load the model and serve it until interrupted; returns the process exit status."""
     import uvicorn
     sock = bind_socket(server_name, server_port)
     try:
         async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template, generation_config)
         try:
-            app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser)
-            config = uvicorn.Config(app, log_level=log_level.lower())
-            uvicorn.Server(config).run(sockets=[sock])
+            app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser, config)
+            uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower())).run(sockets=[sock])
+            return 0
         finally:
             async_engine.close()
     finally:

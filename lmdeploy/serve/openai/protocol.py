@@ -7,12 +7,14 @@ Unknown OpenAI fields (`user`, `metadata`, ...) are accepted and ignored; known 
 """
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -65,7 +67,7 @@ class StreamOptions(_Record):
 # ---- requests --------------------------------------------------------------------------------------------------
 class _SamplingRequest(_Record):
     """Fields shared by chat and text completions; `None` means the OpenAI default."""
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: Text | list[Text] | None = None
@@ -83,6 +85,8 @@ class _SamplingRequest(_Record):
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
+    # The experts each MoE layer routed every position to, in the final chunk / response (LMDeploy's name).
+    return_routed_experts: bool = False
 
     @field_validator('logit_bias')
     @classmethod
@@ -120,7 +124,8 @@ class _SamplingRequest(_Record):
             repetition_penalty=self.repetition_penalty, stop_words=stop or None, ignore_eos=self.ignore_eos,
             random_seed=self.seed, logprobs=logprobs, n=self.num_choices,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            min_p=self.min_p, logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
+            min_p=self.min_p, logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            return_routed_experts=self.return_routed_experts)
 
 
 class TextContentPart(_Record):
@@ -196,7 +201,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # upper bound: --max-logprobs (limits.py)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -246,7 +251,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # upper bound: --max-logprobs (limits.py)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -307,6 +312,30 @@ class UsageInfo(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in firsts)))
 
 
+class RoutedExpertsData(BaseModel):
+    """`Response.routed_experts` compactly: `data` is the base64 of the array's bytes, little-endian uint16 in
+    row-major order, of `shape` [num_prompt + num_generated - 1, num_moe_layers, top_k]. Decode with
+    `np.frombuffer(base64.b64decode(data), '<u2').reshape(shape)`."""
+    dtype: Literal['uint16'] = 'uint16'
+    shape: list[int]
+    data: str
+
+    @classmethod
+    def of(cls, routes: np.ndarray | None) -> RoutedExpertsData | None:
+        if routes is None:
+            return None
+        little = np.ascontiguousarray(routes, dtype='<u2')
+        return cls(shape=list(little.shape), data=base64.b64encode(little.tobytes()).decode('ascii'))
+
+
+def _absent(value) -> bool:
+    return value is None
+
+
+# Only present where asked for and only in the final chunk / response (no bytes in other chunks).
+RoutedExpertsField = Field(None, exclude_if=_absent)
+
+
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -349,6 +378,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class ChatCompletionResponse(BaseModel):
@@ -372,6 +402,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class ChatCompletionChunk(BaseModel):
@@ -395,6 +426,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class CompletionResponse(BaseModel):
