@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 _DEVICES = ('cuda', 'cpu')
+MAX_N = 128  # samples per prompt
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
 
@@ -163,6 +164,16 @@ class GenerationConfig:
     logprobs: int | None = None
     # LoRA adapter to run the request with (a name of `PytorchEngineConfig.adapters`); None: the base model.
     adapter_name: str | None = None
+    # Independent samples per prompt (`pipe` then returns a list of `n` responses per prompt); with a seed,
+    # sample i uses seed + i.
+    n: int = 1
+    # OpenAI penalties over the generated tokens, each in [-2, 2]: logit -= frequency * count + presence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Keep only tokens with probability >= min_p times the most likely token's (after temperature); 0 = off.
+    min_p: float = 0.0
+    # token id -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[int, float] | None = None
     # Return `Response.routed_experts` with the final response (the engine needs enable_return_routed_experts).
     return_routed_experts: bool = False
 
@@ -218,6 +229,12 @@ def _optional_name(value):
     return None if value is None or (isinstance(value, str) and value) else 'None or a non-empty string'
 
 
+def _logit_bias(value):
+    ok = value is None or (isinstance(value, dict) and all(
+        _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in value.items()))
+    return None if ok else 'None or a dict of token ids to finite numbers in [-100, 100]'
+
+
 def _range_text(low, high) -> str:
     if low is not None and high is not None:
         return f' in [{low}, {high}]'
@@ -239,6 +256,11 @@ GENERATION_CHECKS = {
     'logprobs': _int(0, 64, optional=True),
     'adapter_name': _optional_name,
     'return_routed_experts': _bool,
+    'n': _int(1, MAX_N),
+    'presence_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
+    'frequency_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
+    'min_p': _real('in [0, 1]', lambda v: 0 <= v <= 1),
+    'logit_bias': _logit_bias,
 }
 
 

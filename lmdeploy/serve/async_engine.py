@@ -11,14 +11,15 @@ import contextlib
 import queue
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
 from ..pytorch.engine.request import EngineOutput
-from ..pytorch.messages import SamplingParams
+from ..pytorch.messages import SEED_RANGE, SamplingParams
 from .request_builder import Prompt, ResponseBuilder, TemplateOptions, encode_prompt, make_sampling_params
+from .sampling_defaults import apply_to_generation_config, load_sampling_defaults
 from .tokenizer import Tokenizer
 
 
@@ -29,17 +30,36 @@ class PreparedRequest:
     index: int = 0
     # The rendered prompt (None when given as token ids): reasoning parsers look at how it ends.
     prompt_text: str | None = None
+    # `n` of the user's config (each choice's own config has n=1).
+    requested_n: int = 1
+
+
+def choice_requests(request: PreparedRequest, first_index: int = 0) -> list[PreparedRequest]:
+    """The `gen_config.n` independent samples of one prepared prompt, indexed from `first_index`; with a seed,
+    sample j is seeded with seed + j (wrapped into the seed range), so a seeded batch is reproducible."""
+    gen = request.gen_config
+    out = []
+    for j in range(gen.n):
+        seed = gen.random_seed
+        if seed is not None and j:
+            seed = seed + j if seed + j <= SEED_RANGE[1] else seed + j - 2**64
+        out.append(replace(request, gen_config=replace(gen, random_seed=seed, n=1), index=first_index + j,
+                           requested_n=gen.n))
+    return out
 
 
 class AsyncEngine:
 
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None,
-                 model_name: str | None = None, chat_template: str | None = None):
+                 model_name: str | None = None, chat_template: str | None = None, generation_config: str = 'auto'):
+        """`generation_config`: where default sampling parameters come from ('auto': the model's
+        generation_config.json; 'none': the API's defaults; or a folder holding one)."""
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
         # the engine first: it names a bad model folder with a ValueError, the tokenizer with a hub error
         self.engine = Engine(model_path, backend_config)
         self.tokenizer = Tokenizer(model_path, chat_template)
+        self.sampling_defaults = load_sampling_defaults(model_path, generation_config)
         self._loop = EngineLoop(self.engine)
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')
 
@@ -50,7 +70,9 @@ class AsyncEngine:
     def prepare(self, prompt: Prompt, gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
                 index: int = 0, template: TemplateOptions | None = None) -> PreparedRequest:
         """Tokenize and validate; raises `ValueError` naming the problem."""
-        gen_config = gen_config or GenerationConfig()
+        if gen_config is None:
+            gen_config = GenerationConfig()
+            apply_to_generation_config(gen_config, self.sampling_defaults)
         self.validate_generation_config(gen_config)
         input_ids, text = encode_prompt(self.tokenizer, prompt, do_preprocess, template,
                                         max_tokens=self.session_len - 1)

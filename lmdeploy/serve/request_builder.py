@@ -89,7 +89,9 @@ def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_
         temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p, top_k=gen.top_k,
         repetition_penalty=gen.repetition_penalty, stop_token_ids=tuple(stop_ids),
         stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
-        logprobs=gen.logprobs, return_routed_experts=gen.return_routed_experts)
+        logprobs=gen.logprobs, presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty,
+        min_p=gen.min_p, logit_bias=tuple(sorted((gen.logit_bias or {}).items())),
+        return_routed_experts=gen.return_routed_experts)
     params.validate(vocab_size)
     return params
 
