@@ -11,7 +11,8 @@ Modes (same engine geometry, same prompts, greedy, eos ignored):
 
 Each run submits `--batch` requests of `--prompt` random tokens, steps the engine until every request has its first
 token (prefill), then times the decode steps until all have `--decode` tokens: decode tokens/s = tokens produced
-in that window / its wall time. Modes run interleaved `--reps` times; the median is reported.
+in that window / its wall time. Modes run interleaved `--reps` times; the best and the median round are reported
+(on a shared machine other load only slows a round down, so the best is the steadier comparison).
 
     python benchmark/bench_routed_experts.py                       # tiny Qwen3-Next on the CPU
     python benchmark/bench_routed_experts.py --device cuda --shape a3b --batch 32 --decode 128
@@ -99,12 +100,12 @@ def main() -> None:
             rate = decode_rate(engines[mode], prompts, args.decode, MODES[mode][1])
             if rep:
                 rates[mode].append(rate)
-    base = statistics.median(rates['off'])
-    print('| mode | decode tokens/s (median) | min / max | vs off |')
-    print('|---|---:|---:|---:|')
+    best_off, median_off = max(rates['off']), statistics.median(rates['off'])
+    print('| mode | decode tokens/s, best | median | best vs off | median vs off |')
+    print('|---|---:|---:|---:|---:|')
     for mode in modes:
-        med = statistics.median(rates[mode])
-        print(f'| {mode} | {med:.1f} | {min(rates[mode]):.1f} / {max(rates[mode]):.1f} | {med / base - 1:+.1%} |')
+        best, med = max(rates[mode]), statistics.median(rates[mode])
+        print(f'| {mode} | {best:.1f} | {med:.1f} | {best / best_off - 1:+.1%} | {med / median_off - 1:+.1%} |')
 
 
 if __name__ == '__main__':
