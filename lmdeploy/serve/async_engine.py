@@ -44,6 +44,11 @@ class AsyncEngine:
     def session_len(self) -> int:
         return self.engine.session_len
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """Names of the resident LoRA adapters (what requests may pass as `adapter_name`)."""
+        return list(self.engine.adapters)
+
     def prepare(self, prompt: Prompt, gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
                 index: int = 0, template: TemplateOptions | None = None) -> PreparedRequest:
         """Tokenize and validate; raises `ValueError` naming the problem."""
@@ -54,8 +59,10 @@ class AsyncEngine:
         return PreparedRequest(input_ids, gen_config, index, text)
 
     def validate_generation_config(self, gen_config: GenerationConfig) -> None:
-        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges)."""
+        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges;
+        `UnknownAdapterError` for an adapter the engine has not loaded)."""
         self._sampling_params(gen_config)
+        self.engine.adapter_identity(gen_config.adapter_name)
 
     def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
         model_config = self.engine.model_config
@@ -64,7 +71,8 @@ class AsyncEngine:
         return make_sampling_params(gen_config, self.tokenizer, eos, model_config.vocab_size)
 
     def submit(self, request: PreparedRequest, callback) -> int:
-        return self.engine.add_request(request.input_ids, self._sampling_params(request.gen_config), callback)
+        return self.engine.add_request(request.input_ids, self._sampling_params(request.gen_config), callback,
+                                       adapter_name=request.gen_config.adapter_name)
 
     def abort(self, seq_id: int) -> None:
         self.engine.abort_request(seq_id)

@@ -201,10 +201,11 @@ class BlockTrie:
         memo.nodes = path
         return path
 
-    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node) -> list[Node]:
-        """The nodes from just below the end of `path` down to `node` if they hold exactly the sequence's blocks
-        there (tokens and multimodal identity), else []."""
-        top = path[-1] if path else self.kv.root(seq.adapter_name)
+    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node,
+                      top: Node | None = None) -> list[Node]:
+        """The nodes from just below the end of `path` (or below `top`, a root) down to `node` if they hold exactly
+        the sequence's blocks there (tokens and multimodal identity), else []."""
+        top = top or (path[-1] if path else self.kv.root(seq.adapter_name))
         run, parts = [], []
         while node.depth > top.depth:
             run.append(node)
@@ -293,13 +294,30 @@ class BlockTrie:
         bs = self.block_size
         first, last = hit // bs, min(covered, len(tokens)) // bs
         gap_anchors = self.hasher.block_keys(seq)[first:min(last, len(path)) + 1].tolist()
-        other = 0
-        if len(self.kv.roots) > 1 and len(tokens) >= bs:
-            block = tokens[:bs]
-            mm = mm_identity_of(seq, 0, bs)
-            if any(self.kv.find_child(r, block, mm) for a, r in self.kv.roots.items() if a != seq.adapter_name):
-                other = bs
+        other = self._other_adapter_coverage(seq, tokens) if len(self.kv.roots) > 1 else 0
         return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other)
+
+    def _other_adapter_coverage(self, seq: SchedulerSequence, tokens: np.ndarray) -> int:
+        """Leading prompt tokens the trie holds under another adapter's root (its cached run of blocks, found by
+        binary search on that adapter's block prefix keys and verified, plus the longest continuation after it):
+        what the `adapter_mismatch` miss reason counts. Attribution only; a hit never reads another root."""
+        bs, max_depth, best = self.block_size, len(tokens) // self.block_size, 0
+        for adapter, root in self.kv.roots.items():
+            if adapter == seq.adapter_name:
+                continue
+            keys, found, lo, hi = self.hasher.block_keys_under(seq, adapter), root, 1, max_depth
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                node = self.kv.lookup(int(keys[mid]))
+                if node is None or node.depth != mid or node.adapter_name != adapter:
+                    hi = mid - 1
+                else:
+                    found, lo = node, mid + 1
+            if found is not root and not self._verified_run(seq, tokens, [], found, top=root):
+                found = root
+            base = found.depth * bs
+            best = max(best, base + found.longest_continuation(tokens[base:base + bs].tobytes()))
+        return min(best, len(tokens))
 
     def _tail_start(self, step: int) -> int:
         rem = step % self.block_size
