@@ -92,10 +92,19 @@ class ServerState:
         self.decode: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise APIError(404, f'The model `{model}` does not exist; this server serves `{self.model_name}`.',
-                           param='model', code='model_not_found')
+    @property
+    def served_names(self) -> list[str]:
+        """What `model` may name: the base model, then every resident LoRA adapter."""
+        return [self.model_name, *self.async_engine.adapter_names]
+
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a name this server does not serve."""
+        if not model or model == self.model_name:
+            return None
+        if model in self.async_engine.adapter_names:
+            return model
+        raise APIError(404, f'The model `{model}` does not exist; this server serves '
+                       f'{", ".join(f"`{n}`" for n in self.served_names)}.', param='model', code='model_not_found')
 
     def output_parser(self, body: ChatCompletionRequest, prepared: PreparedRequest) -> ChatOutputParser:
         tools = body.template_tools()
@@ -105,6 +114,7 @@ class ServerState:
     async def prepare(self, prompt, body: ChatCompletionRequest | CompletionRequest, do_preprocess: bool,
                       param: str, template: TemplateOptions | None = None) -> PreparedRequest:
         gen = body.to_generation_config()
+        gen.adapter_name = self.check_model(body.model)
         try:
             self.async_engine.validate_generation_config(gen)
         except ValueError as exc:
@@ -141,8 +151,8 @@ router = APIRouter(prefix='/v1')
 @router.get('/models')
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
-                                     max_model_len=state.async_engine.session_len)])
+    return ModelList(data=[ModelCard(id=name, created=state.created, max_model_len=state.async_engine.session_len)
+                           for name in state.served_names])
 
 
 def _chat_delta(parsed: ParsedDelta, num_calls_before: int) -> DeltaMessage:
@@ -167,7 +177,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     rid, created, k = new_id('chatcmpl'), now(), body.top_logprobs or 0
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+        return ChatCompletionChunk(id=rid, created=created, model=body.model or state.model_name, choices=choices,
+                                   usage=usage)
 
     def delta(r: EngineResponse) -> ChatCompletionChunk | None:
         logprobs = chat_logprobs(r, k, state.decode) if r.logprobs is not None else None
@@ -191,7 +202,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                   reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
     choice = ChatChoice(message=message, logprobs=logprobs,
                         finish_reason=_chat_finish_reason(final.finish_reason, parser))
-    return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=[choice],
+    return ChatCompletionResponse(id=rid, created=created, model=body.model or state.model_name, choices=[choice],
                                   usage=UsageInfo.of(final))
 
 
@@ -205,7 +216,8 @@ async def completions(body: CompletionRequest, request: Request):
     offset = 0  # characters streamed so far, for logprobs.text_offset
 
     def completion(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
-        return CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=rid, created=created, model=body.model or state.model_name, choices=choices,
+                                  usage=usage)
 
     def delta(r: EngineResponse) -> CompletionResponse | None:
         nonlocal offset
