@@ -19,6 +19,7 @@ class OpType(enum.Enum):
     ApplyRotary = enum.auto()
     SiluAndMul = enum.auto()
     PagedAttention = enum.auto()
+    VisionAttention = enum.auto()
     GatedDeltaRule = enum.auto()
     CausalConv1d = enum.auto()
     MoE = enum.auto()

@@ -181,6 +181,8 @@ class CUDAGraphRunner:
         """The graph that can run `inputs`, or None (eager)."""
         if inputs.state_cuts is not None or inputs.block_tables.size(1) > self.static.max_pages:
             return None
+        if inputs.mm_token_rows is not None or inputs.mrope_position_ids is not None:
+            return None  # image tokens: embeddings and 3-D positions the static buffers do not hold
         num_tokens, num_seqs = inputs.input_ids.numel(), inputs.batch_size
         if num_seqs == 0:
             return None

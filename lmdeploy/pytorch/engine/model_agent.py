@@ -21,6 +21,7 @@ from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import PREFILL_TOKEN_BUCKETS, CUDAGraphRunner
 from .device_streams import DeviceStreams
+from .vision_cache import VisionEncoderCache
 
 
 class ForwardOutput:
@@ -41,12 +42,14 @@ class ModelAgent:
 
     def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
                  cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0, record_routed_experts: bool = False,
-                 has_lora: bool = False):
+                 has_lora: bool = False, vision_cache_bytes: int = 0):
         """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
         captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence.
         `record_routed_experts` (the engine flag) lets forwards record routed experts; graphs then always do.
-        `has_lora`: the model has LoRA adapters attached (graphs then carry each row's adapter slot)."""
+        `has_lora`: the model has LoRA adapters attached (graphs then carry each row's adapter slot).
+        `vision_cache_bytes > 0` keeps encoded images by content hash (`VisionEncoderCache`)."""
         self.model = model
+        self.vision_cache = VisionEncoderCache(vision_cache_bytes) if vision_cache_bytes > 0 else None
         self.cache_engine = cache_engine
         self.device = device
         cfg = cache_engine.model_config
@@ -86,11 +89,36 @@ class ModelAgent:
         if cache_inputs.state_save_plan is not None:
             self.cache_engine.copy_state_slots(cache_inputs.state_save_plan)
 
+    def embed_images(self, inputs: ModelInputs) -> None:
+        """Fill `inputs.mm_embeds` for the forward's images: encoder-cache hits are reused, the misses run through
+        the vision tower in one packed call (on the forward stream) and are cached."""
+        items = inputs.vision_items
+        if not items:
+            return
+        embeds: dict[int, torch.Tensor] = {}
+        for item in items:
+            if item.content_hash not in embeds:
+                cached = self.vision_cache.get(item.content_hash) if self.vision_cache is not None else None
+                if cached is not None:
+                    embeds[item.content_hash] = cached
+        misses = list({item.content_hash: item for item in items if item.content_hash not in embeds}.values())
+        if misses:
+            pixels = torch.cat([m.pixels.pixel_values for m in misses]).to(self.device, non_blocking=True)
+            out = self.model.encode_images(pixels, [m.pixels.grid_thw for m in misses])
+            sizes = [self.model.num_image_tokens(m.pixels.grid_thw) for m in misses]
+            for item, part in zip(misses, out.split(sizes)):
+                embeds[item.content_hash] = part
+                if self.vision_cache is not None:
+                    self.vision_cache.put(item.content_hash, part)
+        inputs.mm_embeds = torch.cat([embeds[i.content_hash][i.first_token:i.first_token + i.num_tokens]
+                                      for i in items])
+
     def run_model(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """restore copies -> model -> save copies; returns the hidden states and the routed-experts record (None
-        unless the inputs asked for it)."""
+        """restore copies -> image embeddings -> model -> save copies; returns the hidden states and the
+        routed-experts record (None unless the inputs asked for it)."""
         self.restore(cache_inputs)
+        self.embed_images(inputs)
         key = self.graph_runner.key_of(inputs) if self.graph_runner is not None else None
         routes = None
         if key is not None:

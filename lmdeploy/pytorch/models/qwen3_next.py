@@ -173,8 +173,12 @@ class HybridModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg))
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(ctx.inputs.input_ids)
-        cos_sin = self.rotary_emb.cos_sin(ctx.inputs.position_ids)
+        inputs = ctx.inputs
+        x = self.embed_tokens(inputs.input_ids)
+        if inputs.mm_embeds is not None:  # image placeholders take the vision tower's embeddings
+            x = x.index_copy(0, inputs.mm_token_rows, inputs.mm_embeds.to(x.dtype))
+        positions = inputs.position_ids if inputs.mrope_position_ids is None else inputs.mrope_position_ids
+        cos_sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, self.rotary_emb, cos_sin, ctx)
         return self.norm(x)

@@ -13,6 +13,7 @@ from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from ...kernels.cuda.rms_norm import gated_rms_norm, rms_norm
 from ...kernels.cuda.rotary import apply_rotary
+from ...kernels.cuda.varlen_attention import varlen_attention
 from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
@@ -32,6 +33,12 @@ def _build_attention(**_kwargs):
             return paged_decode_attention(q, k_cache, v_cache, inputs.block_tables, inputs.kv_lens, scale)
         return paged_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.cu_seqlens_q,
                                        inputs.q_lens, inputs.kv_lens, inputs.max_seqlen_q, scale)
+    return forward
+
+
+def _build_vision_attention(**_kwargs):
+    def forward(q, k, v, cu_seqlens, cu_seqlens_list, max_seqlen, scale):
+        return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     return forward
 
 
@@ -82,6 +89,7 @@ def _build_lora(**_kwargs):
 
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
+    OpType.VisionAttention: _build_vision_attention,
     OpType.CacheBlockCopy: _const(copy_packed_cache),
     OpType.RMSNorm: _const(rms_norm),
     OpType.GatedRMSNorm: _const(gated_rms_norm),

@@ -8,6 +8,7 @@ from ...kernels.default import causal_conv1d as _conv
 from ...kernels.default import gated_delta_rule as _gdr
 from ...kernels.default import lora as _lora
 from ...kernels.default import paged_attention as _attn
+from ...kernels.default import varlen_attention as _varlen
 from ..base import Backend, OpType
 from . import elementwise, moe, sampling
 
@@ -24,6 +25,12 @@ def _build_attention(**_kwargs):
         _attn.fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
         return _attn.paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.q_lens_list,
                                      inputs.kv_lens_list, scale)
+    return forward
+
+
+def _build_vision_attention(**_kwargs):
+    def forward(q, k, v, cu_seqlens, cu_seqlens_list, max_seqlen, scale):
+        return _varlen.varlen_attention(q, k, v, cu_seqlens_list, scale)
     return forward
 
 
@@ -78,6 +85,7 @@ _BUILDERS = {
     OpType.ApplyRotary: _const(elementwise.apply_rotary),
     OpType.SiluAndMul: _const(elementwise.silu_and_mul),
     OpType.PagedAttention: _build_attention,
+    OpType.VisionAttention: _build_vision_attention,
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.CausalConv1d: _build_causal_conv1d,
     OpType.MoE: _const(moe.fused_moe),

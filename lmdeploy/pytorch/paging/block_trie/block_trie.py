@@ -1,26 +1,28 @@
-"""`BlockTrie`: the prefix cache facade the scheduler talks to (match, admit helpers, attach, checkpoints, evict).
+"""`BlockTrie`: the prefix cache, implementing the contract of `paging/prefix_cache.py` (read that first).
 
 Owns the trie (via `TrieKVLifecycle`), the checkpoints (via `StateCheckpointLifecycle` and its index) and each
 running sequence's canonical path (the trie nodes of its leading full blocks). It never touches device memory:
-it returns copy plans as pairs of logical ids for the inputs maker.
+it returns copy plans as pairs of logical ids for the inputs maker. Which steps get checkpoints, and from where
+their slots come, is `CheckpointPolicy`'s (checkpoint_policy.py); this file matches, attaches, publishes and evicts.
 
-Order per forward: scheduler admission calls `match` (then pins / allocates / rolls back); `plan_checkpoint`
-reserves save targets for prefill and chunk ends; after the forward is queued `after_forward` attaches newly
-completed blocks, publishes the reserved checkpoints and drops restore pins.
+Order per step (the contract's): `match` -> `acquire` / `rollback` -> `record_admission` during `schedule`;
+`plan_checkpoints` at its end; after the forward is queued `commit` attaches newly completed blocks, publishes the
+reserved checkpoints, drops restore pins and keeps prompt logits; `plan_replies` -> `publish` / `discard`.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
 from ...messages import SchedulerSequence
 from ..block_manager import BlockManager
+from ..prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch, PromptLogits
+from ..scheduler_output import CopyPlan, LogitsHit, SchedulerOutput
 from ..state_manager import StateManager
 from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
+from .checkpoint_policy import CheckpointPolicy, cap_at_hint
 from .kv_lifecycle import TrieKVLifecycle
 from .miss_tracker import MissTracker
 from .node import Node, NodeStateCheckpoint, tail_hash
@@ -44,38 +46,16 @@ def _common_nodes(a: list[Node], b: list[Node]) -> int:
     return lo
 
 
-class PrefixMatch(NamedTuple):
-    num_tokens: int                          # prompt tokens served from the cache (the resume step)
-    nodes: list[Node]                        # shared full blocks [0, num_tokens // block_size)
-    checkpoint: NodeStateCheckpoint | None   # state to restore (hybrid models), None for dense models
-    # Branch point: the prompt shares this many tokens with cached ones but no checkpoint exists there; the first
-    # prefill chunk ends exactly here so that a checkpoint is taken (0: none).
-    junction: int = 0
-    # Uncached prompt tokens by reason (see miss_tracker.py).
-    miss: Counter | None = None
+__all__ = ['BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
 
 
-@dataclass
-class PrefixCacheStats:
-    num_requests: int = 0
-    num_hits: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    checkpoints_saved: int = 0
-    logits_hits: int = 0
-    branch_points: int = 0
-    miss_reasons: Counter = field(default_factory=Counter)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-class BlockTrie:
+class BlockTrie(PrefixCache):
 
     def __init__(self, block_manager: BlockManager, state_manager: StateManager | None, block_size: int,
                  exact_steps: bool = True, prompt_logits: bool = False, branch_checkpoints: bool = False,
-                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0):
+                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0,
+                 decode_state_interval: int = 0, prefill_state_interval: int = 0, prefill_state_cap: int = 0,
+                 reply_checkpoints: bool = False):
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.block_size = block_size
@@ -95,6 +75,9 @@ class BlockTrie:
         self.stats = PrefixCacheStats()
         self._paths: dict[int, list[Node]] = {}
         self._clock = 0
+        self.policy = CheckpointPolicy(self, block_manager, state_manager, decode_state_interval=decode_state_interval,
+                                       prefill_state_interval=prefill_state_interval,
+                                       prefill_state_cap=prefill_state_cap, reply_checkpoints=reply_checkpoints)
 
     def tick(self) -> int:
         self._clock += 1
@@ -323,7 +306,41 @@ class BlockTrie:
         rem = step % self.block_size
         return step - rem if rem else step - self.block_size
 
-    # ---- admission bookkeeping --------------------------------------------------------------------------------
+    # ---- admission bookkeeping (the contract's admission calls) ------------------------------------------------
+    def waits_for_peer(self, seq: SchedulerSequence, match: PrefixMatch, out: SchedulerOutput) -> bool:
+        return self.policy.waits_for_peer(seq, match, out)
+
+    def admission_chunk(self, seq: SchedulerSequence, match: PrefixMatch, n: int) -> int:
+        return self.policy.admission_chunk(seq, match, n)
+
+    def chunk(self, seq: SchedulerSequence, n: int) -> int:
+        return cap_at_hint(seq, n)
+
+    def acquire(self, seq: SchedulerSequence, match: PrefixMatch) -> list[int]:
+        if match.checkpoint is not None:
+            self.checkpoints.pin(match.checkpoint, self.tick())
+        shared = [node.block_id for node in match.nodes]
+        self.block_manager.add_ref(shared)
+        return shared
+
+    def rollback(self, seq: SchedulerSequence, match: PrefixMatch) -> None:
+        self.block_manager.free([node.block_id for node in match.nodes])
+        if match.checkpoint is not None:
+            self.checkpoints.unpin(match.checkpoint)
+        seq.checkpoint_hint = None
+
+    def record_admission(self, seq: SchedulerSequence, match: PrefixMatch, first_admission: bool,
+                         out: SchedulerOutput) -> None:
+        self.on_admitted(seq, match, first_admission)
+        ck = match.checkpoint
+        if ck is not None:
+            out.pinned.append(ck)
+            out.state_restores.append((ck.slot, seq.state_slot))
+            if ck.frozen_block_id is not None:
+                out.kv_restores.append((ck.frozen_block_id, seq.block_ids[ck.step // self.block_size]))
+        if match.num_tokens == seq.num_tokens:
+            out.logits_hits.append(LogitsHit(seq, ck.last_logits))
+
     def on_admitted(self, seq: SchedulerSequence, match: PrefixMatch, first_admission: bool) -> None:
         now = self.tick()
         self._paths[seq.seq_id] = list(match.nodes)
@@ -422,7 +439,35 @@ class BlockTrie:
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
 
+    def plan_checkpoints(self, out: SchedulerOutput) -> None:
+        self.policy.plan(out)
+
+    def commit(self, out: SchedulerOutput, prompt_logits: PromptLogits | None = None) -> None:
+        for seq in out.seqs:
+            if not seq.is_finished:
+                self.attach(seq)
+        self.publish(out)
+        for ck in out.pinned:
+            self.checkpoints.unpin(ck)
+        self.policy.keep_prompt_logits(out, prompt_logits)
+
+    def plan_replies(self, seqs: list[SchedulerSequence], plan: CopyPlan) -> None:
+        self.policy.plan_replies(seqs, plan)
+
+    def publish(self, plan: CopyPlan) -> None:
+        for seq, ck in plan.reserved:
+            self.publish_checkpoint(seq, ck)
+
+    def discard(self, plan: CopyPlan) -> None:
+        for _, ck in plan.reserved:
+            self.checkpoints.release(ck)
+        for ck in plan.pinned:
+            self.checkpoints.unpin(ck)
+
     # ---- eviction ---------------------------------------------------------------------------------------------
+    def allocate_slot(self) -> int | None:
+        return self.policy.allocate_slot()
+
     def evict_blocks(self, num_needed: int) -> bool:
         """Free KV blocks until `num_needed` are free: partial checkpoints first (LRU), then trie leaves (LRU)."""
         while not self.block_manager.can_allocate(num_needed):
