@@ -69,7 +69,7 @@ def test_an_evicted_partial_checkpoint_leaves_its_hits_to_the_aligned_fallback()
     trie.checkpoints.evict(partial, 'kv')
     s.check_integrity()
     # The requests that resumed at 10 resume at 8 now: its credit moved there, at the clock of the eviction.
-    assert aligned.num_hits == 3 and aligned.priority > max(before, trie.policy.clock)
+    assert aligned.num_hits == 3 and aligned.priority > max(before, trie.reuse.clock)
     resumed = make_seq(tokens(10) + [90])
     run(s, resumed)
     assert resumed.num_cached == 8

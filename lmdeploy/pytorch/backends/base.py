@@ -19,12 +19,14 @@ class OpType(enum.Enum):
     ApplyRotary = enum.auto()
     SiluAndMul = enum.auto()
     PagedAttention = enum.auto()
+    VisionAttention = enum.auto()
     GatedDeltaRule = enum.auto()
     CausalConv1d = enum.auto()
     MoE = enum.auto()
     CacheBlockCopy = enum.auto()
     StateSlotCopy = enum.auto()
     Sampling = enum.auto()
+    LoRA = enum.auto()
 
 
 Builder = Callable[..., Any]

@@ -15,12 +15,45 @@ from ..model_inputs import ModelInputs, SamplingInputs, StateCuts
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import SchedulerOutput
 from .cache_inputs import CacheCheckpointInputs
+from .mm_inputs import sequence_mm_inputs
+
+
+class _MultiModalBatch:
+    """Collects the M-RoPE positions and image rows of a forward's multimodal sequences."""
+
+    def __init__(self):
+        self.mrope: dict[int, np.ndarray] = {}  # batch token offset of the sequence -> its [3, n] positions
+        self.rows: list[np.ndarray] = []
+        self.items: list = []
+
+    def add(self, seq: SchedulerSequence, start: int, n: int, offset: int) -> np.ndarray:
+        """The sequence's 1-D positions; its 3-D positions and image rows are kept for `attach`."""
+        got = sequence_mm_inputs(seq, start, n)
+        if got.mrope_positions is not None:
+            self.mrope[offset] = got.mrope_positions
+        if got.items:
+            self.rows.append(got.rows + offset)
+            self.items += got.items
+        return got.positions
+
+    def attach(self, inputs: ModelInputs) -> None:
+        if self.mrope:
+            flat = np.broadcast_to(inputs.position_ids.numpy(), (3, inputs.position_ids.numel())).copy()
+            for offset, pos in self.mrope.items():
+                flat[:, offset:offset + pos.shape[1]] = pos
+            inputs.mrope_position_ids = torch.from_numpy(flat)
+        if self.items:
+            inputs.mm_token_rows = torch.from_numpy(np.concatenate(self.rows))
+            inputs.vision_items = self.items
 
 
 class InputsMaker:
 
-    def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int):
+    def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int,
+                 lora_slots: dict[str, int] | None = None):
+        """`lora_slots`: adapter identity (`SchedulerSequence.adapter_name`) -> slot in the LoRA layers."""
         self.block_manager = block_manager
+        self.lora_slots = lora_slots or {}
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
         self.pages_per_block = block_size // kernel_block_size
@@ -34,13 +67,14 @@ class InputsMaker:
         """Model inputs for the batch, and the sequences that sample a token after this forward (in row order)."""
         ids, positions, slots, logits_idx, tables, sampled = [], [], [], [], [], []
         q_lens, kv_lens, state_ids, fresh = [], [], [], []
+        mm = _MultiModalBatch()
         offset = 0
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed
             pos = np.arange(start, start + n, dtype=np.int64)
             pages = self._page_table(seq)
             ids.append(seq.token_array()[start:start + n])
-            positions.append(pos)
+            positions.append(mm.add(seq, start, n, offset) if seq.mm_spans else pos)
             slots.append(pages[pos // self.kernel_block_size] * self.kernel_block_size + pos % self.kernel_block_size)
             tables.append(pages)
             q_lens.append(n)
@@ -65,8 +99,16 @@ class InputsMaker:
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             state_ids=torch.tensor(state_ids, dtype=torch.int64), is_fresh=torch.tensor(fresh, dtype=torch.bool),
             q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens),
-            state_cuts=self._state_cuts(out, q_lens, state_ids, fresh))
+            state_cuts=self._state_cuts(out, q_lens, state_ids, fresh), lora_ids=self._lora_ids(out))
+        mm.attach(inputs)
         return inputs, sampled
+
+    def _lora_ids(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Each row's adapter slot, or None when no row uses an adapter (LoRA layers then skip entirely)."""
+        if not self.lora_slots:
+            return None
+        slots = [self.lora_slots[seq.adapter_name] if seq.adapter_name is not None else 0 for seq in out.seqs]
+        return torch.tensor(slots, dtype=torch.int64) if any(slots) else None
 
     @staticmethod
     def _state_cuts(out: SchedulerOutput, q_lens: list[int], state_ids: list[int], fresh: list[bool]
@@ -105,10 +147,19 @@ class SamplingRow(NamedTuple):
     banned_ids: torch.Tensor | None    # stop ids not allowed before min_new_tokens
     generator: torch.Generator | None
     logprobs: int | None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    output_ids: torch.Tensor | None = None  # generated ids, when a presence / frequency penalty is on
+    min_p: float = 0.0
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator]) -> SamplingRow:
     params = seq.sampling
+    bias = None
+    if params.logit_bias:
+        bias = (torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64),
+                torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))
     return SamplingRow(
         temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k, top_p=params.top_p,
         repetition_penalty=params.repetition_penalty,
@@ -116,11 +167,16 @@ def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator])
         if params.repetition_penalty != 1.0 else None,
         banned_ids=torch.tensor(params.stop_token_ids, dtype=torch.int64)
         if seq.num_generated < params.min_new_tokens and params.stop_token_ids else None,
-        generator=generators.get(seq.seq_id), logprobs=params.logprobs)
+        generator=generators.get(seq.seq_id), logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        output_ids=torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64)
+        if params.has_output_penalties else None,
+        min_p=params.min_p, logit_bias=bias)
 
 
 def _stack(rows: list[SamplingRow]) -> SamplingInputs:
     temperature = [row.temperature for row in rows]
+    penalties = any(row.output_ids is not None for row in rows)
     return SamplingInputs(
         temperature=torch.tensor(temperature, dtype=torch.float32),
         top_k=torch.tensor([row.top_k for row in rows], dtype=torch.int64),
@@ -129,7 +185,15 @@ def _stack(rows: list[SamplingRow]) -> SamplingInputs:
         penalty_ids=[row.penalty_ids for row in rows], banned_ids=[row.banned_ids for row in rows],
         generators=[row.generator for row in rows],
         max_num_logprobs=max((row.logprobs for row in rows if row.logprobs is not None), default=-1),
-        all_greedy=all(t == 0.0 for t in temperature))
+        all_greedy=all(t == 0.0 for t in temperature),
+        output_ids=[row.output_ids for row in rows] if penalties else None,
+        presence_penalty=torch.tensor([row.presence_penalty for row in rows], dtype=torch.float32)
+        if penalties else None,
+        frequency_penalty=torch.tensor([row.frequency_penalty for row in rows], dtype=torch.float32)
+        if penalties else None,
+        min_p=torch.tensor([row.min_p for row in rows], dtype=torch.float32)
+        if any(row.min_p > 0 for row in rows) else None,
+        logit_bias=[row.logit_bias for row in rows] if any(row.logit_bias is not None for row in rows) else None)
 
 
 def _build(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]) -> SamplingInputs:
@@ -151,7 +215,8 @@ def make_sampling_inputs(seqs: list[SchedulerSequence], generators: dict[int, to
 
 
 _ROW_DTYPES = {'temperature': torch.float32, 'top_k': torch.int64, 'top_p': torch.float32,
-               'repetition_penalty': torch.float32}
+               'repetition_penalty': torch.float32, 'presence_penalty': torch.float32,
+               'frequency_penalty': torch.float32, 'min_p': torch.float32}
 
 
 def _row_error(seq: SchedulerSequence, generators: dict[int, torch.Generator]) -> str | None:

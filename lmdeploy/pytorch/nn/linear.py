@@ -1,4 +1,4 @@
-"""Linear layer whose matmul comes from the selected backend."""
+"""Linear layer whose matmul comes from the selected backend; LoRA adapters attach to it (`nn.lora`)."""
 from __future__ import annotations
 
 import torch
@@ -15,9 +15,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._impl = current_backend().build(OpType.Linear)
+        self.lora = None  # a `nn.lora.LoRAStack` once adapters are attached
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._impl(x, self.weight, self.bias)
+        out = self._impl(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class MergedLinear(Linear):

@@ -1,0 +1,37 @@
+"""Flags of `lmdeploy serve api_server` for limits, timeouts, admission, liveness and shutdown (`ServerConfig`).
+
+Names follow LMDeploy where it has one, then vLLM (`--max-logprobs`) and TGI (`--payload-limit`,
+`--max-stop-sequences`).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from ..serve.server_config import ServerConfig
+
+_HELP = {
+    'payload_limit': 'largest request body in bytes (413 beyond)',
+    'max_messages': 'chat messages per request',
+    'max_stop_sequences': 'stop strings per request',
+    'max_stop_sequence_length': 'characters of one stop string',
+    'max_logprobs': 'largest top_logprobs / logprobs',
+    'max_n': 'largest n (choices per request)',
+    'tokenizer_workers': 'threads tokenizing large prompts (small prompts have their own thread)',
+    'timeout_body': 'seconds a request may take to send its body (408 beyond)',
+}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group('limits and lifecycle')
+    defaults = ServerConfig()
+    for f in fields(ServerConfig):
+        flag = '--' + f.name.replace('_', '-')
+        default = getattr(defaults, f.name)
+        kind = float if f.type == 'float' else int
+        group.add_argument(flag, type=kind, default=default,
+                           help=f'{_HELP[f.name]} (default: {default})' if default is not None else _HELP[f.name])
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig)})
