@@ -35,6 +35,8 @@ from ..async_engine import AsyncEngine, PreparedRequest
 from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser, ParsedDelta
 from ..request_builder import TemplateOptions
 from ..server_config import ServerConfig
+from ..watchdog import EngineWatchdog
+from .admission import Admission, AdmissionMiddleware
 from .body import BodyLimitMiddleware
 from .errors import APIError
 from .limits import check_request_limits
@@ -82,6 +84,7 @@ class ServerState:
         self.tool_call_parser = tool_call_parser
         self.config = config = config or ServerConfig()
         self.tokenizers = TokenizerPool(config.tokenizer_workers)
+        self.watchdog = EngineWatchdog(async_engine, config.watchdog_timeout)
         self.created = now()
         self.metrics = ServerMetrics(async_engine.engine)
         tokenizer = async_engine.tokenizer
@@ -122,7 +125,9 @@ class ServerState:
                        arrival: float) -> AsyncIterator[EngineResponse]:
         tracker = self.metrics.track(endpoint, arrival)
         try:
-            async with aclosing(self.async_engine.astream(prepared)) as stream:
+            stream = self.async_engine.astream(
+                prepared, on_first_step=lambda step: self.admission.observe_queue_time(arrival, step))
+            async with aclosing(stream) as stream:
                 async for response in stream:
                     tracker.observe(response)
                     yield response
@@ -292,8 +297,9 @@ class ApiKeyMiddleware:
     """Rejects requests outside `OPEN_PATHS` without `Authorization: Bearer <one of the keys>` (before any body
     is read)."""
 
-    def __init__(self, app, api_keys: list[str], metrics: ServerMetrics):
+    def __init__(self, app, api_keys: list[str], metrics: ServerMetrics, open_paths: tuple[str, ...] = OPEN_PATHS):
         self.app = app
+        self.open_paths = open_paths
         self.keys = [key.encode() for key in api_keys]
         self.metrics = metrics
 
@@ -305,7 +311,7 @@ class ApiKeyMiddleware:
         return scheme.lower() == 'bearer' and any(matches)
 
     async def __call__(self, scope, receive, send):
-        if scope['type'] == 'http' and scope['path'] not in OPEN_PATHS and not self._authorized(scope):
+        if scope['type'] == 'http' and scope['path'] not in self.open_paths and not self._authorized(scope):
             self.metrics.reject(401)
             error = APIError(401, 'Missing or invalid API key: send "Authorization: Bearer <key>".',
                              code='invalid_api_key')
@@ -366,9 +372,14 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
     app.state.server = state
     app.include_router(router)
 
+    state.admission = admission = Admission(config.admission_limit(async_engine.engine.engine_config.max_batch_size),
+                                            lambda: state.watchdog.state, state.metrics.registry)
+
     @app.get('/health')
-    async def health() -> dict:
-        return {'status': 'ok'}
+    async def health() -> JSONResponse:
+        """200 `ok`; 503 `draining`, `engine_dead` or `engine_hung` (a load balancer should go elsewhere)."""
+        status = 'draining' if admission.draining else state.watchdog.state.value
+        return JSONResponse({'status': status}, status_code=200 if status == 'ok' else 503)
 
     @app.get('/metrics')
     def metrics() -> Response:  # sync: FastAPI runs it in a worker thread, since reading the engine's statistics
@@ -376,11 +387,13 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
         return Response(content, media_type=media_type)
 
     _install_error_handlers(app, state.metrics)
-    # Middleware added last runs first: API key (no body read) -> body limits -> handlers.
+    # Middleware added last runs first: API key -> admission (neither reads the body) -> body limits -> handlers.
     app.add_middleware(BodyLimitMiddleware, payload_limit=config.payload_limit, timeout_body=config.timeout_body,
                        metrics=state.metrics)
+    app.add_middleware(AdmissionMiddleware, admission=admission, metrics=state.metrics)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics)
+        open_paths = ('/health',) if config.enable_metrics_auth else OPEN_PATHS
+        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics, open_paths=open_paths)
     return app
 
 
