@@ -24,10 +24,15 @@ class ServerConfig:
     max_concurrent_requests: int | None = None
     # Tokenization: worker threads for large prompts (small ones have their own lane, so they never wait behind).
     tokenizer_workers: int = 2
-    # Connections (seconds).
+    # Connections (seconds; counts).
+    timeout_header: float = 10.0            # from connect (or the end of the last response) to complete headers
     timeout_body: float = 30.0              # from the headers to the end of the body
+    timeout_keep_alive: float = 5.0         # idle keep-alive connection
+    max_connections: int = 4096             # open connections; lowered to fit RLIMIT_NOFILE at start
     # Liveness: a step running longer than this fails its requests and turns /health to 503.
     watchdog_timeout: float = 300.0
+    # Shutdown: SIGTERM drains in-flight requests for this long, then aborts the rest.
+    timeout_graceful_shutdown: float = 30.0
     # /metrics needs an API key (when keys are set).
     enable_metrics_auth: bool = False
 

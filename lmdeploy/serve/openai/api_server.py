@@ -39,6 +39,7 @@ from ..watchdog import EngineWatchdog
 from .admission import Admission, AdmissionMiddleware
 from .body import BodyLimitMiddleware
 from .errors import APIError
+from .lifecycle import run_app
 from .limits import check_request_limits
 from .metrics import ServerMetrics
 from .protocol import (
@@ -53,7 +54,6 @@ from .protocol import (
     CompletionResponse,
     DeltaMessage,
     DeltaToolCall,
-    ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -246,7 +246,7 @@ def _event_stream(responses: AsyncIterator[EngineResponse], delta: Callable[[Eng
             async for response in responses:
                 last = response
                 if response.error:
-                    yield _sse(ErrorResponse(error=ErrorInfo(message=response.error, type='internal_error')))
+                    yield _sse(ErrorResponse(error=_engine_error(response).info))
                     break
                 chunk = delta(response)
                 if chunk is not None:
@@ -259,6 +259,13 @@ def _event_stream(responses: AsyncIterator[EngineResponse], delta: Callable[[Eng
                              headers={'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'})
 
 
+def _engine_error(response: EngineResponse) -> APIError:
+    """An engine-side failure: 503 for a request aborted by the shutdown, 500 otherwise."""
+    if response.finish_reason == 'abort':
+        return APIError(503, response.error, type='service_unavailable', code='server_shutting_down')
+    return APIError(500, response.error, type='internal_error')
+
+
 async def _collect(responses: AsyncIterator[EngineResponse]) -> EngineResponse:
     """All deltas of one request merged into one `Response` (text, token ids and logprobs concatenated)."""
     texts, token_ids, logprobs, last = [], [], [], None
@@ -268,7 +275,7 @@ async def _collect(responses: AsyncIterator[EngineResponse]) -> EngineResponse:
             token_ids += last.token_ids
             logprobs += last.logprobs or []
     if last.error:
-        raise APIError(500, last.error, type='internal_error')
+        raise _engine_error(last)
     return replace(last, text=''.join(texts), token_ids=token_ids,
                    logprobs=logprobs if last.logprobs is not None else None)
 
@@ -416,14 +423,12 @@ def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, ser
           log_level: str = 'info', chat_template: str | None = None, reasoning_parser: str | None = None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None) -> int:
     """Bind the port, load the model and serve it until interrupted; returns the process exit status."""
-    import uvicorn
     sock = bind_socket(server_name, server_port)
     try:
         async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template)
         try:
             app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser, config)
-            uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower())).run(sockets=[sock])
-            return 0
+            return int(run_app(app, sock, log_level))
         finally:
             async_engine.close()
     finally:
