@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 _DEVICES = ('cuda', 'cpu')
+MAX_N = 128  # samples per prompt
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
 
@@ -84,6 +88,10 @@ class PytorchEngineConfig:
     # At most this many adapters, each of rank at most `max_lora_rank` (checked at start-up).
     max_loras: int = 8
     max_lora_rank: int = 64
+    # Let requests ask for the experts each MoE layer routed every token to (`GenerationConfig.
+    # return_routed_experts`); MoE layers then record them and, with prefix caching, cached blocks and checkpoints
+    # keep them (`engine.stats['routed_experts_bytes_per_token']` says what a cached token costs).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -156,6 +164,18 @@ class GenerationConfig:
     logprobs: int | None = None
     # LoRA adapter to run the request with (a name of `PytorchEngineConfig.adapters`); None: the base model.
     adapter_name: str | None = None
+    # Independent samples per prompt (`pipe` then returns a list of `n` responses per prompt); with a seed,
+    # sample i uses seed + i.
+    n: int = 1
+    # OpenAI penalties over the generated tokens, each in [-2, 2]: logit -= frequency * count + presence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Keep only tokens with probability >= min_p times the most likely token's (after temperature); 0 = off.
+    min_p: float = 0.0
+    # token id -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[int, float] | None = None
+    # Return `Response.routed_experts` with the final response (the engine needs enable_return_routed_experts).
+    return_routed_experts: bool = False
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first invalid field: its type first (`True` is not an int, `1` is not a
@@ -209,6 +229,12 @@ def _optional_name(value):
     return None if value is None or (isinstance(value, str) and value) else 'None or a non-empty string'
 
 
+def _logit_bias(value):
+    ok = value is None or (isinstance(value, dict) and all(
+        _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in value.items()))
+    return None if ok else 'None or a dict of token ids to finite numbers in [-100, 100]'
+
+
 def _range_text(low, high) -> str:
     if low is not None and high is not None:
         return f' in [{low}, {high}]'
@@ -229,6 +255,12 @@ GENERATION_CHECKS = {
     'random_seed': _int(-2**63, 2**64 - 1, optional=True, text=' in [-2**63, 2**64)'),
     'logprobs': _int(0, 64, optional=True),
     'adapter_name': _optional_name,
+    'return_routed_experts': _bool,
+    'n': _int(1, MAX_N),
+    'presence_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
+    'frequency_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
+    'min_p': _real('in [0, 1]', lambda v: 0 <= v <= 1),
+    'logit_bias': _logit_bias,
 }
 
 
@@ -246,3 +278,7 @@ class Response:
     logprobs: list[dict[int, float]] | None = None
     index: int = 0
     error: str | None = None
+    # Final response of a request that asked (`return_routed_experts`): uint16 [num_prompt + num_generated - 1,
+    # num_moe_layers, top_k], the experts each MoE layer (in layer order) routed every fed position to, for prompt
+    # and reply alike, cached positions included. Dense models have no MoE layer: [n - 1, 0, 0].
+    routed_experts: np.ndarray | None = None

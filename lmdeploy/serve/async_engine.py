@@ -12,14 +12,15 @@ import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
 from ..pytorch.engine.request import EngineOutput
-from ..pytorch.messages import SamplingParams
+from ..pytorch.messages import SEED_RANGE, SamplingParams
 from .request_builder import Prompt, ResponseBuilder, TemplateOptions, encode_prompt, make_sampling_params
+from .sampling_defaults import apply_to_generation_config, load_sampling_defaults
 from .tokenizer import Tokenizer
 
 
@@ -30,17 +31,36 @@ class PreparedRequest:
     index: int = 0
     # The rendered prompt (None when given as token ids): reasoning parsers look at how it ends.
     prompt_text: str | None = None
+    # `n` of the user's config (each choice's own config has n=1).
+    requested_n: int = 1
+
+
+def choice_requests(request: PreparedRequest, first_index: int = 0) -> list[PreparedRequest]:
+    """The `gen_config.n` independent samples of one prepared prompt, indexed from `first_index`; with a seed,
+    sample j is seeded with seed + j (wrapped into the seed range), so a seeded batch is reproducible."""
+    gen = request.gen_config
+    out = []
+    for j in range(gen.n):
+        seed = gen.random_seed
+        if seed is not None and j:
+            seed = seed + j if seed + j <= SEED_RANGE[1] else seed + j - 2**64
+        out.append(replace(request, gen_config=replace(gen, random_seed=seed, n=1), index=first_index + j,
+                           requested_n=gen.n))
+    return out
 
 
 class AsyncEngine:
 
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None,
-                 model_name: str | None = None, chat_template: str | None = None):
+                 model_name: str | None = None, chat_template: str | None = None, generation_config: str = 'auto'):
+        """`generation_config`: where default sampling parameters come from ('auto': the model's
+        generation_config.json; 'none': the API's defaults; or a folder holding one)."""
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
         # the engine first: it names a bad model folder with a ValueError, the tokenizer with a hub error
         self.engine = Engine(model_path, backend_config)
         self.tokenizer = Tokenizer(model_path, chat_template)
+        self.sampling_defaults = load_sampling_defaults(model_path, generation_config)
         self._loop = EngineLoop(self.engine)
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')
         # seq_id -> (put a response into its astream, its ResponseBuilder), for `fail_requests`
@@ -50,10 +70,17 @@ class AsyncEngine:
     def session_len(self) -> int:
         return self.engine.session_len
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """Names of the resident LoRA adapters (what requests may pass as `adapter_name`)."""
+        return list(self.engine.adapters)
+
     def prepare(self, prompt: Prompt, gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
                 index: int = 0, template: TemplateOptions | None = None) -> PreparedRequest:
         """Tokenize and validate; raises `ValueError` naming the problem."""
-        gen_config = gen_config or GenerationConfig()
+        if gen_config is None:
+            gen_config = GenerationConfig()
+            apply_to_generation_config(gen_config, self.sampling_defaults)
         self.validate_generation_config(gen_config)
         input_ids, text = encode_prompt(self.tokenizer, prompt, do_preprocess, template,
                                         max_tokens=self.session_len - 1)
@@ -61,8 +88,10 @@ class AsyncEngine:
         return PreparedRequest(input_ids, gen_config, index, text)
 
     def validate_generation_config(self, gen_config: GenerationConfig) -> None:
-        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges)."""
-        self._sampling_params(gen_config)
+        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges,
+        routed experts without the engine flag; `UnknownAdapterError` for an adapter the engine has not loaded)."""
+        self.engine.validate_sampling(self._sampling_params(gen_config))
+        self.engine.adapter_identity(gen_config.adapter_name)
 
     def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
         model_config = self.engine.model_config
@@ -71,7 +100,8 @@ class AsyncEngine:
         return make_sampling_params(gen_config, self.tokenizer, eos, model_config.vocab_size)
 
     def submit(self, request: PreparedRequest, callback) -> int:
-        return self.engine.add_request(request.input_ids, self._sampling_params(request.gen_config), callback)
+        return self.engine.add_request(request.input_ids, self._sampling_params(request.gen_config), callback,
+                                       adapter_name=request.gen_config.adapter_name)
 
     def abort(self, seq_id: int) -> None:
         self.engine.abort_request(seq_id)

@@ -89,7 +89,9 @@ def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_
         temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p, top_k=gen.top_k,
         repetition_penalty=gen.repetition_penalty, stop_token_ids=tuple(stop_ids),
         stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
-        logprobs=gen.logprobs)
+        logprobs=gen.logprobs, presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty,
+        min_p=gen.min_p, logit_bias=tuple(sorted((gen.logit_bias or {}).items())),
+        return_routed_experts=gen.return_routed_experts)
     params.validate(vocab_size)
     return params
 
@@ -113,6 +115,7 @@ class ResponseBuilder:
         self.engine_finished = False
         self.error: str | None = None
         self.text = ''
+        self.routed_experts = None
 
     @property
     def finished(self) -> bool:
@@ -138,11 +141,15 @@ class ResponseBuilder:
             self.finish_reason = 'stop'
         elif out.finished:
             self.finish_reason = out.finish_reason
+        if out.finished:
+            self.routed_experts = out.routed_experts
         return Response(text=delta, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=new_ids, cached_tokens=self.cached_tokens,
-                        logprobs=new_logprobs, index=self.index, error=out.error)
+                        logprobs=new_logprobs, index=self.index, error=out.error,
+                        routed_experts=out.routed_experts if out.finished else None)
 
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(self.token_ids),
-                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error)
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error,
+                        routed_experts=self.routed_experts)
