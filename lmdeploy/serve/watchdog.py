@@ -45,12 +45,11 @@ class EngineWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.check()
-            if self.state is Liveness.DEAD and not self.async_engine.live_request_ids and self._closed():
+            if self.async_engine.engine_loop.is_closed:   # closed on purpose: nothing to report
+                self.state = Liveness.DEAD
+                self._fail(self.async_engine.live_request_ids, 'the engine was closed')
                 return
-
-    def _closed(self) -> bool:
-        return not self.async_engine.engine_loop.is_alive
+            self.check()
 
     def check(self) -> Liveness:
         """One look at the engine loop (also called by tests); updates `state` and fails what it must."""

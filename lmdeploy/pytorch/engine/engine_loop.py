@@ -59,6 +59,11 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stop.is_set()
 
     @property
+    def is_closed(self) -> bool:
+        """`close()` was called (the loop stopped on purpose)."""
+        return self._stop.is_set()
+
+    @property
     def thread_id(self) -> int | None:
         return self._thread.ident
 
