@@ -4,8 +4,9 @@ The layers are Qwen3-Next's hybrid blocks (see `qwen3_next.py`); Qwen3.5 differs
 the DeltaNet projections are separate (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) and load as shards
 of our fused `in_proj_qkvz` / `in_proj_ba`. The released checkpoints are vision-language models
 (`*ForConditionalGeneration`: config under `text_config`, weights under `model.language_model.*`); their text part
-loads into the same classes, and vision / multi-token-prediction weights are skipped. For text-only positions the
-interleaved multimodal rotary embedding equals plain rotary, so `rope_parameters['mrope_*']` is not needed here.
+loads into the same classes (vision / multi-token-prediction weights: `weight_loading.IGNORED_CHECKPOINT_PREFIXES`).
+For text-only positions the interleaved multimodal rotary embedding equals plain rotary, so
+`rope_parameters['mrope_*']` is not needed here.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from ..nn.moe import SparseMoeBlock
 from .qwen3_next import GatedMLP, HybridForCausalLM
 
 _LANGUAGE_MODEL_PREFIX = 'model.language_model.'
-_SKIPPED_PREFIXES = ('mtp.', 'model.visual.', 'visual.')
 
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
@@ -25,8 +25,6 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         ('in_proj_ba', 'in_proj_b', 0), ('in_proj_ba', 'in_proj_a', 1)]
 
     def rename_weight(self, name: str) -> str | None:
-        if name.startswith(_SKIPPED_PREFIXES):
-            return None
         if name.startswith(_LANGUAGE_MODEL_PREFIX):
             name = 'model.' + name[len(_LANGUAGE_MODEL_PREFIX):]
         return super().rename_weight(name)
