@@ -97,19 +97,43 @@ class WeightRouter:
         return None
 
     def write(self, route: Route, tensor: torch.Tensor, name: str) -> list[str]:
-        """Copy `tensor` as routed; returns the parameter names written."""
+        """Copy `tensor` as routed; returns the pieces written (a parameter name, `param#shard` of a stacked
+        projection, `param#expert.part` of per-expert weights), the units of `required_pieces`."""
         module = self.modules[route.module]
         if route.key is not None:
-            return [f'{route.module}.{p}' for p in module.load_weight(route.key, tensor)]
+            written = module.load_weight(route.key, tensor)
+            parts = route.key.split('.')
+            if len(parts) == 3:  # per-expert `{e}.{proj}.{suffix}`
+                return [f'{route.module}.{written[0]}#{parts[0]}.{parts[1]}']
+            return [f'{route.module}.{p}#{e}.{part}' for p in written for e, part in self._expert_parts(module, p)]
         param = self.params[route.param]
         if route.shard_index is None:
             copy_param(param, tensor, name)
-        else:
-            sizes = module.shard_sizes
-            if route.param.endswith('weight_scale_inv'):  # the scale grid of a shard is its rows in blocks
-                sizes = [size // module.weight_block_size[0] for size in sizes]
-            copy_shard(param, tensor, sizes, route.shard_index, name)
-        return [route.param]
+            return [route.param]
+        sizes = module.shard_sizes
+        if route.param.endswith('weight_scale_inv'):  # the scale grid of a shard is its rows in blocks
+            sizes = [size // module.weight_block_size[0] for size in sizes]
+        copy_shard(param, tensor, sizes, route.shard_index, name)
+        return [f'{route.param}#{route.shard_index}']
+
+    @staticmethod
+    def _expert_parts(module: FusedExperts, param: str) -> list[tuple[int, str]]:
+        projs = ('down_proj',) if param.startswith('down_proj') else ('gate_proj', 'up_proj')
+        return [(e, proj) for e in range(module.num_experts) for proj in projs]
+
+    def required_pieces(self) -> set[str]:
+        """Every piece a complete load writes (see `write`)."""
+        pieces = set()
+        for name in self.params:
+            module_name, _, param = name.rpartition('.')
+            module = self.modules[module_name]
+            if isinstance(module, FusedExperts):
+                pieces.update(f'{name}#{e}.{part}' for e, part in self._expert_parts(module, param))
+            elif isinstance(module, MergedLinear):
+                pieces.update(f'{name}#{i}' for i in range(len(module.shard_sizes)))
+            else:
+                pieces.add(name)
+        return pieces
 
 
 def copy_param(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -192,6 +216,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         logger.info('skipped %d checkpoint tensors of the %s (not supported yet)', count, reason)
     if unexpected:
         raise ValueError(f'checkpoint tensors the model does not use: {_listed(unexpected)}')
-    missing = set(router.params) - loaded
+    # a stacked projection may also arrive whole (Qwen3-Next's in_proj_qkvz), covering all of its shards
+    missing = {piece for piece in router.required_pieces() - loaded if piece.partition('#')[0] not in loaded}
     if missing:
-        raise ValueError(f'model parameters the checkpoint does not provide: {_listed(missing)}')
+        raise ValueError(f'model parameters the checkpoint does not provide: {_listed(missing)} '
+                         '(`#i`: shard i of a stacked projection, `#e.proj`: expert e\'s proj)')
