@@ -18,11 +18,22 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 SUPPORTED_ARCHS = ('qwen3', 'qwen3_5', 'qwen3_next', 'qwen3_5_vl')
 DEMO_MODEL_VERSION = 'v1'
+# Archs whose demo checkpoint changed since (v2: the VL demo has vision tokens and a preprocessor_config.json).
+_ARCH_DEMO_VERSIONS = {'qwen3_5_vl': 'v2'}
 TOKENIZER_VOCAB_SIZE = 1024
 ENDOFTEXT = '<|endoftext|>'
 IM_START = '<|im_start|>'
 IM_END = '<|im_end|>'
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Vision-language checkpoints add Qwen's vision tokens after the text specials (names as in the released vocabulary).
+VISION_START = '<|vision_start|>'
+VISION_END = '<|vision_end|>'
+IMAGE_PAD = '<|image_pad|>'
+VIDEO_PAD = '<|video_pad|>'
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+# Tiny image budget (pixels) of the demo VL processor: 2 x 2 to 4 x 4 merged tokens of 32 x 32 pixels.
+DEMO_MIN_PIXELS = 64 * 64
+DEMO_MAX_PIXELS = 128 * 128
 
 CHATML_TEMPLATE = (
     '{%- for message in messages %}'
@@ -32,6 +43,19 @@ CHATML_TEMPLATE = (
     '{%- set content.text = content.text + part["text"] %}{%- endif %}{%- endfor %}'
     '{%- set content = content.text %}{%- endif %}'
     '{{- "<|im_start|>" + message["role"] + "\\n" + content + "<|im_end|>\\n" }}'
+    '{%- endfor %}'
+    '{%- if add_generation_prompt %}{{- "<|im_start|>assistant\\n" }}{%- endif %}'
+)
+# ChatML with Qwen-VL image parts: each `image` / `image_url` part becomes vision start, one image pad, vision end.
+CHATML_VL_TEMPLATE = (
+    '{%- for message in messages %}'
+    '{{- "<|im_start|>" + message["role"] + "\\n" }}'
+    '{%- if message["content"] is string %}{{- message["content"] }}'
+    '{%- else %}{%- for part in message["content"] %}'
+    '{%- if part["type"] == "text" %}{{- part["text"] }}'
+    '{%- elif part["type"] in ("image", "image_url") %}{{- "<|vision_start|><|image_pad|><|vision_end|>" }}'
+    '{%- endif %}{%- endfor %}{%- endif %}'
+    '{{- "<|im_end|>\\n" }}'
     '{%- endfor %}'
     '{%- if add_generation_prompt %}{{- "<|im_start|>assistant\\n" }}{%- endif %}'
 )
@@ -157,7 +181,7 @@ _ARCH_TEXT_KWARGS: dict[str, dict[str, Any]] = {
     },
 }
 _VISION_KWARGS: dict[str, Any] = {
-    'depth': 1,
+    'depth': 2,
     'hidden_size': 32,
     'intermediate_size': 64,
     'num_heads': 2,
@@ -215,14 +239,17 @@ def build_tokenizer(arch: str = 'qwen3', vocab_size: int = TOKENIZER_VOCAB_SIZE)
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(_train_tokenizer_json(_pretokenize_regex(arch), vocab_size))
+    is_vl = arch == 'qwen3_5_vl'
+    if is_vl:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         bos_token=None,
         unk_token=None,
-        extra_special_tokens=list(SPECIAL_TOKENS),
-        chat_template=CHATML_TEMPLATE,
+        extra_special_tokens=list(SPECIAL_TOKENS + (VISION_TOKENS if is_vl else ())),
+        chat_template=CHATML_VL_TEMPLATE if is_vl else CHATML_TEMPLATE,
         clean_up_tokenization_spaces=False,
         model_max_length=_BASE_TEXT_KWARGS['max_position_embeddings'],
     )
@@ -266,7 +293,27 @@ def _text_kwargs(arch: str, vocab_size: int, token_ids: dict[str, int],
     return kwargs
 
 
-def _build_model(arch: str, text_kwargs: dict[str, Any]) -> torch.nn.Module:
+def _vision_token_ids(tokenizer) -> dict[str, int]:
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    return {'vision_start_token_id': start, 'vision_end_token_id': end, 'image_token_id': image,
+            'video_token_id': video}
+
+
+def save_demo_image_processor(path: str, min_pixels: int = DEMO_MIN_PIXELS, max_pixels: int = DEMO_MAX_PIXELS
+                              ) -> None:
+    """`preprocessor_config.json` of the demo VL checkpoints (Qwen2-VL image processor, Qwen3.5's patch sizes)."""
+    import json
+    config = {'image_processor_type': 'Qwen2VLImageProcessor', 'patch_size': _VISION_KWARGS['patch_size'],
+              'temporal_patch_size': _VISION_KWARGS['temporal_patch_size'],
+              'merge_size': _VISION_KWARGS['spatial_merge_size'],
+              'size': {'shortest_edge': min_pixels, 'longest_edge': max_pixels},
+              'image_mean': [0.5, 0.5, 0.5], 'image_std': [0.5, 0.5, 0.5]}
+    with open(os.path.join(path, 'preprocessor_config.json'), 'w') as f:
+        json.dump(config, f, indent=2)
+
+
+def _build_model(arch: str, text_kwargs: dict[str, Any], vision_ids: dict[str, int] | None = None
+                 ) -> torch.nn.Module:
     import transformers as tf
 
     if arch == 'qwen3':
@@ -278,7 +325,7 @@ def _build_model(arch: str, text_kwargs: dict[str, Any]) -> torch.nn.Module:
     if arch == 'qwen3_5_vl':
         vision = dict(_VISION_KWARGS, out_hidden_size=text_kwargs['hidden_size'])
         config = tf.Qwen3_5Config(text_config=text_kwargs, vision_config=vision,
-                                  tie_word_embeddings=text_kwargs['tie_word_embeddings'])
+                                  tie_word_embeddings=text_kwargs['tie_word_embeddings'], **(vision_ids or {}))
         return tf.Qwen3_5ForConditionalGeneration(config)
     raise ValueError(f'Unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}.')
 
@@ -320,7 +367,7 @@ def save_tiny_model(path: str,
     token_ids = _special_token_ids(tokenizer)
     text_kwargs = _text_kwargs(arch, len(tokenizer), token_ids, config_overrides)
     torch.manual_seed(seed)
-    model = _build_model(arch, text_kwargs)
+    model = _build_model(arch, text_kwargs, _vision_token_ids(tokenizer) if arch == 'qwen3_5_vl' else None)
     if perturb:
         _perturb_(model)
     _set_generation_config(model, token_ids)
@@ -328,6 +375,8 @@ def save_tiny_model(path: str,
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if arch == 'qwen3_5_vl':
+        save_demo_image_processor(path)
     return path
 
 
@@ -340,7 +389,7 @@ def get_demo_model_path(arch: str = 'qwen3') -> str:
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f'Unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}.')
     parent = _cache_dir()
-    target = os.path.join(parent, f'demo-{arch}-{DEMO_MODEL_VERSION}')
+    target = os.path.join(parent, f'demo-{arch}-{_ARCH_DEMO_VERSIONS.get(arch, DEMO_MODEL_VERSION)}')
     if os.path.isfile(os.path.join(target, 'config.json')):
         return target
     os.makedirs(parent, exist_ok=True)

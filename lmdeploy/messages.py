@@ -21,6 +21,10 @@ def _default_device() -> str:
         return 'cpu'
 
 
+class UnknownAdapterError(ValueError):
+    """A request named a LoRA adapter the engine has not loaded (the server answers 404)."""
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
@@ -70,6 +74,15 @@ class PytorchEngineConfig:
     # never pay it, larger chunks keep a state every 16384 tokens.
     prefix_cache_prefill_state_interval: int = 16384
     prefix_cache_prefill_state_cap: int = 2
+    # Vision-language models: MiB of device memory for encoded images kept by content hash (0 = off), so an image
+    # seen again outside a prefix-cache hit skips the vision tower.
+    vision_encoder_cache_mb: int = 256
+    # LoRA adapters: name -> PEFT folder (`adapter_config.json` + `adapter_model.safetensors`). All stay resident;
+    # a request picks one by `GenerationConfig.adapter_name` (None: the base model).
+    adapters: dict[str, str] | None = None
+    # At most this many adapters, each of rank at most `max_lora_rank` (checked at start-up).
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -107,6 +120,17 @@ class PytorchEngineConfig:
                  f'prefix_cache_prefill_state_interval must be a non-negative int, got {interval!r}')
         _require(isinstance(self.prefix_cache_prefill_state_cap, int) and self.prefix_cache_prefill_state_cap >= 0,
                  f'prefix_cache_prefill_state_cap must be >= 0, got {self.prefix_cache_prefill_state_cap!r}')
+        _require(isinstance(self.vision_encoder_cache_mb, int) and self.vision_encoder_cache_mb >= 0,
+                 f'vision_encoder_cache_mb must be >= 0, got {self.vision_encoder_cache_mb!r}')
+        _require(self.adapters is None or (isinstance(self.adapters, dict) and all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.adapters.items())),
+                 f'adapters must map non-empty names to PEFT folder paths, got {self.adapters!r}')
+        _require(isinstance(self.max_loras, int) and self.max_loras > 0,
+                 f'max_loras must be a positive int, got {self.max_loras!r}')
+        _require(isinstance(self.max_lora_rank, int) and self.max_lora_rank > 0,
+                 f'max_lora_rank must be a positive int, got {self.max_lora_rank!r}')
+        _require(len(self.adapters or {}) <= self.max_loras,
+                 f'{len(self.adapters or {})} adapters given but max_loras is {self.max_loras}')
 
     @property
     def resolved_kernel_block_size(self) -> int:
@@ -129,6 +153,8 @@ class GenerationConfig:
     random_seed: int | None = None
     # Number of top log-probabilities to return per generated token (None: none).
     logprobs: int | None = None
+    # LoRA adapter to run the request with (a name of `PytorchEngineConfig.adapters`); None: the base model.
+    adapter_name: str | None = None
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first invalid field."""
@@ -151,6 +177,8 @@ class GenerationConfig:
                  f'random_seed must be None or an int in [-2**63, 2**64), got {self.random_seed!r}')
         _require(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
                  f'stop_words must be non-empty strings, got {self.stop_words!r}')
+        _require(self.adapter_name is None or (isinstance(self.adapter_name, str) and self.adapter_name),
+                 f'adapter_name must be None or a non-empty string, got {self.adapter_name!r}')
 
 
 @dataclass

@@ -6,7 +6,7 @@ variant below showed every replayed module output equal to eager; the fault was 
 tests use: `Engine._forward_collecting` copied the logits to the host on the default stream, which does not wait
 for the forward stream, so after a graph replay (queued in one go) it read stale logits. Fixed in
 `ModelAgent.forward_logits` (the copy is queued on the forward stream); regression test
-`tests/test_device_streams.py::test_collected_logits_wait_for_the_forward_stream`.
+`tests/engine/test_device_streams.py::test_collected_logits_wait_for_the_forward_stream`.
 
 The script runs one greedy workload through engines that differ in one thing each and prints every variant's
 largest logit error against eager mode (and where its tokens first part from it):

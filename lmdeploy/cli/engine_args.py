@@ -30,6 +30,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=PytorchEngineConfig.prefix_cache_prefill_state_interval,
                        help='hybrid models: in-prefill checkpoints every N tokens (0: off)')
     group.add_argument('--eager-mode', action='store_true', help='disable CUDA graphs')
+    group.add_argument('--adapters', nargs='+', default=None, metavar='NAME=PATH',
+                       help='LoRA adapters (PEFT folders) as name=path; a bare path is named "default"')
+    group.add_argument('--max-loras', type=int, default=PytorchEngineConfig.max_loras,
+                       help='most LoRA adapters loaded at once (all stay resident)')
+    group.add_argument('--max-lora-rank', type=int, default=PytorchEngineConfig.max_lora_rank,
+                       help='largest LoRA rank accepted; an adapter above it fails start-up')
+
+
+def parse_adapters(specs: list[str] | None) -> dict[str, str] | None:
+    """`['a=/p/a', '/p/b']` -> `{'a': '/p/a', 'default': '/p/b'}` (LMDeploy's `--adapters` syntax)."""
+    if not specs:
+        return None
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition('=')
+        name, path = (name, path) if sep else ('default', spec)
+        if not name or not path:
+            raise ValueError(f'--adapters entry {spec!r} is not NAME=PATH or PATH')
+        if name in adapters:
+            raise ValueError(f'--adapters names {name!r} twice')
+        adapters[name] = path
+    return adapters
 
 
 def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
@@ -40,7 +62,10 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   session_len=args.session_len, prefix_cache_state_budget=args.prefix_cache_state_budget,
                   eager_mode=args.eager_mode, prefix_cache_checkpoint_mode=args.prefix_cache_checkpoint_mode,
                   prefix_cache_decode_state_interval=args.prefix_cache_decode_state_interval,
-                  prefix_cache_prefill_state_interval=args.prefix_cache_prefill_state_interval)
+                  prefix_cache_prefill_state_interval=args.prefix_cache_prefill_state_interval,
+                  adapters=parse_adapters(getattr(args, 'adapters', None)),
+                  max_loras=getattr(args, 'max_loras', PytorchEngineConfig.max_loras),
+                  max_lora_rank=getattr(args, 'max_lora_rank', PytorchEngineConfig.max_lora_rank))
     if args.device is not None:
         kwargs['device_type'] = args.device
     return PytorchEngineConfig(**kwargs)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from .engine_args import add_engine_args, engine_config_from_args, resolve_model_path
 
 
@@ -16,7 +17,15 @@ def add_parser(sub) -> None:
     api.add_argument('--model-name', default=None, help='name clients use in `model` (default: the folder name)')
     api.add_argument('--api-keys', nargs='+', default=None,
                      help='accepted Bearer tokens; when given, /v1/* requires one of them')
-    api.add_argument('--log-level', default='info', choices=['critical', 'error', 'warning', 'info', 'debug'])
+    api.add_argument('--log-level', default='info', type=str.lower,
+                     choices=['critical', 'error', 'warning', 'info', 'debug'], help='case-insensitive (INFO = info)')
+    api.add_argument('--chat-template', default=None,
+                     help="a Jinja chat template (file or text) replacing the tokenizer's own")
+    api.add_argument('--tool-call-parser', default=None, choices=sorted(TOOL_CALL_PARSERS),
+                     help='turn the model\'s tool-call blocks into OpenAI tool_calls: qwen3 (JSON in <tool_call>, '
+                          'alias hermes/qwen) or qwen3_coder (Qwen3.5 XML, alias qwen3coder/qwen3_5)')
+    api.add_argument('--reasoning-parser', default=None, choices=sorted(REASONING_PARSERS),
+                     help='separate <think>...</think> into reasoning_content')
     add_engine_args(api)
     api.set_defaults(func=run_api_server)
 
@@ -25,5 +34,6 @@ def run_api_server(args: argparse.Namespace) -> int:
     from ..serve.openai.api_server import serve
     serve(resolve_model_path(args.model_path), engine_config_from_args(args), server_name=args.server_name,
           server_port=args.server_port, api_keys=args.api_keys, model_name=args.model_name,
-          log_level=args.log_level)
+          log_level=args.log_level, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
+          tool_call_parser=args.tool_call_parser)
     return 0

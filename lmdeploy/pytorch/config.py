@@ -33,6 +33,12 @@ class ModelConfig:
     # Recurrent layers (hybrid models): layer indices and the per-layer state tensors kept in a state-pool row.
     recurrent_layer_ids: tuple[int, ...] = ()
     state_specs: tuple[StateSpec, ...] = ()
+    # Vision-language models: the image placeholder token (each image's span holds only it); None without a tower.
+    image_token_id: int | None = None
+    # MoE layers (layer indices in forward order) and how many experts each routes a token to; the routed-experts
+    # record of a token is `[len(moe_layer_ids), moe_top_k]` expert ids in this layer order. Empty for dense models.
+    moe_layer_ids: tuple[int, ...] = ()
+    moe_top_k: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -41,6 +47,10 @@ class ModelConfig:
     @property
     def num_attn_layers(self) -> int:
         return len(self.attn_layer_ids)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
 
 
 @dataclass(frozen=True)

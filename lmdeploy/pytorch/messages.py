@@ -10,9 +10,31 @@ convert the whole list again.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+# Ranges the sampling kernels accept (`backends/default/sampling.py`): parameters travel as float32 / int64 tensors
+# and seeds go to `torch.Generator.manual_seed`.
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38   # smallest normal float32: a smaller penalty divides logits to inf
+_INT64_MAX = 2**63 - 1
+SEED_RANGE = (-2**63, 2**64 - 1)
+MAX_LOGPROBS = 64
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
 
 
 class SequenceStatus(enum.Enum):
@@ -42,13 +64,62 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `ValueError` naming the first field outside what the sampling kernels accept. The engine calls it
+        at admission (`Engine.add_request`), so a request that passes cannot fail the batch it joins through its
+        parameters; front ends call it earlier, in the caller's thread (HTTP 400). New sampling parameters add
+        their range check here."""
+        _check(_is_int(self.max_new_tokens) and 0 <= self.max_new_tokens <= _INT64_MAX,
+               f'max_new_tokens must be an int in [0, 2**63), got {self.max_new_tokens!r}')
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= _INT64_MAX,
+               f'min_new_tokens must be an int in [0, 2**63), got {self.min_new_tokens!r}')
+        _check(_is_real(self.temperature) and math.isfinite(self.temperature)
+               and 0 <= self.temperature <= _FLOAT32_MAX,
+               f'temperature must be a finite number >= 0 (float32), got {self.temperature!r}')
+        _check(_is_real(self.top_p) and math.isfinite(self.top_p) and 0 < self.top_p <= 1,
+               f'top_p must be a number in (0, 1], got {self.top_p!r}')
+        _check(_is_int(self.top_k) and 0 <= self.top_k <= _INT64_MAX,
+               f'top_k must be an int in [0, 2**63) (0: off), got {self.top_k!r}')
+        _check(_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+               and _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX,
+               f'repetition_penalty must be a positive finite float32 (in [1.2e-38, 3.4e38]), '
+               f'got {self.repetition_penalty!r}')
+        _check(self.random_seed is None or (_is_int(self.random_seed)
+                                            and SEED_RANGE[0] <= self.random_seed <= SEED_RANGE[1]),
+               f'random_seed must be None or an int in [-2**63, 2**64), got {self.random_seed!r}')
+        top = MAX_LOGPROBS if vocab_size is None else min(MAX_LOGPROBS, vocab_size)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= top),
+               f'logprobs must be None or an int in [0, {top}], got {self.logprobs!r}')
+        limit = _INT64_MAX + 1 if vocab_size is None else vocab_size
+        bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t < limit]
+        _check(not bad, f'stop_token_ids outside the vocabulary [0, {limit}): {bad[:8]}')
+        bad = [s for s in self.stop_sequences if not s or any(not _is_int(t) or not 0 <= t < limit for t in s)]
+        _check(not bad, f'stop_sequences must be non-empty token id sequences in [0, {limit}), got {bad[:4]}')
+
 
 @dataclass(frozen=True)
 class MultiModalSpan:
-    """Positions `[start, end)` hold embeddings of one multimodal item whose content hash is `content_hash`."""
+    """Positions `[start, end)` hold embeddings of one multimodal item whose content hash is `content_hash`.
+
+    `grid` is the item's (t, h, w) grid in merged-token units (t * h * w == end - start) when it takes M-RoPE
+    positions; None for an item laid out like text. `data` is the engine's opaque payload for encoding the item
+    (the preprocessed pixels and patch grid); it takes no part in identity, which is `content_hash`.
+    """
     start: int
     end: int
     content_hash: int
+    grid: tuple[int, int, int] | None = None
+    data: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_positions(self) -> int:
+        """Rotary positions the item advances the sequence by (max(h, w) for an M-RoPE grid, its length else)."""
+        return max(self.grid[1], self.grid[2]) if self.grid is not None else self.end - self.start
+
+    @property
+    def position_delta(self) -> int:
+        """Position offset the item introduces: the tokens after it sit at `index + delta` (<= 0 for images)."""
+        return self.num_positions - (self.end - self.start)
 
 
 @dataclass(slots=True, eq=False)
@@ -121,6 +192,11 @@ class SchedulerSequence:
     @property
     def is_finished(self) -> bool:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
+
+    def position_offset(self, step: int) -> int:
+        """Rotary position minus token index for a text token at `step` (or a resume at `step`): the sum of the
+        offsets of the spans that end at or before it. Meaningful only outside spans."""
+        return sum(span.position_delta for span in self.mm_spans if span.end <= step)
 
     def is_prefix_cache_boundary_safe(self, step: int) -> bool:
         """False when `step` falls strictly inside a multimodal span (no checkpoint or match may end there)."""

@@ -7,6 +7,7 @@ Decodes are simply sequences with `q_len == 1`, so prefills and decodes mix free
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,24 @@ class StateCuts:
     is_fresh: list[bool]
 
 
+class ImagePixels(NamedTuple):
+    """A preprocessed image as the vision tower takes it: pixels `[t * h * w, C * temporal_patch * patch**2]` in
+    the processor's patch order and the patch grid (t, h, w). The payload of an image's `MultiModalSpan.data`."""
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass
+class VisionItem:
+    """One image of a forward. Merged tokens `[first_token, first_token + num_tokens)` of its embeddings fill
+    `num_tokens` consecutive entries of `ModelInputs.mm_token_rows`, in item order (the whole image unless a chunk
+    boundary cuts it). `content_hash` keys the encoder cache."""
+    content_hash: int
+    pixels: ImagePixels
+    first_token: int
+    num_tokens: int
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor            # [T] int64
@@ -47,11 +66,26 @@ class ModelInputs:
     kv_lens_list: list[int] = field(default_factory=list)
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # LoRA: adapter slot of each sequence [B] int64 (0 = the base model; see `nn.lora`). None: no sequence of this
+    # forward uses an adapter, and LoRA layers skip their adapters entirely.
+    lora_ids: torch.Tensor | None = None
     # In-prefill state checkpoints (None: none this forward).
     state_cuts: StateCuts | None = None
+    # M-RoPE positions [3, T] (temporal, height, width) when this forward feeds image tokens; None otherwise, and
+    # then `position_ids` (which already include each sequence's image offset) serve all three axes.
+    mrope_position_ids: torch.Tensor | None = None
+    # Rows of the packed batch whose embeddings come from images ([N] int64), the images in row order (host
+    # records, whole images only: chunking never splits one) and, once the agent has encoded them, their
+    # embeddings [N, hidden].
+    mm_token_rows: torch.Tensor | None = None
+    vision_items: list[VisionItem] = field(default_factory=list)
+    mm_embeds: torch.Tensor | None = None
     # Run the gated delta rule token by token even for multi-token sequences (CUDA-graph prefills: the chunked
     # kernels index their chunks from the sequence lengths, built per forward, which a replayed graph cannot redo).
     use_recurrent_kernel: bool = False
+    # Record the top-k expert ids every MoE layer routes each fed token to (`StepContext.routed_experts`); the
+    # forward's output then carries them. False costs nothing.
+    record_routed_experts: bool = False
     # Per-forward memo of device index tensors a backend derives from the host data (see `derived`); a copy made
     # by `dataclasses.replace` or `to` starts empty.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -105,6 +139,13 @@ class StepContext:
     # Per recurrent layer (in `ModelConfig.recurrent_layer_ids` order): name -> [num_slots, *shape] pool view.
     state_caches: list[dict[str, torch.Tensor]] = field(default_factory=list)
     kernel_block_size: int = 64
+    # Routed-experts record of this forward, or None (nothing is recorded): [T, num_moe_layers, top_k] int16. MoE
+    # layer i writes the top-k expert ids its router chose for every fed token into `[:, i]` (see `routes_of`).
+    routed_experts: torch.Tensor | None = None
+
+    def routes_of(self, moe_index: int) -> torch.Tensor | None:
+        """Where MoE layer `moe_index` (its rank among the MoE layers) records its top-k ids, or None."""
+        return None if self.routed_experts is None else self.routed_experts[:, moe_index]
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SamplingParams
-from .request_builder import Prompt, ResponseBuilder, encode_prompt, make_sampling_params
+from .request_builder import Prompt, ResponseBuilder, TemplateOptions, encode_prompt, make_sampling_params
 from .tokenizer import Tokenizer
 
 
@@ -25,17 +25,19 @@ class PreparedRequest:
     input_ids: list[int]
     gen_config: GenerationConfig
     index: int = 0
+    # The rendered prompt (None when given as token ids): reasoning parsers look at how it ends.
+    prompt_text: str | None = None
 
 
 class AsyncEngine:
 
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None,
-                 model_name: str | None = None):
+                 model_name: str | None = None, chat_template: str | None = None):
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
         # the engine first: it names a bad model folder with a ValueError, the tokenizer with a hub error
         self.engine = Engine(model_path, backend_config)
-        self.tokenizer = Tokenizer(model_path)
+        self.tokenizer = Tokenizer(model_path, chat_template)
         self._loop = EngineLoop(self.engine)
 
     @property
@@ -43,13 +45,17 @@ class AsyncEngine:
         return self.engine.session_len
 
     def prepare(self, prompt: Prompt, gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
-                index: int = 0) -> PreparedRequest:
+                index: int = 0, template: TemplateOptions | None = None) -> PreparedRequest:
         """Tokenize and validate; raises `ValueError` naming the problem."""
         gen_config = gen_config or GenerationConfig()
-        self._sampling_params(gen_config)  # validates, including checks against the vocabulary
-        input_ids = encode_prompt(self.tokenizer, prompt, do_preprocess)
+        self.validate_generation_config(gen_config)
+        input_ids, text = encode_prompt(self.tokenizer, prompt, do_preprocess, template)
         self.engine.validate_prompt(input_ids)
-        return PreparedRequest(input_ids, gen_config, index)
+        return PreparedRequest(input_ids, gen_config, index, text)
+
+    def validate_generation_config(self, gen_config: GenerationConfig) -> None:
+        """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges)."""
+        self._sampling_params(gen_config)
 
     def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
         model_config = self.engine.model_config

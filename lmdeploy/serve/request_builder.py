@@ -1,6 +1,8 @@
 """Turns user prompts into token ids and sampling parameters, and engine outputs back into `Response`s."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..messages import GenerationConfig, Response
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SamplingParams
@@ -19,44 +21,67 @@ def is_single_prompt(prompts) -> bool:
     raise ValueError(f'a prompt must be a str, a list of token ids or a list of messages, got {type(prompts)}')
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
+@dataclass(frozen=True)
+class TemplateOptions:
+    """What a chat request adds to its messages when the template renders them."""
+    tools: list[dict] | None = None
+    # Passed to the template as variables (`enable_thinking`, `preserve_thinking`, ...).
+    kwargs: dict | None = None
+
+
+_RESERVED_TEMPLATE_KWARGS = ('messages', 'tools', 'add_generation_prompt', 'tokenize', 'chat_template')
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict], template: TemplateOptions | None) -> str:
+    template = template or TemplateOptions()
+    kwargs = dict(template.kwargs or {})
+    clash = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS or not isinstance(k, str)]
+    if clash:
+        raise ValueError(f'chat_template_kwargs may not set {clash}')
+    return tokenizer.apply_chat_template(messages, tools=template.tools, **kwargs)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True,
+                  template: TemplateOptions | None = None) -> tuple[list[int], str | None]:
+    """Token ids of `prompt` and the text they were encoded from (None for a prompt given as token ids)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError('the prompt is empty')
         if do_preprocess:
-            text = tokenizer.apply_chat_template([{'role': 'user', 'content': prompt}])
-            return tokenizer.encode(text, add_special_tokens=False)
-        return tokenizer.encode(prompt)
+            text = render_chat(tokenizer, [{'role': 'user', 'content': prompt}], template)
+            return tokenizer.encode(text, add_special_tokens=False), text
+        return tokenizer.encode(prompt), prompt
     if isinstance(prompt, list | tuple) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return list(prompt)
+        return list(prompt), None
     if isinstance(prompt, list | tuple) and not prompt:
         raise ValueError('the prompt is empty')
     if isinstance(prompt, list | tuple) and all(isinstance(m, dict) for m in prompt):
         for message in prompt:
-            if 'role' not in message or 'content' not in message:
+            if 'role' not in message or ('content' not in message and 'tool_calls' not in message):
                 raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
-        text = tokenizer.apply_chat_template(list(prompt))
-        return tokenizer.encode(text, add_special_tokens=False)
+        text = render_chat(tokenizer, list(prompt), template)
+        return tokenizer.encode(text, add_special_tokens=False), text
     raise ValueError(f'unsupported prompt: {prompt!r:.80}')
 
 
 def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
                          vocab_size: int) -> SamplingParams:
+    """Validated engine parameters: `GenerationConfig.validate` (types and ranges of the user's fields), then
+    `SamplingParams.validate` (the ranges the sampling kernels accept, the vocabulary)."""
     gen.validate()
-    bad = [t for t in gen.stop_token_ids or () if t >= vocab_size]
-    if bad:
-        raise ValueError(f'stop_token_ids outside the vocabulary [0, {vocab_size}): {bad}')
     stop_ids = list(gen.stop_token_ids or ())
     if not gen.ignore_eos:
         stop_ids += [t for t in eos_token_ids if t not in stop_ids]
     stop_sequences = tokenizer.stop_sequences(gen.stop_words)
     stop_ids += [s[0] for s in stop_sequences if len(s) == 1 and s[0] not in stop_ids]
-    return SamplingParams(
+    params = SamplingParams(
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
         temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p, top_k=gen.top_k,
         repetition_penalty=gen.repetition_penalty, stop_token_ids=tuple(stop_ids),
         stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
         logprobs=gen.logprobs)
+    params.validate(vocab_size)
+    return params
 
 
 class ResponseBuilder:
@@ -70,6 +95,7 @@ class ResponseBuilder:
         self.logprobs: list[dict[int, float]] = [] if gen.logprobs is not None else None
         self.cached_tokens = 0
         self.finish_reason = None
+        self.error: str | None = None
         self.text = ''
 
     def update(self, out: EngineOutput) -> Response:
@@ -77,6 +103,7 @@ class ResponseBuilder:
         if self.logprobs is not None and out.logprobs:
             self.logprobs += out.logprobs
         self.cached_tokens = out.num_cached
+        self.error = out.error or self.error
         delta = self.detok.update(self.token_ids, final=out.finished)
         self.text += delta
         if out.finished:
@@ -90,4 +117,4 @@ class ResponseBuilder:
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(self.token_ids),
-                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index)
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error)

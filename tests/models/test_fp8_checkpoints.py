@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from conftest import assert_close
+from numeric import assert_close
 from safetensors.torch import load_file, save_file
 
 from lmdeploy.messages import PytorchEngineConfig

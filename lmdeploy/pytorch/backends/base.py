@@ -20,6 +20,7 @@ class OpType(enum.Enum):
     ApplyRotary = enum.auto()
     SiluAndMul = enum.auto()
     PagedAttention = enum.auto()
+    VisionAttention = enum.auto()
     GatedDeltaRule = enum.auto()
     CausalConv1d = enum.auto()
     MoE = enum.auto()
@@ -27,6 +28,7 @@ class OpType(enum.Enum):
     CacheBlockCopy = enum.auto()
     StateSlotCopy = enum.auto()
     Sampling = enum.auto()
+    LoRA = enum.auto()
 
 
 Builder = Callable[..., Any]

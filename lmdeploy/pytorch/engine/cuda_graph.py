@@ -23,6 +23,10 @@ autotunes every kernel for exactly the captured shapes and writes nothing a sequ
 real step itself (capture executes nothing, so the step is not applied twice). Then the graph is captured; later
 runs copy their inputs into the buffers and replay. Every capture shares one memory pool; everything runs on the
 caller's current stream (the forward stream).
+
+With `routes_shape` (routed experts on for the engine) every graph records the routed experts of its tokens into
+one static `[max_tokens, num_moe_layers, top_k]` buffer (`routes_of` reads a batch's rows after a replay); the
+MoE layers then do one small copy each, whether or not the batch asked.
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ class GraphKey(NamedTuple):
 class _StaticInputs:
     """Device buffers the captured graphs read; `view(key)` is the `ModelInputs` of the graph at `key`."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device,
+                 has_lora: bool = False):
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(*shape, dtype=dtype, device=device)
         self.input_ids = zeros(max_tokens)
@@ -69,6 +74,10 @@ class _StaticInputs:
         self.state_ids = zeros(max_seqs)
         self.is_fresh = zeros(max_seqs, dtype=torch.bool)
         self.block_tables = zeros(max_seqs, max_pages)
+        # LoRA slots per sequence (0 = base model) when adapters are loaded: graphs then always run the LoRA op,
+        # whose programs exit at once for base rows and padding.
+        self.has_lora = has_lora
+        self.lora_ids = zeros(max_seqs)
         self.logits_indices = torch.arange(max_tokens, dtype=torch.int64, device=device)
         self._arange = torch.arange(max(max_tokens, max_seqs) + 1, dtype=torch.int64, device=device)
         self.max_pages = max_pages
@@ -80,6 +89,7 @@ class _StaticInputs:
             kv_lens=self.kv_lens[:s], cu_seqlens_q=self.cu_seqlens_q[:s + 1], block_tables=self.block_tables[:s],
             slot_mapping=self.slot_mapping[:t], logits_indices=self.logits_indices[:t],
             state_ids=self.state_ids[:s], is_fresh=self.is_fresh[:s],
+            lora_ids=self.lora_ids[:s] if self.has_lora else None,
             # host copies are shape placeholders here (upper bounds): a graph's kernels read device tensors only
             q_lens_list=[1 if key.decode else t] * s, kv_lens_list=[self.max_pages] * s,
             max_seqlen_q=1 if key.decode else t, max_seqlen_k=t, use_recurrent_kernel=not key.decode)
@@ -96,6 +106,10 @@ class _StaticInputs:
         self.state_ids[:b].copy_(inputs.state_ids, non_blocking=True)
         self.is_fresh[:b].copy_(inputs.is_fresh, non_blocking=True)
         self.block_tables[:b, :width].copy_(inputs.block_tables, non_blocking=True)
+        if inputs.lora_ids is not None:
+            self.lora_ids[:b].copy_(inputs.lora_ids, non_blocking=True)
+        else:
+            self.lora_ids[:b].zero_()
 
     def _pad_tokens(self, start: int, end: int) -> None:
         if end > start:
@@ -116,6 +130,7 @@ class _StaticInputs:
             self.kv_lens[b:size].zero_()
             self.state_ids[b:size].zero_()
             self.is_fresh[b:size].zero_()
+            self.lora_ids[b:size].zero_()
 
     def fill_prefill(self, inputs: ModelInputs | None, key: GraphKey) -> None:
         """Sequences [0, B) from the batch, then one pad sequence holding the pad tokens [T, Tg) (attending to
@@ -133,13 +148,16 @@ class _StaticInputs:
         self.cu_seqlens_q[b + 1:sg + 1].fill_(tg)
         self.state_ids[b:sg].zero_()
         self.is_fresh[b:sg].fill_(True)
+        self.lora_ids[b:sg].zero_()
 
 
 class CUDAGraphRunner:
     """Runs forwards of `model` through captured CUDA graphs (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, make_context: Callable[[ModelInputs], StepContext], max_batch_size: int,
-                 max_pages: int, device: torch.device, max_prefill_tokens: int = PREFILL_TOKEN_BUCKETS[-1]):
+    def __init__(self, model: nn.Module, make_context: Callable[[ModelInputs, torch.Tensor | None], StepContext],
+                 max_batch_size: int, max_pages: int, device: torch.device,
+                 max_prefill_tokens: int = PREFILL_TOKEN_BUCKETS[-1], routes_shape: tuple[int, int] | None = None,
+                 has_lora: bool = False):
         self.model = model
         self.make_context = make_context
         self.sizes = capture_sizes(max_batch_size)
@@ -148,7 +166,9 @@ class CUDAGraphRunner:
         self.device = device
         max_seqs = max(max_batch_size, PREFILL_SEQ_BUCKETS[-1])
         max_tokens = max((max_batch_size, *self.token_buckets))
-        self.static = _StaticInputs(max_tokens, max_seqs, max_pages, device)
+        self.static = _StaticInputs(max_tokens, max_seqs, max_pages, device, has_lora=has_lora)
+        self.static_routes = None if routes_shape is None else \
+            torch.zeros((max_tokens, *routes_shape), dtype=torch.int16, device=device)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
@@ -161,6 +181,8 @@ class CUDAGraphRunner:
         """The graph that can run `inputs`, or None (eager)."""
         if inputs.state_cuts is not None or inputs.block_tables.size(1) > self.static.max_pages:
             return None
+        if inputs.mm_token_rows is not None or inputs.mrope_position_ids is not None:
+            return None  # image tokens: embeddings and 3-D positions the static buffers do not hold
         num_tokens, num_seqs = inputs.input_ids.numel(), inputs.batch_size
         if num_seqs == 0:
             return None
@@ -180,6 +202,16 @@ class CUDAGraphRunner:
     def supports(self, inputs: ModelInputs) -> bool:
         return self.key_of(inputs) is not None
 
+    def _context(self, static_inputs: ModelInputs) -> StepContext:
+        routes = None if self.static_routes is None else self.static_routes[:static_inputs.input_ids.numel()]
+        return self.make_context(static_inputs, routes)
+
+    def routes_of(self, inputs: ModelInputs) -> torch.Tensor:
+        """The routed experts of the batch `run` last ran (rows of its real tokens; valid until the next run)."""
+        if self.static_routes is None:
+            raise ValueError('routed experts were asked for, but the graphs were captured without recording them')
+        return self.static_routes[:inputs.input_ids.numel()]
+
     def run(self, inputs: ModelInputs, key: GraphKey | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch (`supports(inputs)` must hold; `key`: its `key_of`, if known)."""
         key = key or self.key_of(inputs)
@@ -188,7 +220,7 @@ class CUDAGraphRunner:
         entry = self.graphs.get(key)
         if entry is None:
             static_inputs = self.static.view(key)
-            out = self.model(self.make_context(static_inputs))  # the real step, eager, on the captured shapes
+            out = self.model(self._context(static_inputs))  # the real step, eager, on the captured shapes
             self._capture(key, static_inputs)
             return out[:num_tokens]
         graph, out = entry
@@ -212,7 +244,7 @@ class CUDAGraphRunner:
             if key not in self.graphs:
                 self._fill(None, key)
                 static_inputs = self.static.view(key)
-                self.model(self.make_context(static_inputs))  # compile / autotune for exactly these shapes
+                self.model(self._context(static_inputs))  # compile / autotune for exactly these shapes
                 self._capture(key, static_inputs)
 
     def _capture(self, key: GraphKey, static_inputs: ModelInputs) -> None:
@@ -221,6 +253,6 @@ class CUDAGraphRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode='thread_local'):
-            out = self.model(self.make_context(static_inputs))
+            out = self.model(self._context(static_inputs))
         self.graphs[key] = (graph, out)
         logger.info('captured a CUDA graph for %s', key)

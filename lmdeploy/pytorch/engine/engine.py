@@ -16,14 +16,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ...messages import PytorchEngineConfig
+from ...messages import PytorchEngineConfig, UnknownAdapterError
 from ..backends.selector import get_backend
 from ..config import CacheConfig, ModelConfig, SchedulerConfig
-from ..messages import SamplingParams, SchedulerSequence, SequenceStatus
+from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
+from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..paging.scheduler import Scheduler
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
-from .inputs_maker import InputsMaker, make_sampling_inputs
+from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
+from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
 
@@ -53,6 +55,10 @@ class Engine:
         dtype = resolve_dtype(engine_config)
         self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
                                                     engine_config.state_dtype)
+        # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
+        self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
+            self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
+            engine_config.max_lora_rank)
         self.cache_config = self._make_cache_config(self.model_config)
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
@@ -64,10 +70,13 @@ class Engine:
         kbs = self.cache_config.kernel_block_size
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
-                                max_pages_per_seq=-(-self.session_len // kbs))
+                                max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
+                                vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
+                                if self.model_config.image_token_id is not None else 0)
         self.agent.capture_cuda_graphs()
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
-                                        self.cache_config.kernel_block_size)
+                                        self.cache_config.kernel_block_size,
+                                        lora_slots={a.identity: a.slot for a in self.adapters.values()})
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
                     self.cache_config.num_blocks, self.cache_config.block_size,
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
@@ -157,13 +166,38 @@ class Engine:
             raise ValueError(f'the prompt has {len(token_ids)} tokens; session_len is {self.session_len} '
                              '(the prompt must leave room for at least one generated token)')
 
+    def adapter_identity(self, adapter_name: str | None) -> str | None:
+        """The prefix-cache identity of a resident adapter (None: the base model); `UnknownAdapterError` (a
+        `ValueError`) for an unknown name."""
+        if adapter_name is None:
+            return None
+        adapter = self.adapters.get(adapter_name)
+        if adapter is None:
+            raise UnknownAdapterError(f'unknown adapter {adapter_name!r}; loaded adapters: {sorted(self.adapters)}')
+        return adapter.identity
+
+    def validate_mm_spans(self, token_ids: list[int], mm_spans: tuple[MultiModalSpan, ...]) -> None:
+        """Raise `ValueError` for image spans the model cannot take (see `mm_inputs.validate_mm_spans`)."""
+        validate_mm_spans(token_ids, mm_spans, self.model_config.image_token_id)
+        for span in mm_spans:
+            if self.model.num_image_tokens(span.data.grid_thw) != span.end - span.start:
+                raise ValueError(f'image span [{span.start}, {span.end}) does not match its patch grid '
+                                 f'{span.data.grid_thw}')
+
     def add_request(self, token_ids: list[int], sampling: SamplingParams, callback: OutputCallback | None = None,
-                    collect_logits: bool = False) -> int:
-        """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then)."""
+                    collect_logits: bool = False, adapter_name: str | None = None,
+                    mm_spans: tuple[MultiModalSpan, ...] = ()) -> int:
+        """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then): the
+        prompt, every sampling parameter against the ranges the sampling kernels accept, an unknown adapter, and
+        image spans (`mm_spans`: the prompt's images, placeholder ranges with pixels, grid and content hash)."""
         token_ids = list(token_ids)
+        identity = self.adapter_identity(adapter_name)
         self.validate_prompt(token_ids)
+        sampling.validate(self.model_config.vocab_size)
+        mm_spans = tuple(mm_spans)
+        self.validate_mm_spans(token_ids, mm_spans)
         seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                                sampling=sampling)
+                                sampling=sampling, adapter_name=identity, mm_spans=mm_spans)
         seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
 
         def command() -> list[EngineOutput]:
@@ -249,12 +283,15 @@ class Engine:
         """Restore copies, forward, save copies, sampling; then tokens and stops, whose outputs are delivered at
         once; then the prefix cache's bookkeeping (attach blocks, publish checkpoints, keep prompt logits, reply
         checkpoints, releases), which the next step needs but the client does not wait for."""
-        sampled, result = [], None
+        sampled, result, rejected = [], None, []
         try:
             cache_inputs = self.inputs_maker.make_cache_inputs(sched)
             if sched.seqs:
                 inputs, sampled = self.inputs_maker.make(sched)
-                sampling = make_sampling_inputs(sampled, self._generators)
+                sampling, errors = make_sampling_inputs(sampled, self._generators)
+                if errors:  # those requests fail alone after this forward; the others sample as usual
+                    rejected = [(sampled[i], error) for i, error in errors.items()]
+                    sampled = drop_sampled_rows(inputs, sampled, errors)
                 collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
                 if any(collect):
                     result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
@@ -262,7 +299,7 @@ class Engine:
                     result = self.agent.forward(inputs, sampling, cache_inputs)
             elif cache_inputs is not None:
                 self.agent.copy_only(cache_inputs)
-            hits = self._sample_logits_hits(sched.logits_hits)
+            hits = self._sample_logits_hits(sched.logits_hits, rejected)
         except Exception as exc:  # a failed forward fails its batch only; the engine keeps serving
             logger.exception('forward failed')
             self.scheduler.cancel_forward(sched)
@@ -289,15 +326,26 @@ class Engine:
         if result is not None:
             self._keep_prompt_logits(sched, sampled, result.logits)
         self._finish(finishing)
+        for seq, error in rejected:  # computed and cached like the others, then failed (blocks and slot released)
+            logger.error('request %d: %s', seq.seq_id, error)
+            out = self._fail(seq, error)
+            self._deliver(out)
+            outputs.append(out)
         return outputs
 
-    def _sample_logits_hits(self, hits) -> list[tuple]:
-        """First tokens of identical prompts, sampled from the logits kept with their prompt-end checkpoint."""
+    def _sample_logits_hits(self, hits, rejected: list[tuple[SchedulerSequence, str]]) -> list[tuple]:
+        """First tokens of identical prompts, sampled from the logits kept with their prompt-end checkpoint. Rows
+        whose sampling inputs cannot be built go to `rejected`."""
+        if not hits:
+            return []
+        sampling, errors = make_sampling_inputs([seq for seq, _ in hits], self._generators)
+        rejected += [(hits[i][0], error) for i, error in errors.items()]
+        hits = [hit for i, hit in enumerate(hits) if i not in errors]
         if not hits:
             return []
         seqs = [seq for seq, _ in hits]
         logits = torch.stack([logits.to(torch.float32) for _, logits in hits])
-        result = self.agent.sample(logits, make_sampling_inputs(seqs, self._generators))
+        result = self.agent.sample(logits, sampling)
         return [(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(seqs)]
 
@@ -328,7 +376,7 @@ class Engine:
             self._forget(seq.seq_id)
 
     def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
-        logits = self.agent.forward_logits(inputs, cache_inputs)
+        logits, _ = self.agent.forward_logits(inputs, cache_inputs)
         start = 0
         for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
             if keep:
@@ -408,6 +456,17 @@ class Engine:
                 self._stats_waiters -= 1
 
     def _stats(self) -> dict:
+        return {**self._prefix_cache_stats(), **self._vision_cache_stats()}
+
+    def _vision_cache_stats(self) -> dict:
+        cache = self.agent.vision_cache
+        if cache is None:
+            return {}
+        s = cache.stats
+        return {'vision_cache_hits': s.hits, 'vision_cache_misses': s.misses, 'vision_cache_entries': s.entries,
+                'vision_cache_bytes': s.bytes}
+
+    def _prefix_cache_stats(self) -> dict:
         trie = self.scheduler.trie
         if trie is None:
             return {'query_tokens': 0, 'hit_tokens': 0, 'hit_rate': 0.0, 'num_requests': 0, 'num_hits': 0,

@@ -5,6 +5,8 @@ but never mutates them.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -13,12 +15,45 @@ from ..model_inputs import ModelInputs, SamplingInputs, StateCuts
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import SchedulerOutput
 from .cache_inputs import CacheCheckpointInputs
+from .mm_inputs import sequence_mm_inputs
+
+
+class _MultiModalBatch:
+    """Collects the M-RoPE positions and image rows of a forward's multimodal sequences."""
+
+    def __init__(self):
+        self.mrope: dict[int, np.ndarray] = {}  # batch token offset of the sequence -> its [3, n] positions
+        self.rows: list[np.ndarray] = []
+        self.items: list = []
+
+    def add(self, seq: SchedulerSequence, start: int, n: int, offset: int) -> np.ndarray:
+        """The sequence's 1-D positions; its 3-D positions and image rows are kept for `attach`."""
+        got = sequence_mm_inputs(seq, start, n)
+        if got.mrope_positions is not None:
+            self.mrope[offset] = got.mrope_positions
+        if got.items:
+            self.rows.append(got.rows + offset)
+            self.items += got.items
+        return got.positions
+
+    def attach(self, inputs: ModelInputs) -> None:
+        if self.mrope:
+            flat = np.broadcast_to(inputs.position_ids.numpy(), (3, inputs.position_ids.numel())).copy()
+            for offset, pos in self.mrope.items():
+                flat[:, offset:offset + pos.shape[1]] = pos
+            inputs.mrope_position_ids = torch.from_numpy(flat)
+        if self.items:
+            inputs.mm_token_rows = torch.from_numpy(np.concatenate(self.rows))
+            inputs.vision_items = self.items
 
 
 class InputsMaker:
 
-    def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int):
+    def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int,
+                 lora_slots: dict[str, int] | None = None):
+        """`lora_slots`: adapter identity (`SchedulerSequence.adapter_name`) -> slot in the LoRA layers."""
         self.block_manager = block_manager
+        self.lora_slots = lora_slots or {}
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
         self.pages_per_block = block_size // kernel_block_size
@@ -32,13 +67,14 @@ class InputsMaker:
         """Model inputs for the batch, and the sequences that sample a token after this forward (in row order)."""
         ids, positions, slots, logits_idx, tables, sampled = [], [], [], [], [], []
         q_lens, kv_lens, state_ids, fresh = [], [], [], []
+        mm = _MultiModalBatch()
         offset = 0
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed
             pos = np.arange(start, start + n, dtype=np.int64)
             pages = self._page_table(seq)
             ids.append(seq.token_array()[start:start + n])
-            positions.append(pos)
+            positions.append(mm.add(seq, start, n, offset) if seq.mm_spans else pos)
             slots.append(pages[pos // self.kernel_block_size] * self.kernel_block_size + pos % self.kernel_block_size)
             tables.append(pages)
             q_lens.append(n)
@@ -63,8 +99,16 @@ class InputsMaker:
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             state_ids=torch.tensor(state_ids, dtype=torch.int64), is_fresh=torch.tensor(fresh, dtype=torch.bool),
             q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens),
-            state_cuts=self._state_cuts(out, q_lens, state_ids, fresh))
+            state_cuts=self._state_cuts(out, q_lens, state_ids, fresh), lora_ids=self._lora_ids(out))
+        mm.attach(inputs)
         return inputs, sampled
+
+    def _lora_ids(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Each row's adapter slot, or None when no row uses an adapter (LoRA layers then skip entirely)."""
+        if not self.lora_slots:
+            return None
+        slots = [self.lora_slots[seq.adapter_name] if seq.adapter_name is not None else 0 for seq in out.seqs]
+        return torch.tensor(slots, dtype=torch.int64) if any(slots) else None
 
     @staticmethod
     def _state_cuts(out: SchedulerOutput, q_lens: list[int], state_ids: list[int], fresh: list[bool]
@@ -93,26 +137,84 @@ class InputsMaker:
                                            self.block_manager.resolve_gpu_block_offsets)
 
 
-def make_sampling_inputs(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]) -> SamplingInputs:
-    """Sampling parameters for the rows of `seqs` (the sequences sampled this forward)."""
-    temperature, top_k, top_p, penalty, penalty_ids, banned, gens = [], [], [], [], [], [], []
-    max_logprobs = -1
-    for seq in seqs:
-        params = seq.sampling
-        temperature.append(0.0 if params.is_greedy else params.temperature)
-        top_k.append(params.top_k)
-        top_p.append(params.top_p)
-        penalty.append(params.repetition_penalty)
-        penalty_ids.append(torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
-                           if params.repetition_penalty != 1.0 else None)
-        banned.append(torch.tensor(params.stop_token_ids, dtype=torch.int64)
-                      if seq.num_generated < params.min_new_tokens and params.stop_token_ids else None)
-        gens.append(generators.get(seq.seq_id))
-        if params.logprobs is not None:
-            max_logprobs = max(max_logprobs, params.logprobs)
+class SamplingRow(NamedTuple):
+    """One sampled row's parameters, before they become batch tensors."""
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    penalty_ids: torch.Tensor | None   # ids already in the sequence, when the penalty is on
+    banned_ids: torch.Tensor | None    # stop ids not allowed before min_new_tokens
+    generator: torch.Generator | None
+    logprobs: int | None
+
+
+def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator]) -> SamplingRow:
+    params = seq.sampling
+    return SamplingRow(
+        temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k, top_p=params.top_p,
+        repetition_penalty=params.repetition_penalty,
+        penalty_ids=torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
+        if params.repetition_penalty != 1.0 else None,
+        banned_ids=torch.tensor(params.stop_token_ids, dtype=torch.int64)
+        if seq.num_generated < params.min_new_tokens and params.stop_token_ids else None,
+        generator=generators.get(seq.seq_id), logprobs=params.logprobs)
+
+
+def _stack(rows: list[SamplingRow]) -> SamplingInputs:
+    temperature = [row.temperature for row in rows]
     return SamplingInputs(
-        temperature=torch.tensor(temperature, dtype=torch.float32), top_k=torch.tensor(top_k, dtype=torch.int64),
-        top_p=torch.tensor(top_p, dtype=torch.float32),
-        repetition_penalty=torch.tensor(penalty, dtype=torch.float32), penalty_ids=penalty_ids,
-        banned_ids=banned, generators=gens, max_num_logprobs=max_logprobs,
+        temperature=torch.tensor(temperature, dtype=torch.float32),
+        top_k=torch.tensor([row.top_k for row in rows], dtype=torch.int64),
+        top_p=torch.tensor([row.top_p for row in rows], dtype=torch.float32),
+        repetition_penalty=torch.tensor([row.repetition_penalty for row in rows], dtype=torch.float32),
+        penalty_ids=[row.penalty_ids for row in rows], banned_ids=[row.banned_ids for row in rows],
+        generators=[row.generator for row in rows],
+        max_num_logprobs=max((row.logprobs for row in rows if row.logprobs is not None), default=-1),
         all_greedy=all(t == 0.0 for t in temperature))
+
+
+def _build(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]) -> SamplingInputs:
+    return _stack([sampling_row(seq, generators) for seq in seqs])
+
+
+def make_sampling_inputs(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]
+                         ) -> tuple[SamplingInputs, dict[int, str]]:
+    """Sampling parameters for the rows of `seqs` (the sequences sampled this forward), and the error of every row
+    that could not be built, by its index in `seqs`. Such a row is left out of the inputs: its request fails alone
+    and the rest of the forward runs (admission validates parameters, so this is the last line of defence). The
+    batch is built in one pass; only when that fails is each row built alone to find the culprits."""
+    try:
+        return _build(seqs, generators), {}
+    except Exception:  # any failure here belongs to some row; find which below
+        pass
+    rejected = {i: error for i, seq in enumerate(seqs) if (error := _row_error(seq, generators)) is not None}
+    return _build([seq for i, seq in enumerate(seqs) if i not in rejected], generators), rejected
+
+
+_ROW_DTYPES = {'temperature': torch.float32, 'top_k': torch.int64, 'top_p': torch.float32,
+               'repetition_penalty': torch.float32}
+
+
+def _row_error(seq: SchedulerSequence, generators: dict[int, torch.Generator]) -> str | None:
+    """Why one row's sampling inputs cannot be built (naming the field where one is to blame), or None."""
+    try:
+        row = sampling_row(seq, generators)
+        for name, dtype in _ROW_DTYPES.items():
+            try:
+                torch.tensor([getattr(row, name)], dtype=dtype)
+            except Exception as exc:
+                return f'{name}={getattr(row, name)!r} is outside what the sampling kernels accept ({exc})'
+        _stack([row])
+    except Exception as exc:
+        return f'invalid sampling inputs: {type(exc).__name__}: {exc}'
+    return None
+
+
+def drop_sampled_rows(inputs: ModelInputs, sampled: list[SchedulerSequence], rejected: dict[int, str]
+                      ) -> list[SchedulerSequence]:
+    """Stop sampling the rejected rows (their tokens are still computed, so their KV and state stay exact);
+    returns the sequences still sampled, in row order."""
+    keep = [i for i in range(len(sampled)) if i not in rejected]
+    inputs.logits_indices = inputs.logits_indices[keep]
+    return [sampled[i] for i in keep]

@@ -3,9 +3,15 @@
 Owns the model and the device side of a step. Order inside `forward`, all on the forward stream: inputs to
 device -> KV restore copies -> state restore copies -> model forward -> KV save copies -> state save copies ->
 logits of the sampled rows -> sampling. It never touches scheduler state.
+
+Routed experts: a forward whose inputs ask (`ModelInputs.record_routed_experts`) gets a `[T, num_moe_layers,
+top_k]` record that the MoE layers fill; it comes back on the host as uint16 in `ForwardOutput.routed_experts`.
+CUDA graphs captured with `record_routed_experts` on (the engine flag) always record into a static buffer (a
+`[T, top_k]` copy per MoE layer); a forward that did not ask skips the host copy.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -15,28 +21,40 @@ from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import PREFILL_TOKEN_BUCKETS, CUDAGraphRunner
 from .device_streams import DeviceStreams
+from .vision_cache import VisionEncoderCache
 
 
 class ForwardOutput:
-    __slots__ = ('next_token_ids', 'logprobs', 'logits')
+    __slots__ = ('next_token_ids', 'logprobs', 'logits', 'routed_experts')
 
     def __init__(self, next_token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                 logits: torch.Tensor | None = None):
+                 logits: torch.Tensor | None = None, routed_experts: np.ndarray | None = None):
         self.next_token_ids = next_token_ids
         self.logprobs = logprobs
         # Logits of the sampled rows (float32, on the device), for callers that keep them.
         self.logits = logits
+        # [T, num_moe_layers, top_k] uint16 on the host: the experts each fed token was routed to (row order of the
+        # packed batch), or None when the forward did not record them.
+        self.routed_experts = routed_experts
 
 
 class ModelAgent:
 
     def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
-                 cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0):
+                 cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0, record_routed_experts: bool = False,
+                 has_lora: bool = False, vision_cache_bytes: int = 0):
         """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
-        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence."""
+        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence.
+        `record_routed_experts` (the engine flag) lets forwards record routed experts; graphs then always do.
+        `has_lora`: the model has LoRA adapters attached (graphs then carry each row's adapter slot).
+        `vision_cache_bytes > 0` keeps encoded images by content hash (`VisionEncoderCache`)."""
         self.model = model
+        self.vision_cache = VisionEncoderCache(vision_cache_bytes) if vision_cache_bytes > 0 else None
         self.cache_engine = cache_engine
         self.device = device
+        cfg = cache_engine.model_config
+        self.routes_shape = (cfg.num_moe_layers, cfg.moe_top_k) \
+            if record_routed_experts and cfg.num_moe_layers else None
         self._sample = backend.build(OpType.Sampling)
         self.streams = DeviceStreams(device)
         self.graph_runner = None
@@ -46,12 +64,14 @@ class ModelAgent:
             prefill_tokens = PREFILL_TOKEN_BUCKETS[-1] \
                 if prefill_graphs_supported(getattr(torch, cfg.dtype), cfg.is_hybrid) else 0
             self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
-                                                device, max_prefill_tokens=prefill_tokens)
+                                                device, max_prefill_tokens=prefill_tokens,
+                                                routes_shape=self.routes_shape, has_lora=has_lora)
 
-    def _context(self, inputs: ModelInputs) -> StepContext:
+    def _context(self, inputs: ModelInputs, routed_experts: torch.Tensor | None = None) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,
                            state_caches=self.cache_engine.state_caches,
-                           kernel_block_size=self.cache_engine.cache_config.kernel_block_size)
+                           kernel_block_size=self.cache_engine.cache_config.kernel_block_size,
+                           routed_experts=routed_experts)
 
     def restore(self, cache_inputs: CacheCheckpointInputs | None) -> None:
         if cache_inputs is None:
@@ -69,16 +89,52 @@ class ModelAgent:
         if cache_inputs.state_save_plan is not None:
             self.cache_engine.copy_state_slots(cache_inputs.state_save_plan)
 
-    def run_model(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None) -> torch.Tensor:
-        """restore copies -> model -> save copies; returns the hidden states."""
+    def embed_images(self, inputs: ModelInputs) -> None:
+        """Fill `inputs.mm_embeds` for the forward's images: encoder-cache hits are reused, the misses run through
+        the vision tower in one packed call (on the forward stream) and are cached."""
+        items = inputs.vision_items
+        if not items:
+            return
+        embeds: dict[int, torch.Tensor] = {}
+        for item in items:
+            if item.content_hash not in embeds:
+                cached = self.vision_cache.get(item.content_hash) if self.vision_cache is not None else None
+                if cached is not None:
+                    embeds[item.content_hash] = cached
+        misses = list({item.content_hash: item for item in items if item.content_hash not in embeds}.values())
+        if misses:
+            pixels = torch.cat([m.pixels.pixel_values for m in misses]).to(self.device, non_blocking=True)
+            out = self.model.encode_images(pixels, [m.pixels.grid_thw for m in misses])
+            sizes = [self.model.num_image_tokens(m.pixels.grid_thw) for m in misses]
+            for item, part in zip(misses, out.split(sizes)):
+                embeds[item.content_hash] = part
+                if self.vision_cache is not None:
+                    self.vision_cache.put(item.content_hash, part)
+        inputs.mm_embeds = torch.cat([embeds[i.content_hash][i.first_token:i.first_token + i.num_tokens]
+                                      for i in items])
+
+    def run_model(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """restore copies -> image embeddings -> model -> save copies; returns the hidden states and the
+        routed-experts record (None unless the inputs asked for it)."""
         self.restore(cache_inputs)
+        self.embed_images(inputs)
         key = self.graph_runner.key_of(inputs) if self.graph_runner is not None else None
+        routes = None
         if key is not None:
             hidden = self.graph_runner.run(inputs, key)
+            if inputs.record_routed_experts:
+                routes = self.graph_runner.routes_of(inputs)
         else:
-            hidden = self.model(self._context(inputs))
+            if inputs.record_routed_experts and self.routes_shape is None:
+                raise ValueError('routed experts were asked for, but the engine does not record them '
+                                 '(enable_return_routed_experts is off, or the model has no MoE layer)')
+            if inputs.record_routed_experts:
+                routes = torch.empty((inputs.input_ids.numel(), *self.routes_shape), dtype=torch.int16,
+                                     device=self.device)
+            hidden = self.model(self._context(inputs, routes))
         self.save(cache_inputs)
-        return hidden
+        return hidden, routes
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
@@ -93,12 +149,12 @@ class ModelAgent:
                 cache_inputs: CacheCheckpointInputs | None = None) -> ForwardOutput:
         inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
         with self.streams.forward():
-            hidden = self.run_model(inputs, cache_inputs)
+            hidden, routes = self.run_model(inputs, cache_inputs)
             if inputs.logits_indices.numel() == 0:
-                return ForwardOutput([], None)
+                return ForwardOutput([], None, routed_experts=_routes_to_host(routes))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             next_ids, logprobs = self._sample(logits, sampling)
-            return ForwardOutput(next_ids.tolist(), logprobs, logits)
+            return ForwardOutput(next_ids.tolist(), logprobs, logits, _routes_to_host(routes))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> ForwardOutput:
@@ -119,11 +175,17 @@ class ModelAgent:
 
     @torch.inference_mode()
     def forward_logits(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None = None
-                       ) -> torch.Tensor:
-        """Logits of every fed token on the host (teacher forcing, for tests and scoring); caches are updated as
-        usual. The copy to the host is queued on the forward stream: the forward stream does not synchronise with
-        the default stream, so a copy queued there could read the logits before a replayed graph has written
-        them."""
+                       ) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Logits of every fed token on the host (teacher forcing, for tests and scoring) and the routed-experts
+        record (None unless asked); caches are updated as usual. The copies to the host are queued on the forward
+        stream: the forward stream does not synchronise with the default stream, so a copy queued there could read
+        the logits before a replayed graph has written them."""
         inputs, cache_inputs = self.streams.to_device(inputs, cache_inputs)
         with self.streams.forward():
-            return self.model.compute_logits(self.run_model(inputs, cache_inputs)).cpu()
+            hidden, routes = self.run_model(inputs, cache_inputs)
+            return self.model.compute_logits(hidden).cpu(), _routes_to_host(routes)
+
+
+def _routes_to_host(routes: torch.Tensor | None) -> np.ndarray | None:
+    """The int16 device record as uint16 on the host (expert ids are < 2**15, so the bits are the same)."""
+    return None if routes is None else routes.cpu().numpy().view(np.uint16)

@@ -11,6 +11,7 @@ from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention
 from ..nn.linear import Embedding, Linear, MergedLinear
+from ..nn.lora import lora_step
 from ..nn.norm import RMSNorm
 from ..nn.rotary import RotaryEmbedding
 from .weight_loading import load_weights
@@ -102,7 +103,8 @@ class Qwen3ForCausalLM(nn.Module):
             max_position_embeddings=getattr(hf_config, 'max_position_embeddings', 32768))
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
-        return self.model(ctx)
+        with lora_step(ctx.inputs):
+            return self.model(ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

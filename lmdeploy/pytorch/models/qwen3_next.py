@@ -23,6 +23,7 @@ from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention
 from ..nn.gated_delta import CausalConv1d, GatedDeltaRule, gated_delta_gating
 from ..nn.linear import Embedding, Linear, MergedLinear
+from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
 from ..nn.rotary import RotaryEmbedding
@@ -123,10 +124,13 @@ class GatedDeltaNet(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
+    """`moe_index`: this layer's rank among the MoE layers (its column of the routed-experts record), or None when
+    its MLP is dense (it records nothing)."""
 
-    def __init__(self, cfg, layer_type: str, cache_index: int, mlp: nn.Module):
+    def __init__(self, cfg, layer_type: str, cache_index: int, mlp: nn.Module, moe_index: int | None = None):
         super().__init__()
         self.layer_type = layer_type
+        self.moe_index = moe_index
         if layer_type == LINEAR_ATTENTION:
             self.linear_attn = GatedDeltaNet(cfg, cache_index)
         else:
@@ -142,26 +146,39 @@ class HybridDecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, rotary, cos_sin, ctx)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.moe_index is None:
+            return x + self.mlp(h)
+        return x + self.mlp(h, ctx.routes_of(self.moe_index))
 
 
 class HybridModel(nn.Module):
-    """Embedding, decoder layers and final norm; `make_mlp(layer_id)` builds each layer's MLP."""
+    """Embedding, decoder layers and final norm; `make_mlp(layer_id)` builds each layer's MLP, a `SparseMoeBlock`
+    exactly for the layers in `moe_layer_ids`."""
 
-    def __init__(self, cfg, make_mlp: Callable[[int], nn.Module]):
+    def __init__(self, cfg, make_mlp: Callable[[int], nn.Module], moe_layer_ids: tuple[int, ...] = ()):
         super().__init__()
         self.layer_types = layer_types_of(cfg)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        # Attention layers index the KV pool, DeltaNet layers the state pool, each by its rank among its kind.
+        # Attention layers index the KV pool, DeltaNet layers the state pool, each by its rank among its kind; MoE
+        # layers index the routed-experts record by their rank among MoE layers.
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(cfg, kind, self.layer_types[:i].count(kind), make_mlp(i))
+            HybridDecoderLayer(cfg, kind, self.layer_types[:i].count(kind), make_mlp(i),
+                               moe_layer_ids.index(i) if i in moe_layer_ids else None)
             for i, kind in enumerate(self.layer_types))
+        for layer_id, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoeBlock) != (layer.moe_index is not None):
+                raise ValueError(f'layer {layer_id}: MLP kind disagrees with moe_layer_ids {moe_layer_ids}')
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg))
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(ctx.inputs.input_ids)
-        cos_sin = self.rotary_emb.cos_sin(ctx.inputs.position_ids)
+        inputs = ctx.inputs
+        x = self.embed_tokens(inputs.input_ids)
+        if inputs.mm_embeds is not None:  # image placeholders take the vision tower's embeddings
+            x = x.index_copy(0, inputs.mm_token_rows, inputs.mm_embeds.to(x.dtype))
+        positions = inputs.position_ids if inputs.mrope_position_ids is None else inputs.mrope_position_ids
+        cos_sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, self.rotary_emb, cos_sin, ctx)
         return self.norm(x)
@@ -177,7 +194,7 @@ class HybridForCausalLM(nn.Module):
     def __init__(self, hf_config):
         super().__init__()
         self.config = cfg = self.text_config_of(hf_config)
-        self.model = HybridModel(cfg, self.make_mlp)
+        self.model = HybridModel(cfg, self.make_mlp, self.moe_layer_ids(cfg))
         tie = getattr(hf_config, 'tie_word_embeddings', None)  # the top-level config decides for VL checkpoints
         self.tie_word_embeddings = bool(getattr(cfg, 'tie_word_embeddings', False) if tie is None else tie)
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
@@ -190,6 +207,11 @@ class HybridForCausalLM(nn.Module):
         return GatedMLP(self.config.hidden_size, self.config.intermediate_size)
 
     @classmethod
+    def moe_layer_ids(cls, cfg) -> tuple[int, ...]:
+        """Layers whose MLP is a sparse MoE (none here); `make_mlp` builds a `SparseMoeBlock` exactly for them."""
+        return ()
+
+    @classmethod
     def build_model_config(cls, hf_config, dtype: str, state_dtype: str = 'float32') -> ModelConfig:
         cfg = cls.text_config_of(hf_config)
         types = layer_types_of(cfg)
@@ -200,15 +222,18 @@ class HybridForCausalLM(nn.Module):
                  StateSpec('recurrent', (cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                          cfg.linear_value_head_dim), state_dtype)) if linear else ()
         full = tuple(i for i, kind in enumerate(types) if kind == FULL_ATTENTION)
+        moe = cls.moe_layer_ids(cfg)
         return ModelConfig(
             architecture=cls.__name__, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
             vocab_size=cfg.vocab_size, attn_layer_ids=full,
             num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim_of(cfg), dtype=dtype,
             max_position_embeddings=getattr(cfg, 'max_position_embeddings', 32768),
-            recurrent_layer_ids=linear, state_specs=specs)
+            recurrent_layer_ids=linear, state_specs=specs, moe_layer_ids=moe,
+            moe_top_k=cfg.num_experts_per_tok if moe else 0)
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
-        return self.model(ctx)
+        with lora_step(ctx.inputs):
+            return self.model(ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -252,12 +277,17 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     """Qwen3-Next: sparse MoE (softmax top-k + gated shared expert) except in `mlp_only_layers`, and layers
     skipped by `decoder_sparse_step`, which use a dense MLP."""
 
+    @classmethod
+    def moe_layer_ids(cls, cfg) -> tuple[int, ...]:
+        dense_layers = getattr(cfg, 'mlp_only_layers', None) or []
+        if getattr(cfg, 'num_experts', 0) <= 0:
+            return ()
+        step = getattr(cfg, 'decoder_sparse_step', 1)
+        return tuple(i for i in range(cfg.num_hidden_layers) if i not in dense_layers and (i + 1) % step == 0)
+
     def make_mlp(self, layer_id: int) -> nn.Module:
         cfg = self.config
-        dense_layers = getattr(cfg, 'mlp_only_layers', None) or []
-        is_sparse = (getattr(cfg, 'num_experts', 0) > 0 and layer_id not in dense_layers
-                     and (layer_id + 1) % getattr(cfg, 'decoder_sparse_step', 1) == 0)
-        if not is_sparse:
+        if layer_id not in self.moe_layer_ids(cfg):
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                               norm_topk_prob=getattr(cfg, 'norm_topk_prob', True),

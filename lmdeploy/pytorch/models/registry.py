@@ -8,9 +8,9 @@ MODULE_MAP: dict[str, tuple[str, str]] = {
     'Qwen3ForCausalLM': ('qwen3', 'Qwen3ForCausalLM'),
     'Qwen3NextForCausalLM': ('qwen3_next', 'Qwen3NextForCausalLM'),
     'Qwen3_5ForCausalLM': ('qwen3_5', 'Qwen3_5ForCausalLM'),
-    'Qwen3_5ForConditionalGeneration': ('qwen3_5', 'Qwen3_5ForCausalLM'),
+    'Qwen3_5ForConditionalGeneration': ('qwen3_5', 'Qwen3_5ForConditionalGeneration'),
     'Qwen3_5MoeForCausalLM': ('qwen3_5', 'Qwen3_5MoeForCausalLM'),
-    'Qwen3_5MoeForConditionalGeneration': ('qwen3_5', 'Qwen3_5MoeForCausalLM'),
+    'Qwen3_5MoeForConditionalGeneration': ('qwen3_5', 'Qwen3_5MoeForConditionalGeneration'),
 }
 
 

@@ -1,5 +1,5 @@
 """Linear layer whose matmul comes from the selected backend; weights in the model dtype or block-wise FP8
-(`use_blocked_fp8`, see `blocked_fp8.py`)."""
+(`use_blocked_fp8`, see `blocked_fp8.py`); LoRA adapters attach to it (`nn.lora`)."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +19,7 @@ class Linear(nn.Module):
         self.weight_scale_inv: nn.Parameter | None = None
         self.weight_block_size: tuple[int, int] | None = None  # set when the weight is block-wise FP8
         self._impl = current_backend().build(OpType.Linear)
+        self.lora = None  # a `nn.lora.LoRAStack` once adapters are attached
 
     def use_blocked_fp8(self, block_size: tuple[int, int]) -> None:
         """Make `weight` FP8 with a `weight_scale_inv` block grid; call before the parameters are materialised."""
@@ -29,8 +30,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is not None:
-            return self._impl(x, self.weight, self.weight_scale_inv, self.bias)
-        return self._impl(x, self.weight, self.bias)
+            out = self._impl(x, self.weight, self.weight_scale_inv, self.bias)
+        else:
+            out = self._impl(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class MergedLinear(Linear):

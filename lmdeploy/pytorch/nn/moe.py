@@ -129,9 +129,13 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        out = self.experts(x, *self.gate(x))
+    def forward(self, x: torch.Tensor, routes_out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `routes_out` [T, top_k] (any integer dtype), when given, receives the expert ids the
+        router chose for each token (the routed-experts record; it costs one small copy)."""
+        weights, ids = self.gate(x)
+        if routes_out is not None:
+            routes_out.copy_(ids)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

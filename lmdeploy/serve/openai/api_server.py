@@ -14,6 +14,7 @@ import asyncio
 import functools
 import os
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -29,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ...messages import PytorchEngineConfig
 from ...messages import Response as EngineResponse
 from ..async_engine import AsyncEngine, PreparedRequest
+from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser, ParsedDelta
+from ..request_builder import TemplateOptions
 from .metrics import ServerMetrics
 from .protocol import (
     ChatChoice,
@@ -41,10 +44,12 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    ToolCallOut,
     UsageInfo,
     chat_logprobs,
     completion_logprobs,
@@ -71,9 +76,16 @@ class APIError(Exception):
 class ServerState:
     """What the handlers of one app share: the engine, the served name and the metrics."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None):
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f'unknown reasoning parser {reasoning_parser!r}; choose from {sorted(REASONING_PARSERS)}')
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f'unknown tool-call parser {tool_call_parser!r}; choose from {sorted(TOOL_CALL_PARSERS)}')
         self.async_engine = async_engine
         self.model_name = model_name
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
         self.created = now()
         self.metrics = ServerMetrics(async_engine.engine)
         tokenizer = async_engine.tokenizer
@@ -85,15 +97,20 @@ class ServerState:
             raise APIError(404, f'The model `{model}` does not exist; this server serves `{self.model_name}`.',
                            param='model', code='model_not_found')
 
+    def output_parser(self, body: ChatCompletionRequest, prepared: PreparedRequest) -> ChatOutputParser:
+        tools = body.template_tools()
+        return ChatOutputParser(self.reasoning_parser, self.tool_call_parser if tools else None, tools,
+                                prepared.prompt_text or '')
+
     async def prepare(self, prompt, body: ChatCompletionRequest | CompletionRequest, do_preprocess: bool,
-                      param: str) -> PreparedRequest:
+                      param: str, template: TemplateOptions | None = None) -> PreparedRequest:
         gen = body.to_generation_config()
         try:
-            gen.validate()
+            self.async_engine.validate_generation_config(gen)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         try:
-            prepared = await asyncio.to_thread(self.async_engine.prepare, prompt, gen, do_preprocess)
+            prepared = await asyncio.to_thread(self.async_engine.prepare, prompt, gen, do_preprocess, 0, template)
         except ValueError as exc:
             code = 'context_length_exceeded' if 'session_len' in str(exc) else None
             raise APIError(400, str(exc), param=param, code=code) from exc
@@ -128,11 +145,24 @@ async def list_models(request: Request) -> ModelList:
                                      max_model_len=state.async_engine.session_len)])
 
 
+def _chat_delta(parsed: ParsedDelta, num_calls_before: int) -> DeltaMessage:
+    calls = [DeltaToolCall(index=num_calls_before + i, id=c.id, function={'name': c.name, 'arguments': c.arguments})
+             for i, c in enumerate(parsed.tool_calls)]
+    return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
+                        tool_calls=calls or None)
+
+
+def _chat_finish_reason(reason: str | None, parser: ChatOutputParser) -> str | None:
+    return 'tool_calls' if reason == 'stop' and parser.num_tool_calls else reason
+
+
 @router.post('/chat/completions')
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     arrival, state = time.perf_counter(), _state(request)
     state.check_model(body.model)
-    prepared = await state.prepare(body.prompt(), body, True, 'messages')
+    template = TemplateOptions(tools=body.template_tools(), kwargs=body.chat_template_kwargs)
+    prepared = await state.prepare(body.prompt(), body, True, 'messages', template)
+    parser = state.output_parser(body, prepared)
     responses = state.generate(prepared, 'chat', arrival)
     rid, created, k = new_id('chatcmpl'), now(), body.top_logprobs or 0
 
@@ -141,10 +171,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     def delta(r: EngineResponse) -> ChatCompletionChunk | None:
         logprobs = chat_logprobs(r, k, state.decode) if r.logprobs is not None else None
-        if not (r.text or r.finish_reason or (logprobs and logprobs.content)):
+        num_calls = parser.num_tool_calls
+        message = _chat_delta(parser.feed(r.text, final=r.finish_reason is not None), num_calls)
+        if not (message.content or message.reasoning_content or message.tool_calls or r.finish_reason
+                or (logprobs and logprobs.content)):
             return None
-        return chunk([ChatChunkChoice(delta=DeltaMessage(content=r.text), logprobs=logprobs,
-                                      finish_reason=r.finish_reason)])
+        return chunk([ChatChunkChoice(delta=message, logprobs=logprobs,
+                                      finish_reason=_chat_finish_reason(r.finish_reason, parser))])
 
     if body.stream:
         head = chunk([ChatChunkChoice(delta=DeltaMessage(role='assistant', content=''))])
@@ -152,8 +185,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return _event_stream(responses, delta, usage, head)
     final = await _unless_disconnected(request, _collect(responses))
     logprobs = chat_logprobs(final, k, state.decode) if final.logprobs is not None else None
-    choice = ChatChoice(message=ChatResponseMessage(content=final.text), logprobs=logprobs,
-                        finish_reason=final.finish_reason)
+    parsed = parser.feed(final.text, final=True)
+    calls = [ToolCallOut(id=c.id, function={'name': c.name, 'arguments': c.arguments}) for c in parsed.tool_calls]
+    message = ChatResponseMessage(content=parsed.content if parsed.content or not calls else None,
+                                  reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+    choice = ChatChoice(message=message, logprobs=logprobs,
+                        finish_reason=_chat_finish_reason(final.finish_reason, parser))
     return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=[choice],
                                   usage=UsageInfo.of(final))
 
@@ -319,10 +356,10 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return await api_error(_, APIError(500, f'internal error: {exc}', type='internal_error'))
 
 
-def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None,
-               model_name: str | None = None) -> FastAPI:
+def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """A FastAPI app serving `async_engine`; the caller owns (and closes) the engine."""
-    state = ServerState(async_engine, model_name or async_engine.model_name)
+    state = ServerState(async_engine, model_name or async_engine.model_name, reasoning_parser, tool_call_parser)
     app = FastAPI(title='lmdeploy OpenAI-compatible API')
     app.state.server = state
     app.include_router(router)
@@ -342,14 +379,34 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None,
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket now, so a taken port fails before minutes of model loading, not after."""
+    family = socket.AF_INET6 if ':' in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f'cannot bind {host}:{port}: {exc.strerror}') from exc
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, server_name: str = '127.0.0.1',
           server_port: int = 23333, api_keys: list[str] | None = None, model_name: str | None = None,
-          log_level: str = 'info') -> None:
-    """Load the model and serve it until interrupted."""
+          log_level: str = 'info', chat_template: str | None = None, reasoning_parser: str | None = None,
+          tool_call_parser: str | None = None) -> None:
+    """Bind the port, load the model and serve it until interrupted."""
     import uvicorn
-    async_engine = AsyncEngine(model_path, engine_config, model_name)
+    sock = bind_socket(server_name, server_port)
     try:
-        app = create_app(async_engine, api_keys, model_name)
-        uvicorn.run(app, host=server_name, port=server_port, log_level=log_level)
+        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template)
+        try:
+            app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser)
+            config = uvicorn.Config(app, log_level=log_level.lower())
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            async_engine.close()
     finally:
-        async_engine.close()
+        sock.close()

@@ -7,10 +7,11 @@ Unknown OpenAI fields (`user`, `metadata`, ...) are accepted and ignored; known 
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -113,13 +114,67 @@ class TextContentPart(_Record):
     text: Text
 
 
+class FunctionCall(_Record):
+    name: Text
+    arguments: Text = '{}'  # JSON, as the model wrote it
+
+
+class ToolCallMessage(_Record):
+    """An assistant's tool call in the history."""
+    id: str | None = None
+    type: Literal['function'] = 'function'
+    function: FunctionCall
+
+    def as_template_call(self) -> dict:
+        # Templates expect `arguments` as a mapping (Qwen3.5 iterates its items); text that is not a JSON object
+        # stays text, which Qwen3's template prints as is.
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {'id': self.id, 'type': 'function',
+                'function': {'name': self.function.name, 'arguments': arguments}}
+
+
 class ChatMessage(_Record):
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
     content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
 
     def as_template_message(self) -> dict:
+        """The message as Hugging Face chat templates take it (`content` always a string)."""
         content = self.content if isinstance(self.content, str) else ''.join(p.text for p in self.content or ())
-        return {'role': 'system' if self.role == 'developer' else self.role, 'content': content}
+        message: dict[str, Any] = {'role': 'system' if self.role == 'developer' else self.role, 'content': content}
+        if self.tool_calls:
+            message['tool_calls'] = [call.as_template_call() for call in self.tool_calls]
+        for key in ('name', 'tool_call_id', 'reasoning_content'):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class FunctionDefinition(_Record):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Record):
+    type: Literal['function']
+    function: FunctionDefinition
+
+
+class NamedFunction(_Record):
+    name: Text
+
+
+class NamedToolChoice(_Record):
+    type: Literal['function']
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -128,12 +183,36 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Extension (vLLM / LMDeploy): variables for the chat template, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode='after')
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError('top_logprobs requires logprobs=true')
         return self
+
+    @model_validator(mode='after')
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        if self.tool_choice == 'required' and not self.tools:
+            raise ValueError('tool_choice "required" needs tools')
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(f'tool_choice names the function {name!r}, which is not in tools')
+        return self
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the template shows the model: none for tool_choice "none", only the named one if named."""
+        if not self.tools or self.tool_choice == 'none':
+            return None
+        tools = self.tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t.function.name == self.tool_choice.function.name]
+        return [t.model_dump(exclude_none=True) for t in tools]
 
     @property
     def num_logprobs(self) -> int | None:
@@ -217,9 +296,27 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal['function'] = 'function'
+    function: FunctionCallOut
+
+
+class DeltaToolCall(ToolCallOut):
+    """A streamed tool call: sent whole, in one delta, once its block is complete."""
+    index: int
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal['assistant'] = 'assistant'
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -241,6 +338,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal['assistant'] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -8,10 +8,12 @@ from ...kernels.cuda import causal_conv1d as _conv
 from ...kernels.cuda import gated_delta_rule as _gdr
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
+from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from ...kernels.cuda.rms_norm import gated_rms_norm, rms_norm
 from ...kernels.cuda.rotary import apply_rotary
+from ...kernels.cuda.varlen_attention import varlen_attention
 from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
@@ -31,6 +33,12 @@ def _build_attention(**_kwargs):
             return paged_decode_attention(q, k_cache, v_cache, inputs.block_tables, inputs.kv_lens, scale)
         return paged_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.cu_seqlens_q,
                                        inputs.q_lens, inputs.kv_lens, inputs.max_seqlen_q, scale)
+    return forward
+
+
+def _build_vision_attention(**_kwargs):
+    def forward(q, k, v, cu_seqlens, cu_seqlens_list, max_seqlen, scale):
+        return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     return forward
 
 
@@ -72,8 +80,16 @@ def _build_gated_delta_rule(**kwargs):
     return forward
 
 
+def _build_lora(**_kwargs):
+    def forward(x, out, lora_a, lora_b, slice_sizes, inputs):
+        return sgmv_lora(x, out, lora_a, lora_b, slice_sizes, inputs.lora_ids, inputs.cu_seqlens_q,
+                         inputs.max_seqlen_q)
+    return forward
+
+
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
+    OpType.VisionAttention: _build_vision_attention,
     OpType.CacheBlockCopy: _const(copy_packed_cache),
     OpType.RMSNorm: _const(rms_norm),
     OpType.GatedRMSNorm: _const(gated_rms_norm),
@@ -81,6 +97,7 @@ _BUILDERS = {
     OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.MoE: _const(fused_moe),
+    OpType.LoRA: _build_lora,
 }
 
 BACKEND = Backend('cuda', _BUILDERS, parent=DEFAULT_BACKEND)

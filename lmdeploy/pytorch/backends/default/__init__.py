@@ -1,11 +1,15 @@
 """The `default` backend: plain torch, runs on CPU and GPU. Every other backend falls back to it."""
 from __future__ import annotations
 
+import torch
+
 from ...kernels.default import blocked_fp8 as _fp8
 from ...kernels.default import cache_copy as _cache_copy
 from ...kernels.default import causal_conv1d as _conv
 from ...kernels.default import gated_delta_rule as _gdr
+from ...kernels.default import lora as _lora
 from ...kernels.default import paged_attention as _attn
+from ...kernels.default import varlen_attention as _varlen
 from ..base import Backend, OpType
 from . import elementwise, moe, sampling
 
@@ -22,6 +26,12 @@ def _build_attention(**_kwargs):
         _attn.fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
         return _attn.paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.q_lens_list,
                                      inputs.kv_lens_list, scale)
+    return forward
+
+
+def _build_vision_attention(**_kwargs):
+    def forward(q, k, v, cu_seqlens, cu_seqlens_list, max_seqlen, scale):
+        return _varlen.varlen_attention(q, k, v, cu_seqlens_list, scale)
     return forward
 
 
@@ -61,6 +71,18 @@ def blocked_fp8_builder(fn):
     return build
 
 
+def token_lora_slots(inputs):
+    """Each token's adapter slot [T] (from the per-sequence `inputs.lora_ids`), built once per forward."""
+    return inputs.derived('lora_token_slots', lambda: torch.repeat_interleave(
+        inputs.lora_ids, inputs.q_lens, output_size=inputs.input_ids.numel()))
+
+
+def _build_lora(**_kwargs):
+    def forward(x, out, lora_a, lora_b, slice_sizes, inputs):
+        return _lora.lora_shrink_expand(x, out, lora_a, lora_b, slice_sizes, token_lora_slots(inputs))
+    return forward
+
+
 _build_gated_delta_rule = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule)
 _build_causal_conv1d = causal_conv1d_builder(_conv.causal_conv1d)
 
@@ -74,6 +96,7 @@ _BUILDERS = {
     OpType.ApplyRotary: _const(elementwise.apply_rotary),
     OpType.SiluAndMul: _const(elementwise.silu_and_mul),
     OpType.PagedAttention: _build_attention,
+    OpType.VisionAttention: _build_vision_attention,
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.CausalConv1d: _build_causal_conv1d,
     OpType.MoE: _const(moe.fused_moe),
@@ -81,6 +104,7 @@ _BUILDERS = {
     OpType.Sampling: _const(sampling.sample),
     OpType.CacheBlockCopy: _const(_cache_copy.copy_packed_cache),
     OpType.StateSlotCopy: _const(_cache_copy.copy_state_slots),
+    OpType.LoRA: _build_lora,
 }
 
 BACKEND = Backend('default', _BUILDERS)

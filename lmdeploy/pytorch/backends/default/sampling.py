@@ -5,13 +5,18 @@ import torch
 
 from ...model_inputs import SamplingInputs
 
+# Every parameter `SamplingParams.validate` admits must sample without error: overflow to +inf (a tiny penalty or
+# temperature dividing a logit) is clamped to the largest float32, so softmax never sees inf - inf.
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def _apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     for row, (ids, banned) in enumerate(zip(inputs.penalty_ids, inputs.banned_ids)):
         if ids is not None and ids.numel():
             penalty = inputs.repetition_penalty[row]
             scores = logits[row, ids]
-            logits[row, ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+            penalized = torch.where(scores > 0, scores / penalty, scores * penalty)
+            logits[row, ids] = penalized.clamp(-_FLOAT32_MAX, _FLOAT32_MAX)
         if banned is not None and banned.numel():
             logits[row, banned] = float('-inf')
     return logits
@@ -59,7 +64,7 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, 
         next_ids = greedy_ids
     else:
         temperature = inputs.temperature.clamp(min=1e-5)[:, None]
-        filtered = _filter_top_k_top_p(logits / temperature, inputs.top_k, inputs.top_p)
+        filtered = _filter_top_k_top_p((logits / temperature).clamp(max=_FLOAT32_MAX), inputs.top_k, inputs.top_p)
         sampled = _draw(filtered.softmax(dim=-1), inputs.generators)
         next_ids = torch.where(inputs.temperature > 0, sampled, greedy_ids)
     logprobs = _top_logprobs(raw, next_ids, inputs.max_num_logprobs) if inputs.max_num_logprobs >= 0 else None

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 import transformers
-from conftest import assert_close
+from numeric import assert_close
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, Response, pipeline
 from lmdeploy.cli.entrypoint import main as cli_main

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import transformers
-from conftest import assert_close
+from numeric import assert_close
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import assert_close
+from numeric import assert_close
 
 import lmdeploy
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig

@@ -16,6 +16,7 @@ from lmdeploy.demo_model import (
     IM_START,
     SPECIAL_TOKENS,
     TOKENIZER_VOCAB_SIZE,
+    VISION_TOKENS,
     build_tokenizer,
     get_demo_model_path,
     save_tiny_model,
@@ -138,7 +139,12 @@ def test_overrides_and_dtype(tmp_path):
 @pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5_vl'])
 def test_tokenizer_roundtrip(tiny_models, arch):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_models[arch])
-    assert len(tokenizer) == TOKENIZER_VOCAB_SIZE
+    # vision-language checkpoints add the vision tokens after the text vocabulary
+    num_vision = len(VISION_TOKENS) if arch == 'qwen3_5_vl' else 0
+    assert len(tokenizer) == TOKENIZER_VOCAB_SIZE + num_vision
+    if num_vision:
+        assert tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)) == list(range(TOKENIZER_VOCAB_SIZE,
+                                                                                  len(tokenizer)))
     assert tokenizer.eos_token == IM_END and tokenizer.pad_token == ENDOFTEXT
     for text in TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)

@@ -13,7 +13,8 @@ control's top-2 logit gap is below `TIE_TOL` a divergence is a near tie, counted
 nothing is running or waiting, every block and slot is owned by the prefix cache only, and evicting the cache frees
 everything.
 
-CI size: `test_soak` (~120 requests). Long: `pytest -m slow tests/test_soak.py` or `python -m tests.test_soak --long`
+CI size: `test_soak` (~120 requests). Long: `pytest -m slow tests/engine/test_soak.py` or
+`python -m tests.engine.test_soak --long`
 (`LMDEPLOY_SOAK_REQUESTS` sets the number of requests of the long run).
 """
 from __future__ import annotations

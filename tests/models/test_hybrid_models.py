@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import assert_close
+from numeric import assert_close
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope='module')
 def bench():
-    path = Path(__file__).resolve().parents[1] / 'benchmark' / 'bench_prefix_match.py'
+    path = Path(__file__).resolve().parents[2] / 'benchmark' / 'bench_prefix_match.py'
     spec = importlib.util.spec_from_file_location('bench_prefix_match', path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module   # dataclasses look their module up

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_close
+from numeric import assert_close
 
 from lmdeploy.pytorch.kernels.cuda.copy_packed_cache import copy_packed_cache
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
@@ -331,8 +331,8 @@ def run_interpreted(kernel: str) -> None:
 
 @pytest.mark.parametrize('kernel', list(_CHECKS))
 def test_kernel_under_triton_interpreter(kernel):
-    tests_dir = Path(__file__).resolve().parent
-    code = f'import sys; sys.path.insert(0, {str(tests_dir)!r}); import {Path(__file__).stem} as t; ' \
+    here = Path(__file__).resolve().parent
+    code = f'import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import {Path(__file__).stem} as t; ' \
            f't.run_interpreted({kernel!r})'
     env = {**os.environ, 'TRITON_INTERPRET': '1'}
     result = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)

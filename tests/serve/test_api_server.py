@@ -261,7 +261,11 @@ BAD_REQUESTS = {
     'batched-prompts': ('completions', {'prompt': ['a', 'b']}, 400, 'prompt'),
     'echo': ('completions', {'prompt': 'a', 'echo': True}, 400, None),
     'huge-seed': ('completions', {'prompt': 'a', 'seed': 2**80}, 400, 'seed'),
+    # past what the sampling kernels take (float32 / int64): 400 naming the field, not a failed batch
+    'huge-top-k': ('completions', {'prompt': 'a', 'top_k': 2**63, 'temperature': 1}, 400, None),
+    'huge-repetition-penalty': ('chat/completions', {'messages': CHAT, 'repetition_penalty': 1e39}, 400, None),
 }
+NAMED_IN_MESSAGE = {'huge-top-k': 'top_k', 'huge-repetition-penalty': 'repetition_penalty'}
 
 
 @pytest.mark.parametrize('case', list(BAD_REQUESTS))
@@ -279,6 +283,8 @@ def test_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server, c
         assert error['param'] == param
     if case == 'unknown-model':
         assert error['code'] == 'model_not_found'
+    if case in NAMED_IN_MESSAGE:
+        assert NAMED_IN_MESSAGE[case] in error['message']
     if case == 'over-long-prompt':
         assert 'session_len' in error['message'] and error['code'] == 'context_length_exceeded'
     ok = httpx.post(f'{server.url}/v1/completions', json={'model': MODEL, 'prompt': 'hi', 'max_tokens': 2})

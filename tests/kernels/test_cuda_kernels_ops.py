@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close
+from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
 from lmdeploy.pytorch.backends.default.moe import fused_moe as ref_fused_moe
@@ -537,6 +537,6 @@ def test_triton_kernels_interpreted():
     env = {**os.environ, 'TRITON_INTERPRET': '1', 'CUDA_VISIBLE_DEVICES': ''}
     cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', 'test_cpu_']
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, f'interpreted kernels failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}'
     assert ' passed' in proc.stdout and 'skipped' not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
