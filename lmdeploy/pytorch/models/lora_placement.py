@@ -25,6 +25,7 @@ from ..nn.blocked_fp8 import FP8_DTYPE
 from ..nn.linear import Linear, MergedLinear
 from ..nn.lora import LoRAStack
 from .peft_adapter import PeftAdapter
+from .weight_loading import ignored_reason
 
 _NOT_ADAPTABLE = {'lm_head': 'lm_head', 'embed_tokens': 'embeddings'}
 
@@ -53,7 +54,7 @@ def place_module(model: nn.Module, modules: dict[str, nn.Module], adapter: PeftA
         raise _fail(adapter, name, f'adapts the {_NOT_ADAPTABLE[leaf]}, which do not take LoRA here')
     rename = getattr(model, 'rename_weight', None)
     renamed = rename(f'{name}.weight') if rename is not None else f'{name}.weight'
-    if renamed is None:
+    if renamed is None or ignored_reason(f'{name}.weight') is not None:
         raise _fail(adapter, name, 'belongs to weights the engine does not run (vision tower or MTP head)')
     path = renamed[:-len('.weight')]
     layer = modules.get(path)
