@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -62,6 +63,8 @@ class AsyncEngine:
         self.sampling_defaults = load_sampling_defaults(model_path, generation_config)
         self._loop = EngineLoop(self.engine)
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')
+        # seq_id -> (put a response into its astream, its ResponseBuilder), for `fail_requests`
+        self._live: dict[int, tuple[Callable, ResponseBuilder]] = {}
 
     @property
     def session_len(self) -> int:
@@ -118,15 +121,20 @@ class AsyncEngine:
             if not builder.engine_finished:
                 self.abort(seq_id)
 
-    async def astream(self, request: PreparedRequest) -> AsyncIterator[Response]:
+    async def astream(self, request: PreparedRequest,
+                      on_first_step: Callable[[float], None] | None = None) -> AsyncIterator[Response]:
         """asyncio flavour of `stream`; cancellation (e.g. a client disconnect) aborts the request.
 
         Detokenization runs on the detokenizer thread, not on the event loop: outputs go engine thread ->
         detokenizer thread (one for all requests, so each request's outputs stay in order) -> event loop.
+        `on_first_step(t)`: called with the `time.monotonic()` start of the engine step that produced the first
+        output (when the request left the engine's queue, for a prompt prefilled in one step). `fail_requests` may
+        end the stream from another thread.
         """
         loop = asyncio.get_running_loop()
         responses: asyncio.Queue[Response | BaseException] = asyncio.Queue()
         builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
+        first_step: list[float] = []
 
         def build(out: EngineOutput) -> None:  # on the detokenizer thread
             try:
@@ -134,21 +142,60 @@ class AsyncEngine:
             except Exception as exc:  # handed to the request's own coroutine
                 item = exc
             if item is not None:
-                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for it
-                    loop.call_soon_threadsafe(responses.put_nowait, item)
+                put(item)
 
-        seq_id = self.submit(request, lambda out: self._detokenizer.submit(build, out))
+        def put(item) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for it
+                loop.call_soon_threadsafe(responses.put_nowait, item)
+
+        def on_output(out: EngineOutput) -> None:  # on the engine thread, inside the step
+            if not first_step:
+                first_step.append(self._loop.step_started_at or time.monotonic())
+            self._detokenizer.submit(build, out)
+
+        seq_id = self.submit(request, on_output)
+        self._live[seq_id] = (put, builder)
         finished = False
         try:
             while not finished:
                 item = await responses.get()
                 if isinstance(item, BaseException):
                     raise item
+                if on_first_step is not None and first_step:
+                    on_first_step(first_step[0])
+                    on_first_step = None
                 finished = item.finish_reason is not None
                 yield item
         finally:
+            self._live.pop(seq_id, None)
             if not builder.engine_finished:
                 self.abort(seq_id)
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        return self._loop
+
+    @property
+    def live_request_ids(self) -> list[int]:
+        """Requests streaming through `astream` now."""
+        return list(self._live)
+
+    def fail_requests(self, seq_ids, finish_reason: str, error: str) -> int:
+        """End these `astream` requests now, from any thread, with a final response carrying `finish_reason` and
+        `error`, and abort them in the engine (which frees their blocks once it steps again). Returns how many were
+        live."""
+        failed = 0
+        for seq_id in list(seq_ids):
+            entry = self._live.pop(seq_id, None)
+            if entry is None:
+                continue
+            put, builder = entry
+            put(Response(text='', generate_token_len=len(builder.token_ids), input_token_len=builder.input_len,
+                         finish_reason=finish_reason, cached_tokens=builder.cached_tokens, index=builder.index,
+                         logprobs=[] if builder.logprobs is not None else None, error=error))
+            self.abort(seq_id)
+            failed += 1
+        return failed
 
     def close(self) -> None:
         self._loop.close()
