@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 _DEVICES = ('cuda', 'cpu')
+_LOAD_FORMATS = ('auto', 'safetensors', 'dummy')
 MAX_N = 128  # samples per prompt
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
@@ -92,6 +93,15 @@ class PytorchEngineConfig:
     # return_routed_experts`); MoE layers then record them and, with prefix caching, cached blocks and checkpoints
     # keep them (`engine.stats['routed_experts_bytes_per_token']` says what a cached token costs).
     enable_return_routed_experts: bool = False
+    # Weights: 'auto' / 'safetensors' read the checkpoint; 'dummy' (vLLM's name) draws random weights of the right
+    # shapes and dtypes on the device, from config.json alone (benchmarks at full size; pair with `tokenizer`).
+    load_format: str = 'auto'
+    # A Hugging Face Hub model id resolves to this revision (branch, tag or commit), cached in `download_dir`
+    # (default: huggingface_hub's cache, HF_HOME / HF_HUB_CACHE); HF_HUB_OFFLINE=1 reads the cache only.
+    revision: str | None = None
+    download_dir: str | None = None
+    # The tokenizer's folder or hub id, when not the model's (e.g. a config-only folder with load_format='dummy').
+    tokenizer: str | None = None
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -140,6 +150,8 @@ class PytorchEngineConfig:
                  f'max_lora_rank must be a positive int, got {self.max_lora_rank!r}')
         _require(len(self.adapters or {}) <= self.max_loras,
                  f'{len(self.adapters or {})} adapters given but max_loras is {self.max_loras}')
+        _require(self.load_format in _LOAD_FORMATS,
+                 f'load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}')
 
     @property
     def resolved_kernel_block_size(self) -> int:

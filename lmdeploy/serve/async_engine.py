@@ -19,6 +19,7 @@ from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SEED_RANGE, SamplingParams
+from ..pytorch.models.model_source import is_hub_id, resolve_model_path
 from .request_builder import Prompt, ResponseBuilder, TemplateOptions, encode_prompt, make_sampling_params
 from .sampling_defaults import apply_to_generation_config, load_sampling_defaults
 from .tokenizer import Tokenizer
@@ -55,12 +56,15 @@ class AsyncEngine:
                  model_name: str | None = None, chat_template: str | None = None, generation_config: str = 'auto'):
         """`generation_config`: where default sampling parameters come from ('auto': the model's
         generation_config.json; 'none': the API's defaults; or a folder holding one)."""
-        self.model_path = model_path
-        self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
-        # the engine first: it names a bad model folder with a ValueError, the tokenizer with a hub error
+        # a hub id is served under its full name (`Qwen/Qwen3.5-9B`, as vLLM does), a folder under its base name
+        self.model_name = model_name or (model_path if is_hub_id(model_path) else model_path.rstrip('/').split('/')[-1])
+        # the engine first: it resolves the model (one-line `ModelNotFoundError`) and names a bad folder
         self.engine = Engine(model_path, backend_config)
-        self.tokenizer = Tokenizer(model_path, chat_template)
-        self.sampling_defaults = load_sampling_defaults(model_path, generation_config)
+        self.model_path = self.engine.model_path  # the local folder
+        tokenizer = self.engine.engine_config.tokenizer
+        tokenizer_path = resolve_model_path(tokenizer, with_weights=False) if tokenizer else self.model_path
+        self.tokenizer = Tokenizer(tokenizer_path, chat_template)
+        self.sampling_defaults = load_sampling_defaults(self.model_path, generation_config)
         self._loop = EngineLoop(self.engine)
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')
         # seq_id -> (put a response into its astream, its ResponseBuilder), for `fail_requests`

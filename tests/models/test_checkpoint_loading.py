@@ -201,3 +201,30 @@ def test_weights_larger_than_free_memory_are_refused_before_allocating(monkeypat
     with pytest.raises(ValueError, match=r'need 12.0 GiB but cuda:0 has 10.0 GiB free \(of 80.0 GiB\)'):
         loader.check_weights_fit(12 << 30, torch.device('cuda', 0))
     loader.check_weights_fit(9 << 30, torch.device('cuda', 0))
+
+
+def test_dummy_weights_serve_with_a_tokenizer_from_another_folder(qwen3_5, tmp_path):
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    folder = tmp_path / 'config-only'
+    folder.mkdir()
+    shutil.copy(os.path.join(qwen3_5, 'config.json'), folder)
+    config = PytorchEngineConfig(device_type='cpu', num_gpu_blocks=16, load_format='dummy', tokenizer=qwen3_5)
+    with pipeline(str(folder), config) as pipe:
+        response = pipe('hello there', GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert len(response.token_ids) == 4
+
+
+def test_engine_flags_reach_the_config():
+    import argparse
+
+    from lmdeploy.cli.engine_args import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(['--load-format', 'dummy', '--tokenizer', '/tok', '--revision', 'v2',
+                              '--download-dir', '/cache', '--device', 'cpu'])
+    config = engine_config_from_args(args)
+    assert (config.load_format, config.tokenizer, config.revision, config.download_dir) == \
+        ('dummy', '/tok', 'v2', '/cache')
+    from lmdeploy.messages import PytorchEngineConfig
+    with pytest.raises(ValueError, match='load_format must be one of'):
+        PytorchEngineConfig(device_type='cpu', load_format='pt')
