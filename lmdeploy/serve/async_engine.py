@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SEED_RANGE, SamplingParams
 from .request_builder import Prompt, ResponseBuilder, TemplateOptions, encode_prompt, make_sampling_params
 from .sampling_defaults import apply_to_generation_config, load_sampling_defaults
+from .structured_output import GrammarCompiler
 from .tokenizer import Tokenizer
 
 
@@ -69,11 +71,14 @@ class AsyncEngine:
 
     def prepare(self, prompt: Prompt, gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
                 index: int = 0, template: TemplateOptions | None = None) -> PreparedRequest:
-        """Tokenize and validate; raises `ValueError` naming the problem."""
+        """Tokenize, validate and compile the request's grammar (if any, into the cache `submit` reads); raises
+        `ValueError` naming the problem. The server runs it in a worker thread."""
         if gen_config is None:
             gen_config = GenerationConfig()
             apply_to_generation_config(gen_config, self.sampling_defaults)
         self.validate_generation_config(gen_config)
+        if gen_config.structured_output is not None:
+            self.grammars.compile(gen_config.structured_output)
         input_ids, text = encode_prompt(self.tokenizer, prompt, do_preprocess, template,
                                         max_tokens=self.session_len - 1)
         self.engine.validate_prompt(input_ids)
@@ -81,14 +86,27 @@ class AsyncEngine:
 
     def validate_generation_config(self, gen_config: GenerationConfig) -> None:
         """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges,
-        routed experts without the engine flag)."""
-        self.engine.validate_sampling(self._sampling_params(gen_config))
+        routed experts without the engine flag). Cheap: it compiles no grammar (`prepare` does)."""
+        self.engine.validate_sampling(self._sampling_params(gen_config, with_grammar=False))
 
-    def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
-        model_config = self.engine.model_config
-        eos = tuple(model_config.eos_token_ids) or ((self.tokenizer.eos_token_id,)
-                                                    if self.tokenizer.eos_token_id is not None else ())
-        return make_sampling_params(gen_config, self.tokenizer, eos, model_config.vocab_size)
+    @property
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        eos = tuple(self.engine.model_config.eos_token_ids)
+        return eos or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        return GrammarCompiler(self.tokenizer.hf_tokenizer, self.engine.model_config.vocab_size, self._eos_token_ids)
+
+    def _sampling_params(self, gen_config: GenerationConfig, with_grammar: bool = True) -> SamplingParams:
+        """Validated engine parameters; a grammar is compiled here (cached: `prepare`, in the caller's or a worker
+        thread, compiles it; `submit` finds it in the cache)."""
+        gen_config.validate()
+        grammar = None
+        if with_grammar and gen_config.structured_output is not None:
+            grammar = self.grammars.compile(gen_config.structured_output)
+        return make_sampling_params(gen_config, self.tokenizer, self._eos_token_ids,
+                                    self.engine.model_config.vocab_size, grammar)
 
     def submit(self, request: PreparedRequest, callback) -> int:
         return self.engine.add_request(request.input_ids, self._sampling_params(request.gen_config), callback)
