@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
                           'alias hermes/qwen) or qwen3_coder (Qwen3.5 XML, alias qwen3coder/qwen3_5)')
     api.add_argument('--reasoning-parser', default=None, choices=sorted(REASONING_PARSERS),
                      help='separate <think>...</think> into reasoning_content')
+    api.add_argument('--allowed-local-media-path', default=None,
+                     help='folder that file:// image URLs may read from (default: no local files)')
     add_engine_args(api)
     api.set_defaults(func=run_api_server)
 
@@ -35,5 +37,5 @@ def run_api_server(args: argparse.Namespace) -> int:
     serve(resolve_model_path(args.model_path), engine_config_from_args(args), server_name=args.server_name,
           server_port=args.server_port, api_keys=args.api_keys, model_name=args.model_name,
           log_level=args.log_level, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
-          tool_call_parser=args.tool_call_parser)
+          tool_call_parser=args.tool_call_parser, allowed_local_media_path=args.allowed_local_media_path)
     return 0

@@ -32,6 +32,7 @@ from ...messages import Response as EngineResponse
 from ..async_engine import AsyncEngine, PreparedRequest
 from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser, ParsedDelta
 from ..request_builder import TemplateOptions
+from ..vision.images import ImageLoadConfig
 from .metrics import ServerMetrics
 from .protocol import (
     ChatChoice,
@@ -396,12 +397,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, server_name: str = '127.0.0.1',
           server_port: int = 23333, api_keys: list[str] | None = None, model_name: str | None = None,
           log_level: str = 'info', chat_template: str | None = None, reasoning_parser: str | None = None,
-          tool_call_parser: str | None = None) -> None:
-    """Bind the port, load the model and serve it until interrupted."""
+          tool_call_parser: str | None = None, allowed_local_media_path: str | None = None) -> None:
+    """Bind the port, load the model and serve it until interrupted. `allowed_local_media_path`: the folder
+    `file://` image URLs may read from (None: no local files)."""
     import uvicorn
     sock = bind_socket(server_name, server_port)
     try:
-        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template)
+        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template,
+                                   image_load_config=ImageLoadConfig(allowed_local_media_path))
         try:
             app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser)
             config = uvicorn.Config(app, log_level=log_level.lower())
