@@ -8,7 +8,7 @@ def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None,
     """Build a `Pipeline` over a Hugging Face checkpoint folder (see `lmdeploy.serve.pipeline`);
     `allowed_local_media_path`: the folder images may be read from by path (None: no local image files)."""
     from .serve.pipeline import Pipeline
-    return Pipeline(model_path, backend_config, allowed_local_media_path)
+    return Pipeline(model_path, backend_config, allowed_local_media_path=allowed_local_media_path)
 
 
 __all__ = ['GenerationConfig', 'PytorchEngineConfig', 'Response', 'pipeline', '__version__']

@@ -5,11 +5,16 @@ value fails before any model is loaded.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 _DEVICES = ('cuda', 'cpu')
+MAX_N = 128  # samples per prompt
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
 
@@ -83,6 +88,10 @@ class PytorchEngineConfig:
     # At most this many adapters, each of rank at most `max_lora_rank` (checked at start-up).
     max_loras: int = 8
     max_lora_rank: int = 64
+    # Let requests ask for the experts each MoE layer routed every token to (`GenerationConfig.
+    # return_routed_experts`); MoE layers then record them and, with prefix caching, cached blocks and checkpoints
+    # keep them (`engine.stats['routed_experts_bytes_per_token']` says what a cached token costs).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -155,30 +164,104 @@ class GenerationConfig:
     logprobs: int | None = None
     # LoRA adapter to run the request with (a name of `PytorchEngineConfig.adapters`); None: the base model.
     adapter_name: str | None = None
+    # Independent samples per prompt (`pipe` then returns a list of `n` responses per prompt); with a seed,
+    # sample i uses seed + i.
+    n: int = 1
+    # OpenAI penalties over the generated tokens, each in [-2, 2]: logit -= frequency * count + presence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Keep only tokens with probability >= min_p times the most likely token's (after temperature); 0 = off.
+    min_p: float = 0.0
+    # token id -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[int, float] | None = None
+    # Return `Response.routed_experts` with the final response (the engine needs enable_return_routed_experts).
+    return_routed_experts: bool = False
 
     def validate(self) -> None:
-        """Raise `ValueError` naming the first invalid field."""
-        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-                 f'max_new_tokens must be a non-negative int, got {self.max_new_tokens!r}')
-        _require(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
-                 f'min_new_tokens must be a non-negative int, got {self.min_new_tokens!r}')
-        _require(self.temperature >= 0, f'temperature must be >= 0, got {self.temperature!r}')
-        _require(0 < self.top_p <= 1, f'top_p must be in (0, 1], got {self.top_p!r}')
-        _require(isinstance(self.top_k, int) and self.top_k >= 0,
-                 f'top_k must be a non-negative int, got {self.top_k!r}')
-        _require(self.repetition_penalty > 0,
-                 f'repetition_penalty must be > 0, got {self.repetition_penalty!r}')
-        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 64),
-                 f'logprobs must be None or an int in [0, 64], got {self.logprobs!r}')
-        _require(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 f'stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}')
-        _require(self.random_seed is None or (isinstance(self.random_seed, int)
-                                              and -2**63 <= self.random_seed < 2**64),
-                 f'random_seed must be None or an int in [-2**63, 2**64), got {self.random_seed!r}')
-        _require(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
-                 f'stop_words must be non-empty strings, got {self.stop_words!r}')
-        _require(self.adapter_name is None or (isinstance(self.adapter_name, str) and self.adapter_name),
-                 f'adapter_name must be None or a non-empty string, got {self.adapter_name!r}')
+        """Raise `ValueError` naming the first invalid field: its type first (`True` is not an int, `1` is not a
+        bool; floats are finite), then its range. Every field has a check (`GENERATION_CHECKS`)."""
+        for name, check in GENERATION_CHECKS.items():
+            problem = check(getattr(self, name))
+            if problem is not None:
+                raise ValueError(f'{name} must be {problem}, got {getattr(self, name)!r}')
+
+
+# ---- field checks: each returns None when the value is fine, else what the value must be ---------------------------
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return (isinstance(value, float) or _is_int(value)) and math.isfinite(value)
+
+
+def _int(low: int | None = None, high: int | None = None, optional: bool = False, text: str | None = None):
+    what = ('None or ' if optional else '') + 'an int' + (text or _range_text(low, high))
+
+    def check(value):
+        if optional and value is None:
+            return None
+        ok = _is_int(value) and (low is None or value >= low) and (high is None or value <= high)
+        return None if ok else what
+    return check
+
+
+def _real(what: str, ok):
+    def check(value):
+        return None if _is_real(value) and ok(value) else f'a finite number {what}'
+    return check
+
+
+def _bool(value):
+    return None if isinstance(value, bool) else 'a bool'
+
+
+def _list_of(item_ok, what: str):
+    def check(value):
+        if value is None:
+            return None
+        ok = isinstance(value, list | tuple) and all(item_ok(item) for item in value)
+        return None if ok else f'None or a list of {what}'
+    return check
+
+
+def _optional_name(value):
+    return None if value is None or (isinstance(value, str) and value) else 'None or a non-empty string'
+
+
+def _logit_bias(value):
+    ok = value is None or (isinstance(value, dict) and all(
+        _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in value.items()))
+    return None if ok else 'None or a dict of token ids to finite numbers in [-100, 100]'
+
+
+def _range_text(low, high) -> str:
+    if low is not None and high is not None:
+        return f' in [{low}, {high}]'
+    return f' >= {low}' if low is not None else ''
+
+
+GENERATION_CHECKS = {
+    'max_new_tokens': _int(0),
+    'min_new_tokens': _int(0),
+    'do_sample': _bool,
+    'temperature': _real('>= 0', lambda v: v >= 0),
+    'top_p': _real('in (0, 1]', lambda v: 0 < v <= 1),
+    'top_k': _int(0),
+    'repetition_penalty': _real('> 0', lambda v: v > 0),
+    'stop_words': _list_of(lambda w: isinstance(w, str) and w != '', 'non-empty strings'),
+    'stop_token_ids': _list_of(lambda t: _is_int(t) and t >= 0, 'non-negative ints'),
+    'ignore_eos': _bool,
+    'random_seed': _int(-2**63, 2**64 - 1, optional=True, text=' in [-2**63, 2**64)'),
+    'logprobs': _int(0, 64, optional=True),
+    'adapter_name': _optional_name,
+    'return_routed_experts': _bool,
+    'n': _int(1, MAX_N),
+    'presence_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
+    'frequency_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
+    'min_p': _real('in [0, 1]', lambda v: 0 <= v <= 1),
+    'logit_bias': _logit_bias,
+}
 
 
 @dataclass
@@ -195,3 +278,7 @@ class Response:
     logprobs: list[dict[int, float]] | None = None
     index: int = 0
     error: str | None = None
+    # Final response of a request that asked (`return_routed_experts`): uint16 [num_prompt + num_generated - 1,
+    # num_moe_layers, top_k], the experts each MoE layer (in layer order) routed every fed position to, for prompt
+    # and reply alike, cached positions included. Dense models have no MoE layer: [n - 1, 0, 0].
+    routed_experts: np.ndarray | None = None

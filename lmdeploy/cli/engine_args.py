@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=PytorchEngineConfig.prefix_cache_prefill_state_interval,
                        help='hybrid models: in-prefill checkpoints every N tokens (0: off)')
     group.add_argument('--eager-mode', action='store_true', help='disable CUDA graphs')
+    group.add_argument('--enable-return-routed-experts', action='store_true',
+                       help='MoE models: let requests ask for the experts each token was routed to')
     group.add_argument('--adapters', nargs='+', default=None, metavar='NAME=PATH',
                        help='LoRA adapters (PEFT folders) as name=path; a bare path is named "default"')
     group.add_argument('--max-loras', type=int, default=PytorchEngineConfig.max_loras,
@@ -68,6 +70,8 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   adapters=parse_adapters(getattr(args, 'adapters', None)),
                   max_loras=getattr(args, 'max_loras', PytorchEngineConfig.max_loras),
                   max_lora_rank=getattr(args, 'max_lora_rank', PytorchEngineConfig.max_lora_rank),
+                  enable_return_routed_experts=getattr(args, 'enable_return_routed_experts', False),
+
                   vision_encoder_cache_mb=getattr(args, 'vision_encoder_cache_mb',
                                                   PytorchEngineConfig.vision_encoder_cache_mb))
     if args.device is not None:

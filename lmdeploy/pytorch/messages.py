@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .routed_experts import RoutedExperts
+
 # Ranges the sampling kernels accept (`backends/default/sampling.py`): parameters travel as float32 / int64 tensors
 # and seeds go to `torch.Generator.manual_seed`.
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -59,6 +61,19 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     random_seed: int | None = None
     logprobs: int | None = None
+    # Return the experts every MoE layer routed each position to (needs `enable_return_routed_experts`).
+    return_routed_experts: bool = False
+    # OpenAI penalties over the generated tokens: logit -= frequency * count + presence * (count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Drop tokens whose probability (after temperature) is below min_p times the most likely one's; 0 = off.
+    min_p: float = 0.0
+    # (token id, bias) pairs added to the logits before any other processing.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def has_output_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def is_greedy(self) -> bool:
@@ -95,6 +110,15 @@ class SamplingParams:
         _check(not bad, f'stop_token_ids outside the vocabulary [0, {limit}): {bad[:8]}')
         bad = [s for s in self.stop_sequences if not s or any(not _is_int(t) or not 0 <= t < limit for t in s)]
         _check(not bad, f'stop_sequences must be non-empty token id sequences in [0, {limit}), got {bad[:4]}')
+        for name in ('presence_penalty', 'frequency_penalty'):
+            value = getattr(self, name)
+            _check(_is_real(value) and math.isfinite(value) and -2 <= value <= 2,
+                   f'{name} must be a number in [-2, 2], got {value!r}')
+        _check(_is_real(self.min_p) and math.isfinite(self.min_p) and 0 <= self.min_p <= 1,
+               f'min_p must be a number in [0, 1], got {self.min_p!r}')
+        bad = [(t, b) for t, b in self.logit_bias if not _is_int(t) or not 0 <= t < limit
+               or not _is_real(b) or not math.isfinite(b) or not -100 <= b <= 100]
+        _check(not bad, f'logit_bias must map token ids in [0, {limit}) to numbers in [-100, 100], got {bad[:4]}')
 
 
 @dataclass(frozen=True)
@@ -145,6 +169,9 @@ class SchedulerSequence:
     num_prefill_checkpoints: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Routed experts of positions [0, num_computed) (engine flag on and the request asked, or the prefix cache keeps
+    # them); None: not recorded.
+    routed_experts: RoutedExperts | None = None
     # int64 copy of `token_ids[:_array_len]` (capacity may exceed it) and the list object it was converted from.
     _array: np.ndarray | None = field(default=None, init=False, repr=False)
     _array_src: list[int] | None = field(default=None, init=False, repr=False)

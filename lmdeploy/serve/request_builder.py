@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from ..messages import GenerationConfig, Response
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .bounded_encode import encode_within
+from .detokenizer import IncrementalDetokenizer
+from .tokenizer import Tokenizer
 from .vision.prompt import is_image_tuple
 
 Prompt = str | list[int] | list[dict] | tuple
@@ -44,15 +46,23 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], template: TemplateOp
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = True,
-                  template: TemplateOptions | None = None) -> tuple[list[int], str | None]:
-    """Token ids of `prompt` and the text they were encoded from (None for a prompt given as token ids)."""
+                  template: TemplateOptions | None = None,
+                  max_tokens: int | None = None) -> tuple[list[int], str | None]:
+    """Token ids of `prompt` and the text they were encoded from (None for a prompt given as token ids). With
+    `max_tokens`, a text far longer than that is refused (`PromptTooLong`) before it is tokenized whole (the exact
+    length check is the engine's)."""
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        if max_tokens is None:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encode_within(tokenizer, text, max_tokens, add_special_tokens)
+
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError('the prompt is empty')
         if do_preprocess:
             text = render_chat(tokenizer, [{'role': 'user', 'content': prompt}], template)
-            return tokenizer.encode(text, add_special_tokens=False), text
-        return tokenizer.encode(prompt), prompt
+            return encode(text, False), text
+        return encode(prompt, True), prompt
     if isinstance(prompt, list | tuple) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return list(prompt), None
     if isinstance(prompt, list | tuple) and not prompt:
@@ -62,7 +72,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = Tr
             if 'role' not in message or ('content' not in message and 'tool_calls' not in message):
                 raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
         text = render_chat(tokenizer, list(prompt), template)
-        return tokenizer.encode(text, add_special_tokens=False), text
+        return encode(text, False), text
     raise ValueError(f'unsupported prompt: {prompt!r:.80}')
 
 
@@ -81,13 +91,20 @@ def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_
         temperature=gen.temperature if gen.do_sample else 0.0, top_p=gen.top_p, top_k=gen.top_k,
         repetition_penalty=gen.repetition_penalty, stop_token_ids=tuple(stop_ids),
         stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
-        logprobs=gen.logprobs)
+        logprobs=gen.logprobs, presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty,
+        min_p=gen.min_p, logit_bias=tuple(sorted((gen.logit_bias or {}).items())),
+        return_routed_experts=gen.return_routed_experts)
     params.validate(vocab_size)
     return params
 
 
 class ResponseBuilder:
-    """Accumulates one request's engine outputs; `update` returns the incremental `Response`."""
+    """Accumulates one request's engine outputs; `update` returns the incremental `Response`.
+
+    The request is `finished` when the engine finished it or when a stop string completed; in the latter case
+    `engine_finished` is still False and the caller aborts the engine request. Tokens after the one that
+    completed the stop string are dropped, so `generate_token_len` counts up to that token.
+    """
 
     def __init__(self, tokenizer: Tokenizer, input_len: int, gen: GenerationConfig, index: int = 0):
         self.detok = IncrementalDetokenizer(tokenizer, gen.stop_words)
@@ -97,26 +114,44 @@ class ResponseBuilder:
         self.logprobs: list[dict[int, float]] = [] if gen.logprobs is not None else None
         self.cached_tokens = 0
         self.finish_reason = None
+        self.engine_finished = False
         self.error: str | None = None
         self.text = ''
+        self.routed_experts = None
 
-    def update(self, out: EngineOutput) -> Response:
-        self.token_ids += out.new_token_ids
-        if self.logprobs is not None and out.logprobs:
-            self.logprobs += out.logprobs
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: EngineOutput) -> Response | None:
+        """The new part of the response; None for outputs after the request finished."""
+        if self.finished:
+            self.engine_finished = self.engine_finished or out.finished
+            return None
+        before = self.detok.num_tokens
+        delta = self.detok.update(out.new_token_ids, final=out.finished)
+        new_ids = list(out.new_token_ids[:self.detok.num_tokens - before])
+        new_logprobs = list(out.logprobs or [])[:len(new_ids)] if self.logprobs is not None else None
+        self.token_ids += new_ids
+        if new_logprobs:
+            self.logprobs += new_logprobs
         self.cached_tokens = out.num_cached
         self.error = out.error or self.error
-        delta = self.detok.update(self.token_ids, final=out.finished)
         self.text += delta
+        self.engine_finished = out.finished
+        if self.detok.stopped:
+            self.finish_reason = 'stop'
+        elif out.finished:
+            self.finish_reason = out.finish_reason
         if out.finished:
-            self.finish_reason = 'stop' if self.detok.stopped and out.finish_reason == 'length' else out.finish_reason
+            self.routed_experts = out.routed_experts
         return Response(text=delta, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
-                        finish_reason=self.finish_reason, token_ids=list(out.new_token_ids),
-                        cached_tokens=self.cached_tokens,
-                        logprobs=list(out.logprobs or []) if self.logprobs is not None else None,
-                        index=self.index, error=out.error)
+                        finish_reason=self.finish_reason, token_ids=new_ids, cached_tokens=self.cached_tokens,
+                        logprobs=new_logprobs, index=self.index, error=out.error,
+                        routed_experts=out.routed_experts if out.finished else None)
 
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=list(self.token_ids),
-                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error)
+                        cached_tokens=self.cached_tokens, logprobs=self.logprobs, index=self.index, error=self.error,
+                        routed_experts=self.routed_experts)

@@ -1,6 +1,7 @@
 """Tokenizer and chat-template handling, on top of the checkpoint folder's own tokenizer files."""
 from __future__ import annotations
 
+import functools
 import os
 
 import jinja2
@@ -17,12 +18,54 @@ def load_chat_template(template: str) -> str:
     return template
 
 
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte-to-unicode table, which byte-level BPE vocabularies are written in."""
+    printable = list(range(ord('!'), ord('~') + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
 class Tokenizer:
 
     def __init__(self, model_path: str, chat_template: str | None = None):
         self._tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
         if chat_template is not None:
             self._tok.chat_template = load_chat_template(chat_template)
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` behind a fast tokenizer (None for a slow one)."""
+        return getattr(self._tok, 'backend_tokenizer', None)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a token may hold part of a UTF-8 character, which `decode` cannot show)."""
+        token = self._tok.convert_ids_to_tokens(token_id)
+        if token is None:
+            return b''
+        if token in self._added_tokens:
+            return token.encode()
+        if self._byte_level:
+            return bytes(_BYTE_DECODER.get(ch, 0) for ch in token)
+        if len(token) == 6 and token.startswith('<0x') and token.endswith('>'):  # sentencepiece byte fallback
+            return bytes([int(token[3:5], 16)])
+        return token.replace('\u2581', ' ').encode()
+
+    @functools.cached_property
+    def _added_tokens(self) -> frozenset[str]:
+        return frozenset(str(t) for t in self._tok.get_added_vocab())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        backend = self.backend
+        return backend is not None and 'ByteLevel' in repr(backend.decoder)
 
     @property
     def vocab_size(self) -> int:
@@ -60,29 +103,3 @@ class Tokenizer:
     def stop_sequences(self, stop_words: list[str] | None) -> tuple[tuple[int, ...], ...]:
         """Token-id sequences of the stop words (matched against the tail of generated ids)."""
         return tuple(tuple(self.encode(word, add_special_tokens=False)) for word in stop_words or () if word)
-
-
-class IncrementalDetokenizer:
-    """Decodes a growing id list and hands out only the new, complete text (no split UTF-8 characters)."""
-
-    def __init__(self, tokenizer: Tokenizer, stop_words: list[str] | None = None):
-        self.tokenizer = tokenizer
-        self.stop_words = [w for w in stop_words or () if w]
-        self.text = ''
-        self.stopped = False
-
-    def update(self, token_ids: list[int], final: bool = False) -> str:
-        """New text since the last call; after a stop word the rest is dropped."""
-        if self.stopped:
-            return ''
-        full = self.tokenizer.decode(token_ids)
-        if not final and full.endswith('\ufffd'):
-            full = full.rstrip('\ufffd')
-        for word in self.stop_words:
-            cut = full.find(word)
-            if cut >= 0:
-                full, self.stopped = full[:cut], True
-        if not full.startswith(self.text):
-            return ''
-        delta, self.text = full[len(self.text):], full
-        return delta

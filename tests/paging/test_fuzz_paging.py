@@ -2,13 +2,14 @@
 
 A hypothesis `RuleBasedStateMachine` drives the scheduler the way the engine does, with no model: admit requests
 whose prompts share prefixes at random (non-aligned) boundaries, repeat earlier prompts, carry multimodal spans and
-adapters; schedule; run a simulated forward; `on_forward_done` / `after_forward`; sample; finish on length. Between
-and inside steps it injects faults: aborts (also of sequences whose restores / saves are in the current
-`SchedulerOutput`), failed forwards (`cancel_forward`), preemptions, external pins, direct evictions, matches.
+adapters; schedule; run a simulated forward and sample; then the engine's calls `update` -> `commit` -> `release`
+(finish on length, with reply checkpoints). Between and inside steps it injects faults: aborts (also of sequences
+whose restores / saves are in the current `SchedulerOutput`), failed forwards (`cancel`), preemptions, external
+pins, direct evictions, matches.
 
 Abort ordering follows `Engine`: an abort is a command drained at the start of the next step, so an abort that
-arrives while a forward is in flight lands after `after_forward`; a failed forward runs `cancel_forward` and then
-finishes every sequence of its batch.
+arrives while a forward is in flight lands after `commit` / `release`; a failed forward runs `cancel`, which also
+fails every sequence of its batch.
 
 Content oracle. The machine models what the device would hold: every KV position stores the identity of the prefix
 that produced it (a chained hash of adapter, token ids and multimodal markers) and every state slot the identity of
@@ -43,6 +44,7 @@ from lmdeploy.pytorch.paging.block_trie import prefix_keys as prefix_keys_module
 from lmdeploy.pytorch.paging.block_trie.node import CheckpointState, NodeStateCheckpoint
 from lmdeploy.pytorch.paging.block_trie.prefix_keys import mm_identity_of
 from lmdeploy.pytorch.paging.scheduler import Scheduler, SchedulerOutput
+from lmdeploy.pytorch.paging.scheduler_output import ReplyPlan, SampledToken
 
 ALPHABET = 6          # token ids 0..5: random prompts share prefixes often
 ADAPTERS = (None, None, None, 'lora')
@@ -180,13 +182,22 @@ class PagingMachine(RuleBasedStateMachine):
 
         def checked_detach(node):
             assert self.s.block_manager.ref_count(node.block_id) == 1, 'evicted a leaf a request still uses'
-            if lifecycle is not None:
-                partial = [ck for ck in lifecycle.live() if ck.is_partial and lifecycle.is_evictable(ck)]
-                assert not partial, 'a trie leaf was evicted while unpinned partial checkpoints remained'
             FIGURES['evicted_leaves'] += 1
             detach(node)
 
         trie.kv.detach = checked_detach
+        evict_leaf = trie.evict_leaf
+
+        def checked_evict_leaf(priority, leaf):
+            # One order: the leaf is the lowest-priority candidate; partial checkpoints win ties.
+            assert priority == trie.kv.leaf_priority(leaf)
+            if lifecycle is not None:
+                cheaper = [ck for ck in lifecycle.live()
+                           if ck.is_partial and lifecycle.is_evictable(ck) and ck.priority <= priority]
+                assert not cheaper, 'a trie leaf was evicted before a partial checkpoint of no higher priority'
+            evict_leaf(priority, leaf)
+
+        trie.evict_leaf = checked_evict_leaf
         if lifecycle is None:
             return
         release = lifecycle.release
@@ -295,25 +306,20 @@ class PagingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.in_flight is not None)
     @rule()
     def complete_forward(self) -> None:
-        """`Engine._run_forward` after the forward: advance, attach / publish / unpin, keep prompt-end logits, sample
-        (forward rows, then logits hits), finish with reply checkpoints."""
+        """`Engine._run_forward` after the forward: sample (forward rows, then logits hits), then `update` ->
+        `commit` (keeping prompt-end logits) -> `release` (finish on length with reply checkpoints)."""
         out, self.in_flight = self.in_flight, None
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            self.s.on_forward_done(seq, n)
-        self.s.after_forward(out)
         FIGURES['forwards'] += 1
-        sampled = [seq for seq in out.seqs if seq.num_computed == seq.num_tokens and not seq.is_finished]
-        if self.cfg.prompt_logits:
-            for seq, ck in out.reserved:
-                if seq in sampled and ck.step == seq.num_tokens and ck.published:
-                    ck.last_logits = ('logits', self.keys(seq, ck.step)[ck.step])
-        finishing = []
-        for seq in sampled + [seq for seq, _ in out.logits_hits]:
-            # The "model": the next token is a function of the prefix identity (equal prefixes, equal tokens).
-            seq.token_ids.append(self.keys(seq, seq.num_tokens)[-1] % ALPHABET)
-            if seq.num_generated >= seq.sampling.max_new_tokens or seq.num_tokens >= self.cfg.session_len:
-                finishing.append(seq)
-        self._finish_with_reply(finishing, 'length')
+        sampled = [seq for seq, n in zip(out.seqs, out.num_new_tokens)
+                   if seq.num_computed + n == seq.num_tokens and not seq.is_finished]
+        # The "model": the next token is a function of the prefix identity (equal prefixes, equal tokens).
+        rows = [SampledToken(seq, self.keys(seq, seq.num_tokens)[-1] % ALPHABET, None)
+                for seq in sampled + [seq for seq, _ in out.logits_hits]]
+        updates = self.s.update(out, rows)
+
+        def prompt_logits(seq: SchedulerSequence):
+            return ('logits', self.keys(seq, seq.num_computed)[seq.num_computed]) if seq in sampled else None
+        self._release(self.s.commit(out, updates, prompt_logits if self.cfg.prompt_logits else None))
 
     @precondition(lambda self: self.in_flight is None)
     @rule()
@@ -337,12 +343,12 @@ class PagingMachine(RuleBasedStateMachine):
     def fail_forward(self) -> None:
         """The engine's failed-forward path: cancel the plans, then fail every sequence of the batch."""
         out, self.in_flight = self.in_flight, None
-        self.s.cancel_forward(out)
+        failed = self.s.cancel(out)
         for ck in out.pinned:
             assert ck.published, 'a pinned checkpoint lost its publication'
-        for seq in out.seqs + [seq for seq, _ in out.logits_hits]:
-            if not seq.is_finished:
-                self._finish(seq, SequenceStatus.ABORTED, 'error')
+        assert all(seq.status == SequenceStatus.ABORTED and seq.finish_reason == 'error' for seq in failed)
+        for seq in failed:
+            self.seqs.remove(seq)
         FIGURES['failed_forwards'] += 1
 
     # ---- rules: faults ---------------------------------------------------------------------------------------------
@@ -374,7 +380,7 @@ class PagingMachine(RuleBasedStateMachine):
         running = [seq for seq in self.seqs if seq.status == SequenceStatus.RUNNING]
         if running:
             seq = data.draw(st.sampled_from(running))
-            self._finish_with_reply([seq], 'stop', copies_fail=data.draw(st.integers(0, 3)) == 0)
+            self._release(self.s.stop([(seq, 'stop')]), copies_fail=data.draw(st.integers(0, 3)) == 0)
 
     @precondition(lambda self: self.in_flight is None)
     @rule(data=st.data())
@@ -444,25 +450,24 @@ class PagingMachine(RuleBasedStateMachine):
         self.s.finish(seq, status, reason)
         self.seqs.remove(seq)
 
-    def _finish_with_reply(self, seqs: list[SchedulerSequence], reason: str, copies_fail: bool = False) -> None:
-        """`Engine._finish`: reserve reply checkpoints, queue their saves, publish (or cancel), then finish."""
-        if not seqs:
-            return
-        plan = self.s.plan_reply_checkpoints(seqs)
-        assert not (plan.seqs or plan.pinned or plan.kv_restores or plan.state_restores)
+    def _release(self, plan: ReplyPlan, copies_fail: bool = False) -> None:
+        """`Engine._run_forward` after `commit`: queue the reply plan's saves (or fail them), then `release`."""
+        assert not (plan.pinned or plan.kv_restores or plan.state_restores)
         if not self.cfg.reply or not self.cfg.hybrid:
             assert not plan.has_copies
+        copied = True
         if plan.has_copies:
             self._check_saves(plan)
             if copies_fail:
-                self.s.cancel_forward(plan)
+                copied = False
                 FIGURES['failed_reply_copies'] += 1
             else:
                 self._simulate_saves(plan)
-                self.s.publish_reserved(plan)
                 FIGURES['reply_checkpoints'] += len(plan.reserved)
-        for seq in seqs:
-            self._finish(seq, SequenceStatus.FINISHED, reason)
+        self.s.release(plan, copied=copied)
+        for seq, _ in plan.finishing:
+            assert seq.status == SequenceStatus.FINISHED
+            self.seqs.remove(seq)
 
     def _drain_aborts(self) -> None:
         aborts, self.deferred_aborts = self.deferred_aborts, []
@@ -791,13 +796,9 @@ def _run_to_idle(s: Scheduler, max_steps: int = 50) -> None:
         if not s.has_unfinished:
             return
         out = s.schedule()
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            s.on_forward_done(seq, n)
-        s.after_forward(out)
-        for seq in out.seqs + [seq for seq, _ in out.logits_hits]:
-            if seq.num_computed == seq.num_tokens:
-                seq.token_ids.append(0)
-                s.finish(seq, SequenceStatus.FINISHED, 'length')
+        fed = [seq for seq, n in zip(out.seqs, out.num_new_tokens) if seq.num_computed + n == seq.num_tokens]
+        rows = [SampledToken(seq, 0, None) for seq in fed + [seq for seq, _ in out.logits_hits]]
+        s.release(s.commit(out, s.update(out, rows)))  # max_new_tokens=1: every sampled sequence finishes
         s.check_integrity()
 
 

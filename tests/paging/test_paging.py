@@ -1,8 +1,7 @@
 """BlockManager and Scheduler on the CPU, without a model.
 
-The scheduler is driven by hand the way the engine drives it: `schedule()` -> `on_forward_done()` for every
-scheduled sequence -> append a sampled token to sequences that fed their last token -> `finish()` those that are
-done. `check_integrity()` runs after every step.
+A step makes the engine's scheduler calls: `schedule()` -> (a sampled token for every sequence that fed its last
+token) -> `update()` -> `commit()` -> `release()`. `check_integrity()` runs after every step.
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
 from lmdeploy.pytorch.messages import SamplingParams, SchedulerSequence, SequenceStatus
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.scheduler import Scheduler
+from lmdeploy.pytorch.paging.scheduler_output import SampledToken
 
 SAMPLED_TOKEN = 7
 
@@ -43,12 +43,9 @@ def _step(scheduler: Scheduler) -> list[tuple[int, int]]:
     """One engine step by hand; returns the scheduled (seq_id, num_new_tokens) pairs."""
     out = scheduler.schedule()
     scheduler.check_integrity()
-    for seq, n in zip(out.seqs, out.num_new_tokens):
-        scheduler.on_forward_done(seq, n)
-        if seq.num_computed == seq.num_tokens:  # fed its last token: a token is sampled
-            seq.token_ids.append(SAMPLED_TOKEN)
-            if seq.num_generated >= seq.sampling.max_new_tokens:
-                scheduler.finish(seq, SequenceStatus.FINISHED, 'length')
+    sampled = [SampledToken(seq, SAMPLED_TOKEN, None) for seq, n in zip(out.seqs, out.num_new_tokens)
+               if seq.num_computed + n == seq.num_tokens]  # fed its last token: a token is sampled
+    scheduler.release(scheduler.commit(out, scheduler.update(out, sampled)))
     scheduler.check_integrity()
     return [(seq.seq_id, n) for seq, n in zip(out.seqs, out.num_new_tokens)]
 

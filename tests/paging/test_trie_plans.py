@@ -162,9 +162,7 @@ def test_three_branches_restore_one_checkpoint_in_one_forward():
     assert out.kv_restores == [(3, b.block_ids[2]) for b in branches]
     assert out.state_restores == [(2, b.state_slot) for b in branches]
     assert len({dst for _, dst in out.kv_restores}) == 3 and 3 not in [b.block_ids[2] for b in branches]
-    for b, n in zip(out.seqs, out.num_new_tokens):
-        s.on_forward_done(b, n)
-    s.after_forward(out)
+    s.release(s.commit(out, s.update(out, [])))  # the forward samples nothing here
     assert ck.pin_count == 0
     s.check_integrity()
 
@@ -190,9 +188,7 @@ def test_same_prefix_twice_in_one_batch_publishes_once():
     # frozen 7) are both reserved because neither is published yet.
     assert (a.block_ids, b.block_ids, a.state_slot, b.state_slot) == ([0, 1, 2], [3, 4, 5], 1, 2)
     assert out.kv_saves == [(2, 6), (5, 7)] and out.state_saves == [(1, 3), (2, 4)]
-    for seq, n in zip(out.seqs, out.num_new_tokens):
-        s.on_forward_done(seq, n)
-    s.after_forward(out)
+    s.release(s.commit(out, s.update(out, [])))
     # A's blocks became the trie nodes; B's path deduplicates onto them and B's checkpoint is released.
     (ck,) = live(s)
     assert (ck.slot, ck.frozen_block_id, ck.block_ids) == (3, 6, (0, 1))
@@ -228,8 +224,7 @@ def test_failed_forward_releases_reservations_and_pins():
     s.add(b)
     out = s.schedule()
     assert ck.pin_count == 1 and len(out.reserved) == 1
-    s.cancel_forward(out)
-    s.finish(b, SequenceStatus.ABORTED, 'error')
+    assert s.cancel(out) == [b] and b.status == SequenceStatus.ABORTED and b.finish_reason == 'error'
     assert ck.pin_count == 0 and out.reserved[0][1].state == CheckpointState.RELEASED
     assert live(s) == [ck]
     s.check_integrity()

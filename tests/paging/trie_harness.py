@@ -1,10 +1,9 @@
 """Harness for the paging-layer prefix-cache tests: a scheduler over BlockTrie + BlockManager + StateManager
 driven without a model.
 
-No model runs. A "forward" is simulated the way the engine drives the scheduler: `schedule()` ->
-`on_forward_done()` for every scheduled sequence -> `after_forward()` (attach, publish, unpin) -> append a sampled
-token to sequences that fed their last token -> `finish()` those that are done. `check_integrity()` runs before
-and after every step.
+No model runs. A step makes the engine's scheduler calls: `schedule()` -> (the "forward" samples `SAMPLED` for every
+sequence that fed its last token and every whole-prompt hit) -> `update()` -> `commit()` -> `release()`.
+`check_integrity()` runs before and after every step.
 
 Geometry: block_size 4, so "2 full blocks + 2 tokens" is a 10-token prompt. Blocks are handed out lowest id first
 and freed ids go to the back of the free list; state slots are handed out lowest first and a freed slot is the
@@ -13,9 +12,10 @@ next one handed out (row 0 is the dummy).
 from __future__ import annotations
 
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
-from lmdeploy.pytorch.messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
+from lmdeploy.pytorch.messages import MultiModalSpan, SamplingParams, SchedulerSequence
 from lmdeploy.pytorch.paging.block_trie.node import NodeStateCheckpoint
 from lmdeploy.pytorch.paging.scheduler import Scheduler, SchedulerOutput
+from lmdeploy.pytorch.paging.scheduler_output import SampledToken
 
 BS = 4
 SAMPLED = 999  # the token every simulated forward samples
@@ -57,22 +57,16 @@ def begin(scheduler: Scheduler) -> SchedulerOutput:
     return out
 
 
+def sampled_rows(out: SchedulerOutput, token: int = SAMPLED) -> list[SampledToken]:
+    """What the simulated forward samples: `token` for every sequence that feeds its last token (in batch order),
+    then for every whole-prompt hit."""
+    fed = [seq for seq, n in zip(out.seqs, out.num_new_tokens) if seq.num_computed + n == seq.num_tokens]
+    return [SampledToken(seq, token, None) for seq in fed + [seq for seq, _ in out.logits_hits]]
+
+
 def end(scheduler: Scheduler, out: SchedulerOutput) -> None:
-    """The forward-done half of a step, in the engine's order: advance, attach / publish / unpin, sample (fed rows
-    and whole-prompt hits), reply checkpoints of the finishing sequences, finish."""
-    for seq, n in zip(out.seqs, out.num_new_tokens):
-        scheduler.on_forward_done(seq, n)
-    scheduler.after_forward(out)
-    sampled = [seq for seq in out.seqs if seq.num_computed == seq.num_tokens]
-    finishing = []
-    for seq in sampled + [seq for seq, _ in out.logits_hits]:
-        seq.token_ids.append(SAMPLED)
-        if seq.num_generated >= seq.sampling.max_new_tokens:
-            finishing.append(seq)
-    if finishing:
-        scheduler.publish_reserved(scheduler.plan_reply_checkpoints(finishing))
-    for seq in finishing:
-        scheduler.finish(seq, SequenceStatus.FINISHED, 'length')
+    """The forward-done half of a step: the scheduler's `update` -> `commit` -> `release`."""
+    scheduler.release(scheduler.commit(out, scheduler.update(out, sampled_rows(out))))
     scheduler.check_integrity()
     assert_trie_consistent(scheduler)
 

@@ -2,7 +2,8 @@
 
 Thread model: `add_request` / `abort_request` may be called from any thread; they only queue commands. `step()`
 runs on one thread (the `EngineLoop` thread, or the caller's in synchronous use): drain commands -> schedule ->
-make inputs -> forward -> update sequences -> emit outputs.
+make inputs -> forward -> update -> deliver -> commit -> copy -> release (`_run_forward`; the scheduler's calls are
+described in `paging/scheduler.py`).
 """
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, Sequen
 from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..paging.scheduler import Scheduler
+from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
+from .routes_recorder import RoutesRecorder
 
 logger = logging.getLogger('lmdeploy')
 _CPU_CACHE_BUDGET = 1 << 30
@@ -68,7 +71,12 @@ class Engine:
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
+        if engine_config.enable_return_routed_experts and engine_config.enable_prefix_caching:
+            raise ValueError('enable_return_routed_experts does not work with enable_prefix_caching yet')
+        self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
+                                     keep_in_cache=engine_config.enable_prefix_caching)
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
+                                record_routed_experts=engine_config.enable_return_routed_experts,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
                                 max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
                                 vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
@@ -193,11 +201,12 @@ class Engine:
         token_ids = list(token_ids)
         identity = self.adapter_identity(adapter_name)
         self.validate_prompt(token_ids)
-        sampling.validate(self.model_config.vocab_size)
+        self.validate_sampling(sampling)
         mm_spans = tuple(mm_spans)
         self.validate_mm_spans(token_ids, mm_spans)
         seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
                                 sampling=sampling, adapter_name=identity, mm_spans=mm_spans)
+        self.routes.attach(seq)
         seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
 
         def command() -> list[EngineOutput]:
@@ -214,6 +223,12 @@ class Engine:
 
         self._push(seq.seq_id, command)
         return seq.seq_id
+
+    def validate_sampling(self, sampling: SamplingParams) -> None:
+        """Raise `ValueError` for sampling parameters outside what the kernels take, or asking for what this engine
+        does not do (routed experts with the engine flag off)."""
+        sampling.validate(self.model_config.vocab_size)
+        self.routes.validate(sampling)
 
     def abort_request(self, seq_id: int) -> None:
         def command() -> list[EngineOutput]:
@@ -279,61 +294,81 @@ class Engine:
             outputs.append(out)
         return outputs
 
-    def _run_forward(self, sched) -> list[EngineOutput]:
-        """Restore copies, forward, save copies, sampling; then tokens and stops, whose outputs are delivered at
-        once; then the prefix cache's bookkeeping (attach blocks, publish checkpoints, keep prompt logits, reply
-        checkpoints, releases), which the next step needs but the client does not wait for."""
-        sampled, result, rejected = [], None, []
+    def _run_forward(self, sched: SchedulerOutput) -> list[EngineOutput]:
+        """forward -> update -> deliver -> commit -> copy -> release (see `Scheduler`). Tokens and stops are
+        delivered before the prefix cache's bookkeeping, which the next step needs but the client does not wait
+        for; a failed forward fails its batch only. Requests whose sampling inputs cannot be built are computed and
+        cached like the others, then fail alone (blocks and slot released)."""
+        rejected: list[tuple[SchedulerSequence, str]] = []
         try:
-            cache_inputs = self.inputs_maker.make_cache_inputs(sched)
-            if sched.seqs:
-                inputs, sampled = self.inputs_maker.make(sched)
-                sampling, errors = make_sampling_inputs(sampled, self._generators)
-                if errors:  # those requests fail alone after this forward; the others sample as usual
-                    rejected = [(sampled[i], error) for i, error in errors.items()]
-                    sampled = drop_sampled_rows(inputs, sampled, errors)
-                collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
-                if any(collect):
-                    result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
-                else:
-                    result = self.agent.forward(inputs, sampling, cache_inputs)
-            elif cache_inputs is not None:
-                self.agent.copy_only(cache_inputs)
-            hits = self._sample_logits_hits(sched.logits_hits, rejected)
-        except Exception as exc:  # a failed forward fails its batch only; the engine keeps serving
+            result, sampled = self._forward(sched, rejected)
+            rows = self._sampled_rows(result, sampled) + self._sample_logits_hits(sched.logits_hits, rejected)
+        except Exception as exc:  # the engine keeps serving
             logger.exception('forward failed')
-            self.scheduler.cancel_forward(sched)
-            failed = sched.seqs + [seq for seq, _ in sched.logits_hits]
-            outputs = [self._fail(seq, f'forward failed: {exc}') for seq in failed]
-            for out in outputs:
-                self._deliver(out)
-            return outputs
-        for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            self.scheduler.on_forward_done(seq, n)
-        rows = [(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
-                for i, seq in enumerate(sampled)] + hits
-        outputs, finishing = [], []
-        for seq, token, logprobs in rows:
-            out, reason = self._append_token(seq, token, logprobs)
-            outputs.append(out)
-            if reason is not None:
-                finishing.append((seq, reason))
-        for out in outputs:
-            self._deliver(out)
-        # Bookkeeping reads `num_computed` (the appended tokens are not computed yet) and runs before the next
-        # step is scheduled.
-        self.scheduler.after_forward(sched)
+            return self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
+                                      for seq in self.scheduler.cancel(sched)])
         if result is not None:
-            self._keep_prompt_logits(sched, sampled, result.logits)
-        self._finish(finishing)
-        for seq, error in rejected:  # computed and cached like the others, then failed (blocks and slot released)
-            logger.error('request %d: %s', seq.seq_id, error)
-            out = self._fail(seq, error)
-            self._deliver(out)
-            outputs.append(out)
-        return outputs
+            self.routes.store(sched.seqs, sched.num_new_tokens, result.routed_experts)
+        updates = self.scheduler.update(sched, rows)
+        outputs = self._deliver_all([self._update_output(update) for update in updates])
+        plan = self.scheduler.commit(sched, updates, self._prompt_logits(sampled, result))
+        self.scheduler.release(plan, copied=self._copy(plan))
+        for seq, _ in plan.finishing:
+            self._forget(seq.seq_id)
+        return outputs + self._deliver_all([self._reject(seq, error) for seq, error in rejected])
 
-    def _sample_logits_hits(self, hits, rejected: list[tuple[SchedulerSequence, str]]) -> list[tuple]:
+    def _forward(self, sched: SchedulerOutput, rejected: list[tuple[SchedulerSequence, str]]):
+        """Restore copies, forward, save copies, sampling of the fed rows. Returns the forward's output (None: no
+        forward) and the sequences it sampled, in row order; rows whose sampling inputs fail go to `rejected`."""
+        sampled, result = [], None
+        cache_inputs = self.inputs_maker.make_cache_inputs(sched)
+        if sched.seqs:
+            inputs, sampled = self.inputs_maker.make(sched)
+            inputs.record_routed_experts = self.routes.wants(sched.seqs)
+            sampling, errors = make_sampling_inputs(sampled, self._generators)
+            if errors:  # those requests fail alone after this forward; the others sample as usual
+                rejected += [(sampled[i], error) for i, error in errors.items()]
+                sampled = drop_sampled_rows(inputs, sampled, errors)
+            collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
+            if any(collect):
+                result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
+            else:
+                result = self.agent.forward(inputs, sampling, cache_inputs)
+        elif cache_inputs is not None:
+            self.agent.copy_only(cache_inputs)
+        return result, sampled
+
+    @staticmethod
+    def _sampled_rows(result, sampled: list[SchedulerSequence]) -> list[SampledToken]:
+        return [SampledToken(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
+                for i, seq in enumerate(sampled)]
+
+    def _prompt_logits(self, sampled: list[SchedulerSequence], result) -> Callable | None:
+        """Kept logits of a sampled sequence's last position, copied to the host in the model dtype on demand (only
+        prompt-end checkpoints keep them); None without a forward."""
+        if result is None or result.logits is None:
+            return None
+        logits = result.logits
+        rows = {seq.seq_id: i for i, seq in enumerate(sampled)}
+        dtype = getattr(torch, self.model_config.dtype)
+
+        def prompt_logits(seq: SchedulerSequence) -> torch.Tensor | None:
+            row = rows.get(seq.seq_id)
+            return None if row is None else logits[row].to('cpu', dtype)
+        return prompt_logits
+
+    def _copy(self, plan: ReplyPlan) -> bool:
+        """Queue the reply checkpoints' save copies; False when they failed (their checkpoints are dropped)."""
+        if not plan.has_copies:
+            return True
+        try:
+            self.agent.copy_only(self.inputs_maker.make_cache_inputs(plan))
+            return True
+        except Exception:
+            logger.exception('reply checkpoint copies failed')
+            return False
+
+    def _sample_logits_hits(self, hits, rejected: list[tuple[SchedulerSequence, str]]) -> list[SampledToken]:
         """First tokens of identical prompts, sampled from the logits kept with their prompt-end checkpoint. Rows
         whose sampling inputs cannot be built go to `rejected`."""
         if not hits:
@@ -346,64 +381,42 @@ class Engine:
         seqs = [seq for seq, _ in hits]
         logits = torch.stack([logits.to(torch.float32) for _, logits in hits])
         result = self.agent.sample(logits, sampling)
-        return [(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
+        return [SampledToken(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(seqs)]
 
-    def _keep_prompt_logits(self, sched, sampled: list[SchedulerSequence], logits: torch.Tensor | None) -> None:
-        """Attach the last prompt position's logits to prompt-end checkpoints saved by this forward."""
-        if logits is None or not sched.reserved or not self.cache_config.prefix_cache_prompt_logits:
-            return
-        rows = {seq.seq_id: i for i, seq in enumerate(sampled)}
-        for seq, ck in sched.reserved:
-            row = rows.get(seq.seq_id)
-            if row is not None and ck.step == seq.num_computed and ck.published:
-                ck.last_logits = logits[row].to('cpu', getattr(torch, self.model_config.dtype))
-
-    def _finish(self, finishing: list[tuple[SchedulerSequence, str]]) -> None:
-        """Save reply checkpoints of the sequences that stopped (before their slots are reused), then release."""
-        if not finishing:
-            return
-        plan = self.scheduler.plan_reply_checkpoints([seq for seq, _ in finishing])
-        if plan.has_copies:
-            try:
-                self.agent.copy_only(self.inputs_maker.make_cache_inputs(plan))
-                self.scheduler.publish_reserved(plan)
-            except Exception:
-                logger.exception('reply checkpoint copies failed')
-                self.scheduler.cancel_forward(plan)
-        for seq, reason in finishing:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED, reason)
-            self._forget(seq.seq_id)
-
     def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
-        logits, _ = self.agent.forward_logits(inputs, cache_inputs)
+        logits, routes = self.agent.forward_logits(inputs, cache_inputs)
         start = 0
         for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
             if keep:
                 self._collected_logits[seq.seq_id].append(logits[start:start + n])
             start += n
-        return self.agent.sample(logits[inputs.logits_indices], sampling)
+        result = self.agent.sample(logits[inputs.logits_indices], sampling)
+        result.routed_experts = routes
+        return result
 
-    def _append_token(self, seq: SchedulerSequence, token: int, logprobs) -> tuple[EngineOutput, str | None]:
-        """Append a sampled token; returns its output and the finish reason (None: keep going)."""
-        params = seq.sampling
-        seq.token_ids.append(token)
-        if params.logprobs is not None and logprobs is not None:
-            seq.logprobs.append(logprobs)
-        reason = None
-        if token in params.stop_token_ids and seq.num_generated > params.min_new_tokens - 1:
-            reason = 'stop'
-        elif any(len(s) <= seq.num_generated and tuple(seq.token_ids[-len(s):]) == s
-                 for s in params.stop_sequences):
-            reason = 'stop'
-        elif seq.num_generated >= params.max_new_tokens or seq.num_tokens >= self.session_len:
-            reason = 'length'
-        new_ids = [] if reason == 'stop' and token in params.stop_token_ids else [token]
-        out = EngineOutput(seq.seq_id, new_ids, num_cached=seq.num_cached,
-                           logprobs=[logprobs] if params.logprobs is not None and logprobs and new_ids else None)
+    def _update_output(self, update: SequenceUpdate) -> EngineOutput:
+        seq, reason = update.seq, update.finish_reason
+        out = EngineOutput(seq.seq_id, update.new_token_ids, finished=reason is not None, finish_reason=reason,
+                           num_cached=seq.num_cached, logprobs=update.logprobs)
         if reason is not None:
-            out.finished, out.finish_reason = True, reason
-        return out, reason
+            out.routed_experts = self.routes.result(seq)
+        return out
+
+    def _error_output(self, seq: SchedulerSequence, error: str) -> EngineOutput:
+        """The output of a sequence the scheduler already failed."""
+        out = self._finish_output(seq)
+        out.error = error
+        return out
+
+    def _reject(self, seq: SchedulerSequence, error: str) -> EngineOutput:
+        logger.error('request %d: %s', seq.seq_id, error)
+        return self._fail(seq, error)
+
+    def _deliver_all(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        for out in outputs:
+            self._deliver(out)
+        return outputs
 
     def _fail(self, seq: SchedulerSequence, error: str) -> EngineOutput:
         self.scheduler.finish(seq, SequenceStatus.ABORTED, 'error')
@@ -413,7 +426,8 @@ class Engine:
 
     def _finish_output(self, seq: SchedulerSequence) -> EngineOutput:
         self._forget(seq.seq_id)
-        return EngineOutput(seq.seq_id, finished=True, finish_reason=seq.finish_reason, num_cached=seq.num_cached)
+        return EngineOutput(seq.seq_id, finished=True, finish_reason=seq.finish_reason, num_cached=seq.num_cached,
+                            routed_experts=self.routes.result(seq))
 
     def _forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -441,7 +455,10 @@ class Engine:
             self.step()
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        """Block / slot accounting check; between steps (it waits for a running step's bookkeeping, which goes on
+        after the step's outputs were delivered)."""
+        with self._step_lock:
+            self.scheduler.check_integrity()
 
     @property
     def stats(self) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class EngineOutput:
@@ -16,6 +18,8 @@ class EngineOutput:
     num_cached: int = 0
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    # On the finished output of a request that asked: uint16 [num_tokens - 1, num_moe_layers, top_k].
+    routed_experts: np.ndarray | None = None
 
 
 OutputCallback = Callable[[EngineOutput], None]

@@ -3,16 +3,18 @@
 Requests check types and ranges here (pydantic errors become 400s in the server); what only the engine can judge
 (prompt length against the session, token ids against the vocabulary) is checked by `AsyncEngine.prepare`.
 Unknown OpenAI fields (`user`, `metadata`, ...) are accepted and ignored; known features the engine lacks
-(`n > 1`, `echo`, `best_of`, `suffix`, penalties other than `repetition_penalty`) are rejected with a message.
+(`echo`, `best_of`, `suffix`) are rejected with a message.
 """
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -27,6 +29,8 @@ from pydantic import (
 from ...messages import GenerationConfig, Response
 
 SEED_RANGE = (-2**63, 2**64 - 1)
+MAX_N = 128          # choices per prompt
+MAX_CHOICES = 256    # choices per request (prompts x n)
 
 
 def new_id(prefix: str) -> str:
@@ -63,39 +67,51 @@ class StreamOptions(_Record):
 # ---- requests --------------------------------------------------------------------------------------------------
 class _SamplingRequest(_Record):
     """Fields shared by chat and text completions; `None` means the OpenAI default."""
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    # token id (as a string, as OpenAI sends it) -> bias added to its logit
+    logit_bias: dict[str, float] | None = None
     # Extensions (vLLM / LMDeploy names).
     top_k: int = Field(0, ge=-1, description='0 or -1: off')
+    min_p: float = Field(0.0, ge=0, le=1, description='0: off')
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
+    # The experts each MoE layer routed every position to, in the final chunk / response (LMDeploy's name).
+    return_routed_experts: bool = False
 
-    @field_validator('n')
+    @field_validator('logit_bias')
     @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f'only n=1 is supported, got n={n}')
-        return n
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f'logit_bias keys are token ids, got {key!r}')
+            if not -100 <= value <= 100:
+                raise ValueError(f'logit_bias values must be in [-100, 100], got {value!r} for {key}')
+        return bias
 
-    @field_validator('presence_penalty', 'frequency_penalty')
-    @classmethod
-    def _no_openai_penalties(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError('presence/frequency penalties are not supported; use repetition_penalty')
-        return value
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def with_defaults(self, defaults: dict) -> _SamplingRequest:
+        """A copy with the model's sampling defaults in the fields the client did not send."""
+        unset = {k: v for k, v in defaults.items() if k in type(self).model_fields and k not in self.model_fields_set}
+        if 'top_k' in unset and unset['top_k'] < 0:
+            unset['top_k'] = 0
+        return self.model_copy(update=unset) if unset else self
 
     def generation_config(self, logprobs: int | None) -> GenerationConfig:
         """`max_new_tokens` is left for the server: it is `max_tokens` clamped to what the session leaves."""
@@ -106,7 +122,10 @@ class _SamplingRequest(_Record):
             do_sample=temperature > 0, temperature=temperature or 1.0,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k, 0),
             repetition_penalty=self.repetition_penalty, stop_words=stop or None, ignore_eos=self.ignore_eos,
-            random_seed=self.seed, logprobs=logprobs)
+            random_seed=self.seed, logprobs=logprobs, n=self.num_choices,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            min_p=self.min_p, logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            return_routed_experts=self.return_routed_experts)
 
 
 class TextContentPart(_Record):
@@ -208,7 +227,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # upper bound: --max-logprobs (limits.py)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -258,19 +277,23 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # upper bound: --max-logprobs (limits.py)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator('prompt')
-    @classmethod
-    def _single_prompt(cls, prompt):
+    @model_validator(mode='after')
+    def _bounded_choices(self) -> CompletionRequest:
+        if len(self.prompts()) * self.num_choices > MAX_CHOICES:
+            raise ValueError(f'{len(self.prompts())} prompts x n={self.num_choices} exceed {MAX_CHOICES} choices')
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a batch (a string or a token-id list is one prompt); choice i*n+j is prompt i's j-th."""
+        prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(f'batched prompts are not supported: send one prompt per request, got {len(prompt)}')
-            return prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
     @model_validator(mode='after')
     def _unsupported(self) -> CompletionRequest:
@@ -303,9 +326,40 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def of(cls, response: Response) -> UsageInfo:
-        return cls(prompt_tokens=response.input_token_len, completion_tokens=response.generate_token_len,
-                   total_tokens=response.input_token_len + response.generate_token_len,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=response.cached_tokens))
+        return cls.total([response], 1)
+
+    @classmethod
+    def total(cls, responses: list[Response], n: int) -> UsageInfo:
+        """Usage of a request's choices (ordered prompt by prompt, `n` each): each prompt counts once."""
+        firsts = responses[::n]
+        prompt = sum(r.input_token_len for r in firsts)
+        completion = sum(r.generate_token_len for r in responses)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in firsts)))
+
+
+class RoutedExpertsData(BaseModel):
+    """`Response.routed_experts` compactly: `data` is the base64 of the array's bytes, little-endian uint16 in
+    row-major order, of `shape` [num_prompt + num_generated - 1, num_moe_layers, top_k]. Decode with
+    `np.frombuffer(base64.b64decode(data), '<u2').reshape(shape)`."""
+    dtype: Literal['uint16'] = 'uint16'
+    shape: list[int]
+    data: str
+
+    @classmethod
+    def of(cls, routes: np.ndarray | None) -> RoutedExpertsData | None:
+        if routes is None:
+            return None
+        little = np.ascontiguousarray(routes, dtype='<u2')
+        return cls(shape=list(little.shape), data=base64.b64encode(little.tobytes()).decode('ascii'))
+
+
+def _absent(value) -> bool:
+    return value is None
+
+
+# Only present where asked for and only in the final chunk / response (no bytes in other chunks).
+RoutedExpertsField = Field(None, exclude_if=_absent)
 
 
 class TopLogprob(BaseModel):
@@ -350,6 +404,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class ChatCompletionResponse(BaseModel):
@@ -373,6 +428,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class ChatCompletionChunk(BaseModel):
@@ -396,6 +452,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: RoutedExpertsData | None = RoutedExpertsField
 
 
 class CompletionResponse(BaseModel):
@@ -438,10 +495,13 @@ def _ranked(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def chat_logprobs(response: Response, k: int, decode: Callable[[int], str]) -> ChatLogprobs:
+def chat_logprobs(response: Response, k: int, decode: Callable[[int], str],
+                  token_bytes: Callable[[int], bytes] | None = None) -> ChatLogprobs:
+    """`token_bytes`: the token's own bytes (part of a UTF-8 character for some tokens); default: its text's."""
     def item(token_id: int, logprob: float) -> TopLogprob:
         token = decode(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+        raw = token_bytes(token_id) if token_bytes is not None else token.encode()
+        return TopLogprob(token=token, logprob=logprob, bytes=list(raw))
 
     content = []
     for token_id, entry in zip(response.token_ids, response.logprobs or ()):

@@ -1,26 +1,29 @@
-"""`BlockTrie`: the prefix cache facade the scheduler talks to (match, admit helpers, attach, checkpoints, evict).
+"""`BlockTrie`: the prefix cache, implementing the contract of `paging/prefix_cache.py` (read that first).
 
 Owns the trie (via `TrieKVLifecycle`), the checkpoints (via `StateCheckpointLifecycle` and its index) and each
 running sequence's canonical path (the trie nodes of its leading full blocks). It never touches device memory:
-it returns copy plans as pairs of logical ids for the inputs maker.
+it returns copy plans as pairs of logical ids for the inputs maker. Which steps get checkpoints, and from where
+their slots come, is `CheckpointPolicy`'s (checkpoint_policy.py); this file matches, attaches, publishes and evicts.
 
-Order per forward: scheduler admission calls `match` (then pins / allocates / rolls back); `plan_checkpoint`
-reserves save targets for prefill and chunk ends; after the forward is queued `after_forward` attaches newly
-completed blocks, publishes the reserved checkpoints and drops restore pins.
+Order per step (the contract's): `match` -> `acquire` / `rollback` -> `record_admission` during `schedule`;
+`plan_checkpoints` at its end; after the forward is queued `commit` attaches newly completed blocks, publishes the
+reserved checkpoints, drops restore pins and keeps prompt logits; `plan_replies` -> `publish` / `discard`.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
 from ...messages import SchedulerSequence
 from ..block_manager import BlockManager
+from ..prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch, PromptLogits
+from ..scheduler_output import CopyPlan, LogitsHit, SchedulerOutput
 from ..state_manager import StateManager
 from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
+from .checkpoint_policy import CheckpointPolicy, cap_at_hint
+from .eviction_policy import ReusePolicy
 from .kv_lifecycle import TrieKVLifecycle
 from .miss_tracker import MissTracker
 from .node import Node, NodeStateCheckpoint, tail_hash
@@ -44,38 +47,16 @@ def _common_nodes(a: list[Node], b: list[Node]) -> int:
     return lo
 
 
-class PrefixMatch(NamedTuple):
-    num_tokens: int                          # prompt tokens served from the cache (the resume step)
-    nodes: list[Node]                        # shared full blocks [0, num_tokens // block_size)
-    checkpoint: NodeStateCheckpoint | None   # state to restore (hybrid models), None for dense models
-    # Branch point: the prompt shares this many tokens with cached ones but no checkpoint exists there; the first
-    # prefill chunk ends exactly here so that a checkpoint is taken (0: none).
-    junction: int = 0
-    # Uncached prompt tokens by reason (see miss_tracker.py).
-    miss: Counter | None = None
+__all__ = ['BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
 
 
-@dataclass
-class PrefixCacheStats:
-    num_requests: int = 0
-    num_hits: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    checkpoints_saved: int = 0
-    logits_hits: int = 0
-    branch_points: int = 0
-    miss_reasons: Counter = field(default_factory=Counter)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-class BlockTrie:
+class BlockTrie(PrefixCache):
 
     def __init__(self, block_manager: BlockManager, state_manager: StateManager | None, block_size: int,
                  exact_steps: bool = True, prompt_logits: bool = False, branch_checkpoints: bool = False,
-                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0):
+                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0,
+                 decode_state_interval: int = 0, prefill_state_interval: int = 0, prefill_state_cap: int = 0,
+                 reply_checkpoints: bool = False):
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.block_size = block_size
@@ -84,17 +65,27 @@ class BlockTrie:
         self.prompt_logits = prompt_logits
         self.branch_checkpoints = branch_checkpoints
         self.hasher = PrefixHasher(block_size)
-        self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher)
+        # Eviction priorities (eviction_policy.py); `policy` below is where checkpoints are taken.
+        self.reuse = ReusePolicy(lru=not value_eviction)
+        self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher, self.reuse, kv_block_bytes,
+                                  hybrid=self.is_hybrid)
         self.index = StateCheckpointIndex(self.hasher.stride)
         self.checkpoints = StateCheckpointLifecycle(
-            block_manager, state_manager, self.index, value_eviction=value_eviction,
-            state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes) if state_manager is not None else None
+            block_manager, state_manager, self.index, state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes,
+            policy=self.reuse) if state_manager is not None else None
         self.misses = MissTracker()
         if self.checkpoints is not None:
             self.checkpoints.on_evict = lambda ck: self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
+            self.checkpoints.on_change = self.kv.refresh
         self.stats = PrefixCacheStats()
         self._paths: dict[int, list[Node]] = {}
+        # Branch point of each admitted sequence: a checkpoint reserved there starts with one observed reuse (the
+        # cached prompt it was found in shares it).
+        self._junctions: dict[int, int] = {}
         self._clock = 0
+        self.policy = CheckpointPolicy(self, block_manager, state_manager, decode_state_interval=decode_state_interval,
+                                       prefill_state_interval=prefill_state_interval,
+                                       prefill_state_cap=prefill_state_cap, reply_checkpoints=reply_checkpoints)
 
     def tick(self) -> int:
         self._clock += 1
@@ -201,10 +192,11 @@ class BlockTrie:
         memo.nodes = path
         return path
 
-    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node) -> list[Node]:
-        """The nodes from just below the end of `path` down to `node` if they hold exactly the sequence's blocks
-        there (tokens and multimodal identity), else []."""
-        top = path[-1] if path else self.kv.root(seq.adapter_name)
+    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node,
+                      top: Node | None = None) -> list[Node]:
+        """The nodes from just below the end of `path` (or below `top`, a root) down to `node` if they hold exactly
+        the sequence's blocks there (tokens and multimodal identity), else []."""
+        top = top or (path[-1] if path else self.kv.root(seq.adapter_name))
         run, parts = [], []
         while node.depth > top.depth:
             run.append(node)
@@ -293,22 +285,75 @@ class BlockTrie:
         bs = self.block_size
         first, last = hit // bs, min(covered, len(tokens)) // bs
         gap_anchors = self.hasher.block_keys(seq)[first:min(last, len(path)) + 1].tolist()
-        other = 0
-        if len(self.kv.roots) > 1 and len(tokens) >= bs:
-            block = tokens[:bs]
-            mm = mm_identity_of(seq, 0, bs)
-            if any(self.kv.find_child(r, block, mm) for a, r in self.kv.roots.items() if a != seq.adapter_name):
-                other = bs
+        other = self._other_adapter_coverage(seq, tokens) if len(self.kv.roots) > 1 else 0
         return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other)
+
+    def _other_adapter_coverage(self, seq: SchedulerSequence, tokens: np.ndarray) -> int:
+        """Leading prompt tokens the trie holds under another adapter's root (its cached run of blocks, found by
+        binary search on that adapter's block prefix keys and verified, plus the longest continuation after it):
+        what the `adapter` miss reason counts. Attribution only; a hit never reads another root."""
+        bs, max_depth, best = self.block_size, len(tokens) // self.block_size, 0
+        for adapter, root in self.kv.roots.items():
+            if adapter == seq.adapter_name:
+                continue
+            keys, found, lo, hi = self.hasher.block_keys_under(seq, adapter), root, 1, max_depth
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                node = self.kv.lookup(int(keys[mid]))
+                if node is None or node.depth != mid or node.adapter_name != adapter:
+                    hi = mid - 1
+                else:
+                    found, lo = node, mid + 1
+            if found is not root and not self._verified_run(seq, tokens, [], found, top=root):
+                found = root
+            base = found.depth * bs
+            best = max(best, base + found.longest_continuation(tokens[base:base + bs].tobytes()))
+        return min(best, len(tokens))
 
     def _tail_start(self, step: int) -> int:
         rem = step % self.block_size
         return step - rem if rem else step - self.block_size
 
-    # ---- admission bookkeeping --------------------------------------------------------------------------------
+    # ---- admission bookkeeping (the contract's admission calls) ------------------------------------------------
+    def waits_for_peer(self, seq: SchedulerSequence, match: PrefixMatch, out: SchedulerOutput) -> bool:
+        return self.policy.waits_for_peer(seq, match, out)
+
+    def admission_chunk(self, seq: SchedulerSequence, match: PrefixMatch, n: int) -> int:
+        return self.policy.admission_chunk(seq, match, n)
+
+    def chunk(self, seq: SchedulerSequence, n: int) -> int:
+        return cap_at_hint(seq, n)
+
+    def acquire(self, seq: SchedulerSequence, match: PrefixMatch) -> list[int]:
+        if match.checkpoint is not None:
+            self.checkpoints.pin(match.checkpoint, self.tick())
+        shared = [node.block_id for node in match.nodes]
+        self.block_manager.add_ref(shared)
+        return shared
+
+    def rollback(self, seq: SchedulerSequence, match: PrefixMatch) -> None:
+        self.block_manager.free([node.block_id for node in match.nodes])
+        if match.checkpoint is not None:
+            self.checkpoints.unpin(match.checkpoint)
+        seq.checkpoint_hint = None
+
+    def record_admission(self, seq: SchedulerSequence, match: PrefixMatch, first_admission: bool,
+                         out: SchedulerOutput) -> None:
+        self.on_admitted(seq, match, first_admission)
+        ck = match.checkpoint
+        if ck is not None:
+            out.pinned.append(ck)
+            out.state_restores.append((ck.slot, seq.state_slot))
+            if ck.frozen_block_id is not None:
+                out.kv_restores.append((ck.frozen_block_id, seq.block_ids[ck.step // self.block_size]))
+        if match.num_tokens == seq.num_tokens:
+            out.logits_hits.append(LogitsHit(seq, ck.last_logits))
+
     def on_admitted(self, seq: SchedulerSequence, match: PrefixMatch, first_admission: bool) -> None:
         now = self.tick()
         self._paths[seq.seq_id] = list(match.nodes)
+        if match.junction:
+            self._junctions[seq.seq_id] = match.junction
         self.kv.touch_path(match.nodes, now)
         if match.checkpoint is not None:
             self.checkpoints.touch(match.checkpoint, now)
@@ -324,6 +369,7 @@ class BlockTrie:
 
     def on_released(self, seq: SchedulerSequence) -> None:
         self._paths.pop(seq.seq_id, None)
+        self._junctions.pop(seq.seq_id, None)
 
     # ---- attaching blocks -------------------------------------------------------------------------------------
     def attach(self, seq: SchedulerSequence) -> list[Node]:
@@ -381,7 +427,8 @@ class BlockTrie:
             slot=slot, step=step, frozen_block_id=frozen_block_id, adapter_name=seq.adapter_name, token_ids=tokens,
             mm_identity=mm, tail_hash=tail_hash(tokens[start:step], mm), last_access=self.tick(),
             chunk_hash=chunk_hash, tail_sum=tail_sum, prefix_mm_identity=mm_identity_of(seq, 0, step),
-            tail_bytes=tokens[step - step % self.block_size:].tobytes())
+            tail_bytes=tokens[step - step % self.block_size:].tobytes(),
+            num_hits=int(self._junctions.get(seq.seq_id) == step))
         return self.checkpoints.reserve(ck)
 
     def note_skipped_checkpoint(self, seq: SchedulerSequence, step: int) -> None:
@@ -404,29 +451,71 @@ class BlockTrie:
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
 
+    def plan_checkpoints(self, out: SchedulerOutput) -> None:
+        self.policy.plan(out)
+
+    def commit(self, out: SchedulerOutput, prompt_logits: PromptLogits | None = None) -> None:
+        for seq in out.seqs:
+            if not seq.is_finished:
+                self.attach(seq)
+        self.publish(out)
+        for ck in out.pinned:
+            self.checkpoints.unpin(ck)
+        self.policy.keep_prompt_logits(out, prompt_logits)
+
+    def plan_replies(self, seqs: list[SchedulerSequence], plan: CopyPlan) -> None:
+        self.policy.plan_replies(seqs, plan)
+
+    def publish(self, plan: CopyPlan) -> None:
+        for seq, ck in plan.reserved:
+            self.publish_checkpoint(seq, ck)
+
+    def discard(self, plan: CopyPlan) -> None:
+        for _, ck in plan.reserved:
+            self.checkpoints.release(ck)
+        for ck in plan.pinned:
+            self.checkpoints.unpin(ck)
+
     # ---- eviction ---------------------------------------------------------------------------------------------
+    def allocate_slot(self) -> int | None:
+        return self.policy.allocate_slot()
+
     def evict_blocks(self, num_needed: int) -> bool:
-        """Free KV blocks until `num_needed` are free: partial checkpoints first (LRU), then trie leaves (LRU)."""
+        """Free KV blocks until `num_needed` are free. Partial checkpoints (each frees its frozen block) and trie
+        leaves (each frees its block, with its checkpoints) compete in one order: the lowest priority goes
+        (eviction_policy.py; a partial checkpoint first on a tie)."""
         while not self.block_manager.can_allocate(num_needed):
-            if self.checkpoints is not None and self.checkpoints.evict_one(partial_only=True, cause='kv'):
-                continue
-            if not self._evict_leaf():
+            ck = self.checkpoints.peek(partial_only=True) if self.checkpoints is not None else None
+            leaf = self.kv.peek_leaf(self._leaf_is_evictable)
+            if ck is None and leaf is None:
                 return False
+            if ck is not None and (leaf is None or ck[0] <= leaf[0]):
+                self.checkpoints.evict(ck[1], 'kv')
+            else:
+                self.evict_leaf(*leaf)
         return True
 
+    def _leaf_is_evictable(self, leaf: Node) -> bool:
+        return self.block_manager.ref_count(leaf.block_id) == 1 and all(
+            self.checkpoints.is_evictable(ck) for ck in leaf.checkpoints.values())
+
     def _evict_leaf(self) -> bool:
-        for leaf in self.kv.evictable_leaves():
-            cks = list(leaf.checkpoints.values())
-            if all(self.checkpoints.is_evictable(ck) for ck in cks):
-                for ck in cks:
-                    self.checkpoints.evict(ck, 'kv_leaf')
-                self.misses.note_evicted_block(leaf.prefix_key)
-                self.kv.detach(leaf)
-                return True
-        return False
+        """Evict the lowest-priority evictable trie leaf; False when there is none."""
+        leaf = self.kv.peek_leaf(self._leaf_is_evictable)
+        if leaf is not None:
+            self.evict_leaf(*leaf)
+        return leaf is not None
+
+    def evict_leaf(self, priority: float, leaf: Node) -> None:
+        """Evict `leaf` (found at `priority`) with its checkpoints."""
+        for ck in list(leaf.checkpoints.values()):
+            self.checkpoints.evict(ck, 'kv_leaf')
+        self.reuse.on_evicted(priority)
+        self.misses.note_evicted_block(leaf.prefix_key)
+        self.kv.detach(leaf)
 
     def evict_slot(self) -> bool:
-        """Free one state slot by releasing the least recently used unpinned checkpoint."""
+        """Free one state slot by evicting the lowest-priority unpinned checkpoint."""
         return self.checkpoints is not None and self.checkpoints.evict_one(partial_only=False, cause='state')
 
     # ---- invariants -------------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Checkpoint policy: which steps of which sequences get a state checkpoint, and where its slot comes from.
+
+Owns no records (the trie and `StateCheckpointLifecycle` do); it decides and reserves. Called through `BlockTrie`
+(the prefix-cache contract, see `paging/prefix_cache.py`) in step order:
+- admission: `waits_for_peer` (branch points in flight), `admission_chunk` / `chunk` (a chunk ends at a branch
+  point), `allocate_slot` (slot allocation with eviction);
+- end of `schedule`: `plan` reserves at prefill and chunk ends, at branch points, at in-prefill cuts and at the
+  opt-in decode interval;
+- `commit`: `keep_prompt_logits`, then `plan_replies` (reply checkpoints of the sequences that stopped).
+Every reservation allocates its slot (and, for a step inside a block, its frozen block) or is skipped; it never
+preempts a sequence. Eviction itself (which checkpoint or leaf goes) belongs to the lifecycles, not here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...messages import SchedulerSequence
+from ..block_manager import BlockManager
+from ..prefix_cache import PrefixMatch, PromptLogits
+from ..scheduler_output import CopyPlan, ReservedCheckpoint, SchedulerOutput, StateCut
+from ..state_manager import StateManager
+
+if TYPE_CHECKING:
+    from .block_trie import BlockTrie
+
+
+class CheckpointPolicy:
+
+    def __init__(self, trie: BlockTrie, block_manager: BlockManager, state_manager: StateManager | None,
+                 decode_state_interval: int = 0, prefill_state_interval: int = 0, prefill_state_cap: int = 0,
+                 reply_checkpoints: bool = False):
+        self.trie = trie
+        self.block_manager = block_manager
+        self.state_manager = state_manager
+        self.block_size = trie.block_size
+        # Block-aligned decode checkpoints every this many tokens (0 = off).
+        self.decode_state_interval = decode_state_interval
+        # In-prefill checkpoints every this many tokens (0 = off), at most `prefill_state_cap` per prompt.
+        self.prefill_state_interval = prefill_state_interval
+        self.prefill_state_cap = prefill_state_cap
+        self.reply_checkpoints = reply_checkpoints
+
+    # ---- branch points ----------------------------------------------------------------------------------------
+    def waits_for_peer(self, seq: SchedulerSequence, match: PrefixMatch, out: SchedulerOutput) -> bool:
+        """Branch policy, in flight: a prefill piece already scheduled in this forward ends on `seq`'s prompt
+        deeper than its hit, where a checkpoint will be saved. `seq` then waits one step and resumes there instead
+        of recomputing the same tokens beside it (each wait strictly deepens its next hit, so waits are bounded)."""
+        trie = self.trie
+        if not trie.is_hybrid or not trie.branch_checkpoints:
+            return False
+        n = seq.num_tokens
+        for peer, k in zip(out.seqs, out.num_new_tokens):
+            end = peer.num_computed + k
+            if peer.num_computed >= peer.num_prompt_tokens or end <= match.num_tokens or end > n:
+                continue  # a decode step, or a piece ending at or before the hit / past the prompt
+            # One token must be left to compute, unless the piece is a whole identical prompt with kept logits.
+            usable = end < n or (trie.prompt_logits and end == peer.num_tokens)
+            if usable and peer.token_ids[:end] == seq.token_ids[:end] and trie.wants_checkpoint(peer, end):
+                return True
+        return False
+
+    def admission_chunk(self, seq: SchedulerSequence, match: PrefixMatch, n: int) -> int:
+        seq.checkpoint_hint = match.junction if match.junction > match.num_tokens else None
+        return cap_at_hint(seq, n, start=match.num_tokens)
+
+    # ---- slots ------------------------------------------------------------------------------------------------
+    def allocate_slot(self) -> int | None:
+        slot = self.state_manager.allocate()
+        while slot is None and self.trie.evict_slot():
+            slot = self.state_manager.allocate()
+        return slot
+
+    # ---- reservations -----------------------------------------------------------------------------------------
+    def plan(self, out: SchedulerOutput) -> None:
+        if self.trie.is_hybrid:
+            for seq, n in zip(out.seqs, out.num_new_tokens):
+                self._plan_piece(seq, n, out)
+
+    def _plan_piece(self, seq: SchedulerSequence, n: int, out: SchedulerOutput) -> None:
+        """Reserve a checkpoint at the end of a prefill piece (prompt end, chunk end, branch point) or at an
+        opt-in decode interval, if wanted and affordable. A piece ending at a branch point takes no in-prefill
+        cuts: it is the prefix shared with known requests, which its end checkpoint serves, and the per-prompt cap
+        is kept for the prompt's own tokens after it, where its later siblings diverge."""
+        step = seq.num_computed + n
+        at_branch_point = seq.checkpoint_hint == step
+        if seq.checkpoint_hint is not None and step >= seq.checkpoint_hint:
+            seq.checkpoint_hint = None
+        if n > 1 and not at_branch_point:
+            self._plan_prefill_cuts(seq, n, out)
+        if seq.num_computed >= seq.num_prompt_tokens and n == 1:
+            interval = self.decode_state_interval
+            if not interval or step % interval:
+                return  # a decode step off the opt-in interval
+        self.reserve(seq, step, out)
+
+    def _plan_prefill_cuts(self, seq: SchedulerSequence, n: int, out: SchedulerOutput) -> None:
+        """In-prefill checkpoints: block-aligned steps strictly inside this piece that are multiples of the interval,
+        deepest first, within the per-prompt cap, each in a free state row (never by evicting a checkpoint)."""
+        interval = self.prefill_state_interval
+        room = self.prefill_state_cap - seq.num_prefill_checkpoints
+        if not interval or room <= 0:
+            return
+        start, end = seq.num_computed, seq.num_computed + n
+        step = (end - 1) // interval * interval
+        while step > start and room > 0:
+            if self.trie.wants_checkpoint(seq, step):
+                slot = self.state_manager.allocate()
+                if slot is None:
+                    return
+                ck = self.trie.reserve_checkpoint(seq, step, slot, None)
+                out.reserved.append(ReservedCheckpoint(seq, ck))
+                out.state_cuts.append(StateCut(seq, step, slot))
+                seq.num_prefill_checkpoints += 1
+                room -= 1
+            step -= interval
+
+    def reserve(self, seq: SchedulerSequence, step: int, plan: CopyPlan) -> None:
+        """Reserve a checkpoint of `seq` at `step` with its save copies into `plan`, if wanted and affordable."""
+        trie = self.trie
+        if not trie.wants_checkpoint(seq, step):
+            return
+        partial = step % self.block_size != 0
+        slot = self.allocate_slot()
+        if slot is None:
+            trie.note_skipped_checkpoint(seq, step)
+            return
+        frozen = None
+        if partial:
+            if not (self.block_manager.can_allocate(1) or trie.evict_blocks(1)):
+                self.state_manager.free(slot)
+                trie.note_skipped_checkpoint(seq, step)
+                return
+            frozen = self.block_manager.allocate(1)[0]
+        ck = trie.reserve_checkpoint(seq, step, slot, frozen)
+        plan.reserved.append(ReservedCheckpoint(seq, ck))
+        plan.state_saves.append((seq.state_slot, slot))
+        if frozen is not None:
+            plan.kv_saves.append((seq.block_ids[step // self.block_size], frozen))
+
+    def plan_replies(self, seqs: list[SchedulerSequence], plan: CopyPlan) -> None:
+        """Reserve checkpoints of finishing sequences after every token they consumed (prompt + reply minus the
+        last sampled token)."""
+        if not self.trie.is_hybrid or not self.reply_checkpoints:
+            return
+        for seq in seqs:
+            if seq.state_slot is not None and seq.num_computed > 0:
+                self.reserve(seq, seq.num_computed, plan)
+
+    # ---- logits -----------------------------------------------------------------------------------------------
+    def keep_prompt_logits(self, out: SchedulerOutput, prompt_logits: PromptLogits | None) -> None:
+        """Attach the last prompt position's logits to the prompt-end checkpoints this forward published."""
+        if prompt_logits is None or not out.reserved or not self.trie.prompt_logits:
+            return
+        for seq, ck in out.reserved:
+            if ck.step == seq.num_computed and ck.published:
+                logits = prompt_logits(seq)
+                if logits is not None:
+                    ck.last_logits = logits
+
+
+def cap_at_hint(seq: SchedulerSequence, n: int, start: int | None = None) -> int:
+    """End the chunk at the sequence's branch-point hint when the chunk would cross it."""
+    start = seq.num_computed if start is None else start
+    hint = seq.checkpoint_hint
+    if hint is not None and start < hint < start + n:
+        return hint - start
+    return n
