@@ -29,7 +29,7 @@ def bounded_strings_as_patterns(schema):
     bounded = 'minLength' in out or 'maxLength' in out
     if out.get('type') == 'string' and bounded and not {'pattern', 'format', 'enum', 'const'} & set(out):
         low, high = int(out.pop('minLength', 0)), out.pop('maxLength', None)
-        out['pattern'] = r'^[^"\\\x00-\x1f]{%d,%s}$' % (low, '' if high is None else int(high))
+        out['pattern'] = r'^[^"\\\x00-\x1f]{' + f"{low},{'' if high is None else int(high)}" + '}$'
     return out
 
 

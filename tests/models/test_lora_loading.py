@@ -5,11 +5,11 @@ refusal can be provoked; the numerical match with peft is in `test_lora_models.p
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
+from lora_folders import write_adapter
 from safetensors.torch import save_file
 
 from lmdeploy.messages import PytorchEngineConfig, UnknownAdapterError
@@ -19,24 +19,6 @@ from lmdeploy.pytorch.models.peft_adapter import load_peft_adapter
 
 LIN, FULL = 'linear_attention', 'full_attention'
 HIDDEN = 64  # the tiny models' hidden size
-
-
-def write_adapter(path, modules: dict[str, tuple[int, int]], rank: int = 4, prefix: str = 'base_model.model.',
-                  seed: int = 0, **config) -> str:
-    """modules: checkpoint module path -> (in, out); B and A random."""
-    os.makedirs(path, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for module, (fan_in, fan_out) in modules.items():
-        tensors[f'{prefix}{module}.lora_A.weight'] = torch.randn(rank, fan_in, generator=gen)
-        tensors[f'{prefix}{module}.lora_B.weight'] = torch.randn(fan_out, rank, generator=gen)
-    save_file(tensors, os.path.join(path, 'adapter_model.safetensors'))
-    cfg = dict(peft_type='LORA', r=rank, lora_alpha=2 * rank, target_modules=sorted({m.rsplit('.', 1)[-1]
-                                                                                    for m in modules}))
-    cfg.update(config)
-    with open(os.path.join(path, 'adapter_config.json'), 'w') as f:
-        json.dump(cfg, f)
-    return str(path)
 
 
 @pytest.fixture(scope='module')

@@ -182,13 +182,22 @@ class PagingMachine(RuleBasedStateMachine):
 
         def checked_detach(node):
             assert self.s.block_manager.ref_count(node.block_id) == 1, 'evicted a leaf a request still uses'
-            if lifecycle is not None:
-                partial = [ck for ck in lifecycle.live() if ck.is_partial and lifecycle.is_evictable(ck)]
-                assert not partial, 'a trie leaf was evicted while unpinned partial checkpoints remained'
             FIGURES['evicted_leaves'] += 1
             detach(node)
 
         trie.kv.detach = checked_detach
+        evict_leaf = trie.evict_leaf
+
+        def checked_evict_leaf(priority, leaf):
+            # One order: the leaf is the lowest-priority candidate; partial checkpoints win ties.
+            assert priority == trie.kv.leaf_priority(leaf)
+            if lifecycle is not None:
+                cheaper = [ck for ck in lifecycle.live()
+                           if ck.is_partial and lifecycle.is_evictable(ck) and ck.priority <= priority]
+                assert not cheaper, 'a trie leaf was evicted before a partial checkpoint of no higher priority'
+            evict_leaf(priority, leaf)
+
+        trie.evict_leaf = checked_evict_leaf
         if lifecycle is None:
             return
         release = lifecycle.release

@@ -74,6 +74,9 @@ class Node:
     num_mm_blocks: int = 0
     # Sorted token bytes of the child blocks and of the anchored checkpoints' tails (duplicates allowed).
     continuations: list[bytes] = field(default_factory=list)
+    # Eviction (eviction_policy.py): matches that shared this block, and its priority as of its last use.
+    num_hits: int = 0
+    priority: float = 0.0
 
     @property
     def is_root(self) -> bool:
@@ -140,6 +143,10 @@ class NodeStateCheckpoint:
     tail_bytes: bytes = b''
     # The anchor's path from the root's first child (fixed at publication; attached while published).
     nodes: tuple[Node, ...] = ()
+    # Eviction (eviction_policy.py): requests restored from it (plus hits inherited from an evicted deeper
+    # checkpoint it is the aligned fallback of), and its priority as of its last use.
+    num_hits: int = 0
+    priority: float = 0.0
 
     @property
     def published(self) -> bool:
