@@ -158,6 +158,21 @@ class PytorchEngineConfig:
         return self.block_size if self.kernel_block_size is None else self.kernel_block_size
 
 
+STRUCTURED_KINDS = ('json_object', 'json_schema', 'regex', 'grammar')
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token while sampling.
+
+    `kind`: 'json_object' (any JSON object; `spec` unused), 'json_schema' (`spec`: the schema as JSON text),
+    'regex' (`spec`: a regular expression the whole reply must match) or 'grammar' (`spec`: an EBNF grammar in
+    xgrammar's GBNF dialect, rule `root`).
+    """
+    kind: str
+    spec: str | None = None
+
+
 @dataclass
 class GenerationConfig:
     """Sampling and stopping parameters of one request."""
@@ -188,6 +203,8 @@ class GenerationConfig:
     logit_bias: dict[int, float] | None = None
     # Return `Response.routed_experts` with the final response (the engine needs enable_return_routed_experts).
     return_routed_experts: bool = False
+    # Constrain the reply to JSON, a JSON schema, a regex or a grammar (None: free text).
+    structured_output: StructuredOutput | None = None
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first invalid field: its type first (`True` is not an int, `1` is not a
@@ -247,6 +264,14 @@ def _logit_bias(value):
     return None if ok else 'None or a dict of token ids to finite numbers in [-100, 100]'
 
 
+def _structured_output(value):
+    if value is None:
+        return None
+    ok = isinstance(value, StructuredOutput) and value.kind in STRUCTURED_KINDS and (
+        value.kind == 'json_object' or (isinstance(value.spec, str) and value.spec != ''))
+    return None if ok else f'None or a StructuredOutput of kind {STRUCTURED_KINDS} with a non-empty spec'
+
+
 def _range_text(low, high) -> str:
     if low is not None and high is not None:
         return f' in [{low}, {high}]'
@@ -273,6 +298,7 @@ GENERATION_CHECKS = {
     'frequency_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
     'min_p': _real('in [0, 1]', lambda v: 0 <= v <= 1),
     'logit_bias': _logit_bias,
+    'structured_output': _structured_output,
 }
 
 

@@ -9,9 +9,9 @@ A PEFT module path names a module of the transformers model. It is placed on a L
 - a module that is fused in the checkpoint too (Qwen3-Next's `in_proj_qkvz`) adapts every slice with the same A,
   its B rows converted like the base weight (`model.convert_weight`) and split by slice.
 
-A module the engine cannot place (MoE experts, the router, embeddings, `lm_head`, vision or MTP weights, a name
-with no layer) is an error at start-up, never dropped: an adapter silently missing some of its modules would serve
-different outputs than it was trained for.
+A module the engine cannot place (MoE experts, the router, embeddings, `lm_head`, vision or MTP weights, anything
+outside the decoder layers, a name with no layer) is an error at start-up, never dropped: an adapter silently
+missing some of its modules would serve different outputs than it was trained for.
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ from .peft_adapter import PeftAdapter
 from .weight_loading import ignored_reason
 
 _NOT_ADAPTABLE = {'lm_head': 'lm_head', 'embed_tokens': 'embeddings'}
+# Where LoRA-capable layers live (a model class may override with `lora_module_prefixes`): every row of their inputs
+# is a token of the batch, which is what the per-row adapter slots index.
+_DECODER_PREFIXES = ('model.layers.',)
 
 
 class Placement(NamedTuple):
@@ -57,6 +60,9 @@ def place_module(model: nn.Module, modules: dict[str, nn.Module], adapter: PeftA
     if renamed is None or ignored_reason(f'{name}.weight') is not None:
         raise _fail(adapter, name, 'belongs to weights the engine does not run (vision tower or MTP head)')
     path = renamed[:-len('.weight')]
+    if not path.startswith(getattr(model, 'lora_module_prefixes', _DECODER_PREFIXES)):
+        # e.g. the vision tower: its rows are image patches, not the tokens whose adapter slots a forward carries
+        raise _fail(adapter, name, f'is outside the decoder layers ({path}); only the language model takes LoRA')
     layer = modules.get(path)
     if isinstance(layer, Linear):
         return Placement(path, tuple(range(len(_slices_of(layer)))))
