@@ -23,6 +23,7 @@ from ..config import CacheConfig, ModelConfig, SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
+from ..models.model_source import resolve_model_path
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
@@ -55,10 +56,12 @@ class Engine:
         if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
         self.device = torch.device(engine_config.device_type)
-        self.model_path = model_path
+        # a local folder, or a hub id resolved through huggingface_hub (`ModelNotFoundError`: one line to print)
+        self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
+                                             with_weights=engine_config.load_format != 'dummy')
         dtype = resolve_dtype(engine_config)
-        self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
-                                                    engine_config.state_dtype)
+        self.model, self.model_config = build_model(self.model_path, self.device, dtype, engine_config.device_type,
+                                                    engine_config.state_dtype, load_format=engine_config.load_format)
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
@@ -456,7 +459,10 @@ class Engine:
             self.step()
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        """Block / slot accounting check; between steps (it waits for a running step's bookkeeping, which goes on
+        after the step's outputs were delivered)."""
+        with self._step_lock:
+            self.scheduler.check_integrity()
 
     @property
     def stats(self) -> dict:
