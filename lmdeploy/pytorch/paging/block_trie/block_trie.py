@@ -24,6 +24,7 @@ from . import route_store
 from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
 from .checkpoint_policy import CheckpointPolicy, cap_at_hint
+from .eviction_policy import ReusePolicy
 from .kv_lifecycle import TrieKVLifecycle
 from .miss_tracker import MissTracker
 from .node import Node, NodeStateCheckpoint, tail_hash
@@ -65,16 +66,23 @@ class BlockTrie(PrefixCache):
         self.prompt_logits = prompt_logits
         self.branch_checkpoints = branch_checkpoints
         self.hasher = PrefixHasher(block_size)
-        self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher)
+        # Eviction priorities (eviction_policy.py); `policy` below is where checkpoints are taken.
+        self.reuse = ReusePolicy(lru=not value_eviction)
+        self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher, self.reuse, kv_block_bytes,
+                                  hybrid=self.is_hybrid)
         self.index = StateCheckpointIndex(self.hasher.stride)
         self.checkpoints = StateCheckpointLifecycle(
-            block_manager, state_manager, self.index, value_eviction=value_eviction,
-            state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes) if state_manager is not None else None
+            block_manager, state_manager, self.index, state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes,
+            policy=self.reuse) if state_manager is not None else None
         self.misses = MissTracker()
         if self.checkpoints is not None:
             self.checkpoints.on_evict = lambda ck: self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
+            self.checkpoints.on_change = self.kv.refresh
         self.stats = PrefixCacheStats()
         self._paths: dict[int, list[Node]] = {}
+        # Branch point of each admitted sequence: a checkpoint reserved there starts with one observed reuse (the
+        # cached prompt it was found in shares it).
+        self._junctions: dict[int, int] = {}
         self._clock = 0
         self.policy = CheckpointPolicy(self, block_manager, state_manager, decode_state_interval=decode_state_interval,
                                        prefill_state_interval=prefill_state_interval,
@@ -191,10 +199,11 @@ class BlockTrie(PrefixCache):
         memo.nodes = path
         return path
 
-    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node) -> list[Node]:
-        """The nodes from just below the end of `path` down to `node` if they hold exactly the sequence's blocks
-        there (tokens and multimodal identity), else []."""
-        top = path[-1] if path else self.kv.root(seq.adapter_name)
+    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node,
+                      top: Node | None = None) -> list[Node]:
+        """The nodes from just below the end of `path` (or below `top`, a root) down to `node` if they hold exactly
+        the sequence's blocks there (tokens and multimodal identity), else []."""
+        top = top or (path[-1] if path else self.kv.root(seq.adapter_name))
         run, parts = [], []
         while node.depth > top.depth:
             run.append(node)
@@ -283,14 +292,31 @@ class BlockTrie(PrefixCache):
         bs = self.block_size
         first, last = hit // bs, min(covered, len(tokens)) // bs
         gap_anchors = self.hasher.block_keys(seq)[first:min(last, len(path)) + 1].tolist()
-        other = 0
-        if len(self.kv.roots) > 1 and len(tokens) >= bs:
-            block = tokens[:bs]
-            mm = mm_identity_of(seq, 0, bs)
-            if any(self.kv.find_child(r, block, mm) for a, r in self.kv.roots.items() if a != seq.adapter_name):
-                other = bs
+        other = self._other_adapter_coverage(seq, tokens) if len(self.kv.roots) > 1 else 0
         return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other,
                                      routes_limited)
+
+    def _other_adapter_coverage(self, seq: SchedulerSequence, tokens: np.ndarray) -> int:
+        """Leading prompt tokens the trie holds under another adapter's root (its cached run of blocks, found by
+        binary search on that adapter's block prefix keys and verified, plus the longest continuation after it):
+        what the `adapter` miss reason counts. Attribution only; a hit never reads another root."""
+        bs, max_depth, best = self.block_size, len(tokens) // self.block_size, 0
+        for adapter, root in self.kv.roots.items():
+            if adapter == seq.adapter_name:
+                continue
+            keys, found, lo, hi = self.hasher.block_keys_under(seq, adapter), root, 1, max_depth
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                node = self.kv.lookup(int(keys[mid]))
+                if node is None or node.depth != mid or node.adapter_name != adapter:
+                    hi = mid - 1
+                else:
+                    found, lo = node, mid + 1
+            if found is not root and not self._verified_run(seq, tokens, [], found, top=root):
+                found = root
+            base = found.depth * bs
+            best = max(best, base + found.longest_continuation(tokens[base:base + bs].tobytes()))
+        return min(best, len(tokens))
 
     def _tail_start(self, step: int) -> int:
         rem = step % self.block_size
@@ -335,6 +361,8 @@ class BlockTrie(PrefixCache):
         now = self.tick()
         route_store.replay(seq, match.nodes, match.checkpoint, match.num_tokens, self.block_size)
         self._paths[seq.seq_id] = list(match.nodes)
+        if match.junction:
+            self._junctions[seq.seq_id] = match.junction
         self.kv.touch_path(match.nodes, now)
         if match.checkpoint is not None:
             self.checkpoints.touch(match.checkpoint, now)
@@ -350,6 +378,7 @@ class BlockTrie(PrefixCache):
 
     def on_released(self, seq: SchedulerSequence) -> None:
         self._paths.pop(seq.seq_id, None)
+        self._junctions.pop(seq.seq_id, None)
 
     # ---- attaching blocks -------------------------------------------------------------------------------------
     def attach(self, seq: SchedulerSequence) -> list[Node]:
@@ -408,7 +437,8 @@ class BlockTrie(PrefixCache):
             slot=slot, step=step, frozen_block_id=frozen_block_id, adapter_name=seq.adapter_name, token_ids=tokens,
             mm_identity=mm, tail_hash=tail_hash(tokens[start:step], mm), last_access=self.tick(),
             chunk_hash=chunk_hash, tail_sum=tail_sum, prefix_mm_identity=mm_identity_of(seq, 0, step),
-            tail_bytes=tokens[step - step % self.block_size:].tobytes())
+            tail_bytes=tokens[step - step % self.block_size:].tobytes(),
+            num_hits=int(self._junctions.get(seq.seq_id) == step))
         return self.checkpoints.reserve(ck)
 
     def note_skipped_checkpoint(self, seq: SchedulerSequence, step: int) -> None:
@@ -467,27 +497,41 @@ class BlockTrie(PrefixCache):
         return self.policy.allocate_slot()
 
     def evict_blocks(self, num_needed: int) -> bool:
-        """Free KV blocks until `num_needed` are free: partial checkpoints first (LRU), then trie leaves (LRU)."""
+        """Free KV blocks until `num_needed` are free. Partial checkpoints (each frees its frozen block) and trie
+        leaves (each frees its block, with its checkpoints) compete in one order: the lowest priority goes
+        (eviction_policy.py; a partial checkpoint first on a tie)."""
         while not self.block_manager.can_allocate(num_needed):
-            if self.checkpoints is not None and self.checkpoints.evict_one(partial_only=True, cause='kv'):
-                continue
-            if not self._evict_leaf():
+            ck = self.checkpoints.peek(partial_only=True) if self.checkpoints is not None else None
+            leaf = self.kv.peek_leaf(self._leaf_is_evictable)
+            if ck is None and leaf is None:
                 return False
+            if ck is not None and (leaf is None or ck[0] <= leaf[0]):
+                self.checkpoints.evict(ck[1], 'kv')
+            else:
+                self.evict_leaf(*leaf)
         return True
 
+    def _leaf_is_evictable(self, leaf: Node) -> bool:
+        return self.block_manager.ref_count(leaf.block_id) == 1 and all(
+            self.checkpoints.is_evictable(ck) for ck in leaf.checkpoints.values())
+
     def _evict_leaf(self) -> bool:
-        for leaf in self.kv.evictable_leaves():
-            cks = list(leaf.checkpoints.values())
-            if all(self.checkpoints.is_evictable(ck) for ck in cks):
-                for ck in cks:
-                    self.checkpoints.evict(ck, 'kv_leaf')
-                self.misses.note_evicted_block(leaf.prefix_key)
-                self.kv.detach(leaf)
-                return True
-        return False
+        """Evict the lowest-priority evictable trie leaf; False when there is none."""
+        leaf = self.kv.peek_leaf(self._leaf_is_evictable)
+        if leaf is not None:
+            self.evict_leaf(*leaf)
+        return leaf is not None
+
+    def evict_leaf(self, priority: float, leaf: Node) -> None:
+        """Evict `leaf` (found at `priority`) with its checkpoints."""
+        for ck in list(leaf.checkpoints.values()):
+            self.checkpoints.evict(ck, 'kv_leaf')
+        self.reuse.on_evicted(priority)
+        self.misses.note_evicted_block(leaf.prefix_key)
+        self.kv.detach(leaf)
 
     def evict_slot(self) -> bool:
-        """Free one state slot by releasing the least recently used unpinned checkpoint."""
+        """Free one state slot by evicting the lowest-priority unpinned checkpoint."""
         return self.checkpoints is not None and self.checkpoints.evict_one(partial_only=False, cause='state')
 
     # ---- invariants -------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ tokens into reasons; every uncached token gets exactly one:
 - `evicted`: the blocks or a checkpoint covering them were evicted;
 - `capacity`: a checkpoint there was wanted but could not be reserved (no free slot or block);
 - `multimodal`: the resume step would fall strictly inside a multimodal span;
-- `adapter_mismatch`: the tokens are cached under another adapter;
+- `adapter`: the tokens are cached under another adapter;
 - `no_checkpoint`: the tokens are cached (KV) but no state checkpoint exists at a usable step;
 - `routes_missing`: a request that records routed experts would resume there, but the cache holds no routes for
   some of the skipped positions (route_store.py), so it resumes at the deepest point whose routes it has.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-REASONS = ('novel', 'evicted', 'capacity', 'multimodal', 'adapter_mismatch', 'no_checkpoint', 'routes_missing')
+REASONS = ('novel', 'evicted', 'capacity', 'multimodal', 'adapter', 'no_checkpoint', 'routes_missing')
 _MAX_ENTRIES = 1 << 16
 
 
@@ -95,7 +95,7 @@ class MissTracker:
             rest -= evicted
         adapter = min(max(other_adapter - cached_end, 0), rest)
         if adapter:
-            reasons['adapter_mismatch'] += adapter
+            reasons['adapter'] += adapter
             rest -= adapter
         if rest > 0:
             reasons['novel'] += rest

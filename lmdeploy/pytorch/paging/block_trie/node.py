@@ -74,6 +74,9 @@ class Node:
     num_mm_blocks: int = 0
     # Sorted token bytes of the child blocks and of the anchored checkpoints' tails (duplicates allowed).
     continuations: list[bytes] = field(default_factory=list)
+    # Eviction (eviction_policy.py): matches that shared this block, and its priority as of its last use.
+    num_hits: int = 0
+    priority: float = 0.0
     # Routed experts of the block's tokens, uint16 [block_size, num_moe_layers, top_k] (route_store.py); None when
     # the sequence that cached it did not record them.
     routes: np.ndarray | None = None
@@ -146,6 +149,10 @@ class NodeStateCheckpoint:
     tail_bytes: bytes = b''
     # The anchor's path from the root's first child (fixed at publication; attached while published).
     nodes: tuple[Node, ...] = ()
+    # Eviction (eviction_policy.py): requests restored from it (plus hits inherited from an evicted deeper
+    # checkpoint it is the aligned fallback of), and its priority as of its last use.
+    num_hits: int = 0
+    priority: float = 0.0
 
     @property
     def published(self) -> bool:
