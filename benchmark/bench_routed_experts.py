@@ -31,13 +31,14 @@ from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 
-# Qwen3.5-35B-A3B's layer shapes (256 experts, top-8) with 4 layers, random weights: big enough that the GPU, not
-# the host, bounds a decode step.
+# Qwen3.5-35B-A3B's layer shapes (hidden 2048, top-8 of experts of width 512, attention 16/2 x 256, gated delta
+# 16/32 x 128) with 4 layers and 64 experts instead of 256 (the random checkpoint is built and saved on the fly:
+# ~0.9B parameters keep that under a minute), random weights.
 SHAPES = {
     'tiny': {},
     'a3b': dict(num_hidden_layers=4, hidden_size=2048, intermediate_size=512, num_attention_heads=16,
                 num_key_value_heads=2, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
-                linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                linear_num_key_heads=16, linear_num_value_heads=32, num_experts=64, num_experts_per_tok=8,
                 moe_intermediate_size=512, shared_expert_intermediate_size=512,
                 layer_types=['linear_attention'] * 3 + ['full_attention'], max_position_embeddings=8192),
 }

@@ -152,3 +152,18 @@ def _walk(node):
     yield node
     for child in node.children.values():
         yield from _walk(child)
+
+
+@pytest.mark.gpu
+def test_cuda_hits_replay_routes_that_match_transformers(moe):
+    # float32 on the GPU, CUDA graphs on (decodes replay graphs that record): the warm request's rows, replayed
+    # ones included, against the reference's router top-k (near-ties skipped)
+    path, model = moe
+    engine = make_engine(path, cache=True, device_type='cuda', dtype='float32')
+    first = prompt(21, seed=3)
+    run(engine, first)
+    second = first + prompt(7, seed=4)
+    hot = run(engine, second)
+    assert hot.final.num_cached == 21
+    assert engine.agent.graph_runner.num_replays > 0
+    assert_routes_match(hot.final.routed_experts, reference_routes(model, (second + hot.tokens)[:-1]), 2)
