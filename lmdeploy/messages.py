@@ -57,8 +57,11 @@ class PytorchEngineConfig:
     eager_mode: bool = False
     # Recurrent (hybrid) models: dtype of the recurrent state; 'float32' (default) or 'model'.
     state_dtype: str = 'float32'
-    # Extra state rows reserved for prefix-cache checkpoints on hybrid models.
+    # State rows only prefix-cache checkpoints use (hybrid models): a share of the cache memory, like the KV pool
+    # (`prefix_cache_state_ratio`, when the KV pool is sized from memory), or exactly `prefix_cache_state_budget` rows
+    # when that is positive (engine/cache_sizing.py).
     prefix_cache_state_budget: int = 0
+    prefix_cache_state_ratio: float = 0.2
     # Where hybrid models keep state checkpoints: 'exact' (any safe step) or 'aligned' (block boundaries only).
     prefix_cache_checkpoint_mode: str = 'exact'
     # Decode checkpoints (hybrid models): every this many tokens (a multiple of block_size); 0 = off.
@@ -127,6 +130,8 @@ class PytorchEngineConfig:
                  f"state_dtype must be 'float32' or 'model', got {self.state_dtype!r}")
         _require(isinstance(self.prefix_cache_state_budget, int) and self.prefix_cache_state_budget >= 0,
                  f'prefix_cache_state_budget must be >= 0, got {self.prefix_cache_state_budget!r}')
+        _require(isinstance(self.prefix_cache_state_ratio, int | float) and 0 <= self.prefix_cache_state_ratio < 1,
+                 f'prefix_cache_state_ratio must be in [0, 1), got {self.prefix_cache_state_ratio!r}')
         _require(self.prefix_cache_checkpoint_mode in ('exact', 'aligned'),
                  "prefix_cache_checkpoint_mode must be 'exact' or 'aligned', "
                  f'got {self.prefix_cache_checkpoint_mode!r}')

@@ -21,7 +21,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--max-prefill-token-num', type=int, default=8192)
     group.add_argument('--session-len', type=int, default=None)
     group.add_argument('--prefix-cache-state-budget', type=int, default=0,
-                       help='extra state rows reserved for prefix-cache checkpoints (hybrid models)')
+                       help='state rows reserved for prefix-cache checkpoints (hybrid models); > 0 overrides '
+                       '--prefix-cache-state-ratio')
+    group.add_argument('--prefix-cache-state-ratio', type=float, default=0.2,
+                       help='hybrid models: share of the cache memory (see --cache-max-entry-count) given to '
+                       'checkpoint state rows when the KV pool is sized from memory')
     group.add_argument('--prefix-cache-checkpoint-mode', default='exact', choices=['exact', 'aligned'],
                        help='hybrid models: state checkpoints at any safe step, or at block boundaries only')
     group.add_argument('--prefix-cache-decode-state-interval', type=int, default=0,
@@ -72,6 +76,7 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
                   max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
                   session_len=args.session_len, prefix_cache_state_budget=args.prefix_cache_state_budget,
+                  prefix_cache_state_ratio=args.prefix_cache_state_ratio,
                   eager_mode=args.eager_mode, prefix_cache_checkpoint_mode=args.prefix_cache_checkpoint_mode,
                   prefix_cache_decode_state_interval=args.prefix_cache_decode_state_interval,
                   prefix_cache_prefill_state_interval=args.prefix_cache_prefill_state_interval,

@@ -27,6 +27,7 @@ from ..models.model_source import resolve_model_path
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
+from .cache_sizing import plan_cache
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
@@ -107,24 +108,24 @@ class Engine:
         self.last_step_idle = False
 
     # ---- sizing -----------------------------------------------------------------------------------------------
-    def _num_state_slots(self, model_config: ModelConfig) -> int:
-        if not model_config.is_hybrid:
-            return 0
-        # dummy row 0 + one per running sequence + a spare for the batch being scheduled.
-        return 1 + self.engine_config.max_batch_size + 1 + self.engine_config.prefix_cache_state_budget
-
     def _make_cache_config(self, model_config: ModelConfig) -> CacheConfig:
         cfg = self.engine_config
-        num_slots = self._num_state_slots(model_config)
         _, row_bytes = state_row_layout(model_config)
         block_bytes = kv_block_bytes(model_config, cfg.block_size, getattr(torch, model_config.dtype))
-        num_blocks = cfg.num_gpu_blocks or self._blocks_from_memory(block_bytes, num_slots * row_bytes)
-        if num_blocks <= 0:
+        plan = plan_cache(free_bytes=0 if cfg.num_gpu_blocks else self._free_cache_bytes(), block_bytes=block_bytes,
+                          row_bytes=row_bytes, is_hybrid=model_config.is_hybrid, max_batch_size=cfg.max_batch_size,
+                          cache_max_entry_count=cfg.cache_max_entry_count, num_gpu_blocks=cfg.num_gpu_blocks,
+                          state_budget=cfg.prefix_cache_state_budget, state_ratio=cfg.prefix_cache_state_ratio,
+                          prefix_caching=cfg.enable_prefix_caching)
+        if plan.num_blocks <= 0:
             raise ValueError('not enough memory for a single KV block; lower max_batch_size or free memory')
+        if model_config.is_hybrid and cfg.enable_prefix_caching:
+            logger.info('prefix cache: %d state rows for checkpoints (%.1f MiB, %.1f MiB each), plus idle runtime rows',
+                        plan.num_checkpoint_rows, plan.num_checkpoint_rows * row_bytes / 2**20, row_bytes / 2**20)
         return CacheConfig(block_size=cfg.block_size, kernel_block_size=cfg.resolved_kernel_block_size,
-                           num_blocks=num_blocks, num_state_slots=num_slots,
+                           num_blocks=plan.num_blocks, num_state_slots=plan.num_state_slots,
                            enable_prefix_caching=cfg.enable_prefix_caching,
-                           prefix_cache_state_budget=cfg.prefix_cache_state_budget,
+                           prefix_cache_state_budget=plan.num_checkpoint_rows,
                            prefix_cache_exact_steps=cfg.prefix_cache_checkpoint_mode == 'exact',
                            prefix_cache_decode_state_interval=cfg.prefix_cache_decode_state_interval,
                            prefix_cache_reply_checkpoints=cfg.prefix_cache_reply_checkpoints,
@@ -136,13 +137,13 @@ class Engine:
                            prefix_cache_prefill_state_cap=cfg.prefix_cache_prefill_state_cap,
                            state_row_bytes=row_bytes, kv_block_bytes=block_bytes)
 
-    def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:
+    def _free_cache_bytes(self) -> int:
+        """Device memory the cache pools may use (after weights); on CPU a fixed budget."""
         if self.device.type == 'cuda':
             free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-            free = min(total // 4, _CPU_CACHE_BUDGET)
-        return int((free - state_bytes) * self.engine_config.cache_max_entry_count) // block_bytes
+            return free
+        total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+        return min(total // 4, _CPU_CACHE_BUDGET)
 
     def _session_len(self) -> int:
         capacity = self.cache_config.num_blocks * self.cache_config.block_size
@@ -501,4 +502,15 @@ class Engine:
                 'evictions_by_cause': dict(cks.evictions_by_cause) if cks is not None else {},
                 'logits_hits': s.logits_hits, 'branch_points': s.branch_points,
                 'miss_reasons': dict(s.miss_reasons),
-                'checkpoint_bytes': sum(cks.bytes_held(ck) for ck in live) if cks is not None else 0}
+                'checkpoint_bytes': sum(cks.bytes_held(ck) for ck in live) if cks is not None else 0,
+                **self._checkpoint_capacity()}
+
+    def _checkpoint_capacity(self) -> dict:
+        """How many checkpoints fit: the rows only checkpoints use, and every row no running request holds (the
+        dummy and the spare row excluded)."""
+        rows = self.cache_config.num_state_slots
+        if not rows:
+            return {'checkpoint_rows': 0, 'checkpoint_capacity': 0}
+        running = sum(seq.state_slot is not None for seq in self.scheduler.running)
+        return {'checkpoint_rows': self.cache_config.prefix_cache_state_budget,
+                'checkpoint_capacity': rows - 2 - running}
