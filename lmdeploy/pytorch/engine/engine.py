@@ -75,8 +75,6 @@ class Engine:
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
-        if engine_config.enable_return_routed_experts and engine_config.enable_prefix_caching:
-            raise ValueError('enable_return_routed_experts does not work with enable_prefix_caching yet')
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
@@ -477,7 +475,14 @@ class Engine:
                 self._stats_waiters -= 1
 
     def _stats(self) -> dict:
-        return {**self._prefix_cache_stats(), **self._vision_cache_stats()}
+        return {**self._prefix_cache_stats(), **self._vision_cache_stats(), **self._routes_stats()}
+
+    def _routes_stats(self) -> dict:
+        """Routed experts in the prefix cache: host bytes per cached token, and held in all (flag on only)."""
+        if not self.routes.record_all:
+            return {}
+        return {'routed_experts_bytes_per_token': self.routes.bytes_per_token,
+                'routed_experts_cached_bytes': self.scheduler.trie.routes_bytes()}
 
     def _vision_cache_stats(self) -> dict:
         cache = self.agent.vision_cache
