@@ -21,7 +21,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--max-prefill-token-num', type=int, default=8192)
     group.add_argument('--session-len', type=int, default=None)
     group.add_argument('--prefix-cache-state-budget', type=int, default=0,
-                       help='extra state rows reserved for prefix-cache checkpoints (hybrid models)')
+                       help='state rows reserved for prefix-cache checkpoints (hybrid models); > 0 overrides '
+                       '--prefix-cache-state-ratio')
+    group.add_argument('--prefix-cache-state-ratio', type=float, default=0.2,
+                       help='hybrid models: share of the cache memory (see --cache-max-entry-count) given to '
+                       'checkpoint state rows when the KV pool is sized from memory')
     group.add_argument('--prefix-cache-checkpoint-mode', default='exact', choices=['exact', 'aligned'],
                        help='hybrid models: state checkpoints at any safe step, or at block boundaries only')
     group.add_argument('--prefix-cache-decode-state-interval', type=int, default=0,
@@ -38,6 +42,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='most LoRA adapters loaded at once (all stay resident)')
     group.add_argument('--max-lora-rank', type=int, default=PytorchEngineConfig.max_lora_rank,
                        help='largest LoRA rank accepted; an adapter above it fails start-up')
+    group.add_argument('--load-format', default='auto', choices=['auto', 'safetensors', 'dummy'],
+                       help='dummy: random weights of the right shapes on the device, from config.json alone')
+    group.add_argument('--revision', default=None,
+                       help='a Hugging Face Hub model id: the branch, tag or commit to use (default: main)')
+    group.add_argument('--download-dir', default=None,
+                       help='a Hugging Face Hub model id: where to cache it (default: huggingface_hub cache)')
+    group.add_argument('--tokenizer', default=None,
+                       help="the tokenizer's folder or hub id, when not the model's (e.g. with --load-format dummy)")
     group.add_argument('--vision-encoder-cache-mb', type=int, default=PytorchEngineConfig.vision_encoder_cache_mb,
                        help='vision-language models: MiB of encoded images kept by content hash (0: off)')
 
@@ -64,6 +76,7 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
                   max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
                   session_len=args.session_len, prefix_cache_state_budget=args.prefix_cache_state_budget,
+                  prefix_cache_state_ratio=args.prefix_cache_state_ratio,
                   eager_mode=args.eager_mode, prefix_cache_checkpoint_mode=args.prefix_cache_checkpoint_mode,
                   prefix_cache_decode_state_interval=args.prefix_cache_decode_state_interval,
                   prefix_cache_prefill_state_interval=args.prefix_cache_prefill_state_interval,
@@ -71,7 +84,8 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   max_loras=getattr(args, 'max_loras', PytorchEngineConfig.max_loras),
                   max_lora_rank=getattr(args, 'max_lora_rank', PytorchEngineConfig.max_lora_rank),
                   enable_return_routed_experts=getattr(args, 'enable_return_routed_experts', False),
-
+                  load_format=getattr(args, 'load_format', 'auto'), revision=getattr(args, 'revision', None),
+                  download_dir=getattr(args, 'download_dir', None), tokenizer=getattr(args, 'tokenizer', None),
                   vision_encoder_cache_mb=getattr(args, 'vision_encoder_cache_mb',
                                                   PytorchEngineConfig.vision_encoder_cache_mb))
     if args.device is not None:

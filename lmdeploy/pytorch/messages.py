@@ -70,6 +70,8 @@ class SamplingParams:
     min_p: float = 0.0
     # (token id, bias) pairs added to the logits before any other processing.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # A compiled grammar (`xgrammar.CompiledGrammar`) every sampled token must follow; None: unconstrained.
+    grammar: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def has_output_penalties(self) -> bool:
@@ -180,6 +182,8 @@ class SchedulerSequence:
     token_epoch: int = field(default=0, init=False, repr=False)
     # Per-request data the prefix cache derives from the tokens (prefix hashes); owned by paging, opaque here.
     prefix_memo: object | None = field(default=None, init=False, repr=False)
+    # The grammar matcher of a constrained request (`engine/guided_decoding.py`); opaque here.
+    grammar_state: object | None = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:

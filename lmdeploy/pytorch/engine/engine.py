@@ -23,9 +23,11 @@ from ..config import CacheConfig, ModelConfig, SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
+from ..models.model_source import resolve_model_path
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
+from .cache_sizing import plan_cache
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
@@ -54,10 +56,12 @@ class Engine:
         if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
         self.device = torch.device(engine_config.device_type)
-        self.model_path = model_path
+        # a local folder, or a hub id resolved through huggingface_hub (`ModelNotFoundError`: one line to print)
+        self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
+                                             with_weights=engine_config.load_format != 'dummy')
         dtype = resolve_dtype(engine_config)
-        self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
-                                                    engine_config.state_dtype)
+        self.model, self.model_config = build_model(self.model_path, self.device, dtype, engine_config.device_type,
+                                                    engine_config.state_dtype, load_format=engine_config.load_format)
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
@@ -71,8 +75,6 @@ class Engine:
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
-        if engine_config.enable_return_routed_experts and engine_config.enable_prefix_caching:
-            raise ValueError('enable_return_routed_experts does not work with enable_prefix_caching yet')
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
@@ -104,24 +106,24 @@ class Engine:
         self.last_step_idle = False
 
     # ---- sizing -----------------------------------------------------------------------------------------------
-    def _num_state_slots(self, model_config: ModelConfig) -> int:
-        if not model_config.is_hybrid:
-            return 0
-        # dummy row 0 + one per running sequence + a spare for the batch being scheduled.
-        return 1 + self.engine_config.max_batch_size + 1 + self.engine_config.prefix_cache_state_budget
-
     def _make_cache_config(self, model_config: ModelConfig) -> CacheConfig:
         cfg = self.engine_config
-        num_slots = self._num_state_slots(model_config)
         _, row_bytes = state_row_layout(model_config)
         block_bytes = kv_block_bytes(model_config, cfg.block_size, getattr(torch, model_config.dtype))
-        num_blocks = cfg.num_gpu_blocks or self._blocks_from_memory(block_bytes, num_slots * row_bytes)
-        if num_blocks <= 0:
+        plan = plan_cache(free_bytes=0 if cfg.num_gpu_blocks else self._free_cache_bytes(), block_bytes=block_bytes,
+                          row_bytes=row_bytes, is_hybrid=model_config.is_hybrid, max_batch_size=cfg.max_batch_size,
+                          cache_max_entry_count=cfg.cache_max_entry_count, num_gpu_blocks=cfg.num_gpu_blocks,
+                          state_budget=cfg.prefix_cache_state_budget, state_ratio=cfg.prefix_cache_state_ratio,
+                          prefix_caching=cfg.enable_prefix_caching)
+        if plan.num_blocks <= 0:
             raise ValueError('not enough memory for a single KV block; lower max_batch_size or free memory')
+        if model_config.is_hybrid and cfg.enable_prefix_caching:
+            logger.info('prefix cache: %d state rows for checkpoints (%.1f MiB, %.1f MiB each), plus idle runtime rows',
+                        plan.num_checkpoint_rows, plan.num_checkpoint_rows * row_bytes / 2**20, row_bytes / 2**20)
         return CacheConfig(block_size=cfg.block_size, kernel_block_size=cfg.resolved_kernel_block_size,
-                           num_blocks=num_blocks, num_state_slots=num_slots,
+                           num_blocks=plan.num_blocks, num_state_slots=plan.num_state_slots,
                            enable_prefix_caching=cfg.enable_prefix_caching,
-                           prefix_cache_state_budget=cfg.prefix_cache_state_budget,
+                           prefix_cache_state_budget=plan.num_checkpoint_rows,
                            prefix_cache_exact_steps=cfg.prefix_cache_checkpoint_mode == 'exact',
                            prefix_cache_decode_state_interval=cfg.prefix_cache_decode_state_interval,
                            prefix_cache_reply_checkpoints=cfg.prefix_cache_reply_checkpoints,
@@ -133,13 +135,13 @@ class Engine:
                            prefix_cache_prefill_state_cap=cfg.prefix_cache_prefill_state_cap,
                            state_row_bytes=row_bytes, kv_block_bytes=block_bytes)
 
-    def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:
+    def _free_cache_bytes(self) -> int:
+        """Device memory the cache pools may use (after weights); on CPU a fixed budget."""
         if self.device.type == 'cuda':
             free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-            free = min(total // 4, _CPU_CACHE_BUDGET)
-        return int((free - state_bytes) * self.engine_config.cache_max_entry_count) // block_bytes
+            return free
+        total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+        return min(total // 4, _CPU_CACHE_BUDGET)
 
     def _session_len(self) -> int:
         capacity = self.cache_config.num_blocks * self.cache_config.block_size
@@ -473,7 +475,14 @@ class Engine:
                 self._stats_waiters -= 1
 
     def _stats(self) -> dict:
-        return {**self._prefix_cache_stats(), **self._vision_cache_stats()}
+        return {**self._prefix_cache_stats(), **self._vision_cache_stats(), **self._routes_stats()}
+
+    def _routes_stats(self) -> dict:
+        """Routed experts in the prefix cache: host bytes per cached token, and held in all (flag on only)."""
+        if not self.routes.record_all:
+            return {}
+        return {'routed_experts_bytes_per_token': self.routes.bytes_per_token,
+                'routed_experts_cached_bytes': self.scheduler.trie.routes_bytes()}
 
     def _vision_cache_stats(self) -> dict:
         cache = self.agent.vision_cache
@@ -498,4 +507,15 @@ class Engine:
                 'evictions_by_cause': dict(cks.evictions_by_cause) if cks is not None else {},
                 'logits_hits': s.logits_hits, 'branch_points': s.branch_points,
                 'miss_reasons': dict(s.miss_reasons),
-                'checkpoint_bytes': sum(cks.bytes_held(ck) for ck in live) if cks is not None else 0}
+                'checkpoint_bytes': sum(cks.bytes_held(ck) for ck in live) if cks is not None else 0,
+                **self._checkpoint_capacity()}
+
+    def _checkpoint_capacity(self) -> dict:
+        """How many checkpoints fit: the rows only checkpoints use, and every row no running request holds (the
+        dummy and the spare row excluded)."""
+        rows = self.cache_config.num_state_slots
+        if not rows:
+            return {'checkpoint_rows': 0, 'checkpoint_capacity': 0}
+        running = sum(seq.state_slot is not None for seq in self.scheduler.running)
+        return {'checkpoint_rows': self.cache_config.prefix_cache_state_budget,
+                'checkpoint_capacity': rows - 2 - running}

@@ -20,6 +20,7 @@ from ..block_manager import BlockManager
 from ..prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch, PromptLogits
 from ..scheduler_output import CopyPlan, LogitsHit, SchedulerOutput
 from ..state_manager import StateManager
+from . import route_store
 from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
 from .checkpoint_policy import CheckpointPolicy, cap_at_hint
@@ -106,9 +107,9 @@ class BlockTrie(PrefixCache):
         run. What was verified is memoized on the request."""
         tokens = seq.token_array()
         n, bs = len(tokens), self.block_size
-        ck, mm_limited = None, 0
+        ck, mm_limited, routes_limited = None, 0, 0
         if self.is_hybrid:
-            ck, mm_limited = self._find_checkpoint(seq, tokens, n if self.prompt_logits else n - 1)
+            ck, mm_limited, routes_limited = self._find_checkpoint(seq, tokens, n if self.prompt_logits else n - 1)
         path = self._cached_path(seq, tokens, list(ck.nodes) if ck is not None else [])
         if self.is_hybrid:
             hit = ck.step if ck is not None else 0
@@ -117,18 +118,21 @@ class BlockTrie(PrefixCache):
             while depth and not seq.is_prefix_cache_boundary_safe(depth * bs):
                 depth -= 1
                 mm_limited = min(len(path), (n - 1) // bs) * bs
+            if seq.routed_experts is not None and route_store.routed_depth(path, depth) < depth:
+                routes_limited, depth = depth * bs, route_store.routed_depth(path, depth)
             hit = depth * bs
         covered, evicted_until = self._coverage(seq, tokens, path)
         junction = 0
         if self.branch_checkpoints and self.is_hybrid:
             junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, path, peers, hit)), hit)
-        miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited)
+        miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited, routes_limited)
         return PrefixMatch(hit, path[:hit // bs], ck, junction, miss)
 
     def _find_checkpoint(self, seq: SchedulerSequence, tokens: np.ndarray, max_step: int
-                         ) -> tuple[NodeStateCheckpoint | None, int]:
-        """The deepest verified, usable checkpoint, and the deepest verified step rejected for a multimodal span."""
-        n, mm_limited = len(tokens), 0
+                         ) -> tuple[NodeStateCheckpoint | None, int, int]:
+        """The deepest verified, usable checkpoint, and the deepest verified steps rejected for a multimodal span
+        and (for a sequence that records routed experts) for routes the cache cannot replay."""
+        n, mm_limited, routes_limited = len(tokens), 0, 0
         memo = self.hasher.memo(seq)
         for ck in self.checkpoint_candidates(seq, max_step):
             step = ck.step
@@ -142,8 +146,11 @@ class BlockTrie(PrefixCache):
             if not seq.is_prefix_cache_boundary_safe(step):
                 mm_limited = max(mm_limited, step)
                 continue
-            return ck, mm_limited
-        return None, mm_limited
+            if seq.routed_experts is not None and not route_store.has_routes(ck.nodes, ck, step, self.block_size):
+                routes_limited = max(routes_limited, step)
+                continue
+            return ck, mm_limited, routes_limited
+        return None, mm_limited, routes_limited
 
     @staticmethod
     def _same_prefix(seq: SchedulerSequence, tokens: np.ndarray, ck: NodeStateCheckpoint) -> bool:
@@ -281,12 +288,13 @@ class BlockTrie(PrefixCache):
         return junction if junction > hit else 0
 
     def _attribute(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], hit: int, covered: int,
-                   evicted_until: int, mm_limited: int) -> Counter:
+                   evicted_until: int, mm_limited: int, routes_limited: int = 0) -> Counter:
         bs = self.block_size
         first, last = hit // bs, min(covered, len(tokens)) // bs
         gap_anchors = self.hasher.block_keys(seq)[first:min(last, len(path)) + 1].tolist()
         other = self._other_adapter_coverage(seq, tokens) if len(self.kv.roots) > 1 else 0
-        return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other)
+        return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other,
+                                     routes_limited)
 
     def _other_adapter_coverage(self, seq: SchedulerSequence, tokens: np.ndarray) -> int:
         """Leading prompt tokens the trie holds under another adapter's root (its cached run of blocks, found by
@@ -351,6 +359,7 @@ class BlockTrie(PrefixCache):
 
     def on_admitted(self, seq: SchedulerSequence, match: PrefixMatch, first_admission: bool) -> None:
         now = self.tick()
+        route_store.replay(seq, match.nodes, match.checkpoint, match.num_tokens, self.block_size)
         self._paths[seq.seq_id] = list(match.nodes)
         if match.junction:
             self._junctions[seq.seq_id] = match.junction
@@ -401,6 +410,7 @@ class BlockTrie(PrefixCache):
                 self.block_manager.free([seq.block_ids[i]])
                 seq.block_ids[i] = node.block_id
             node.last_access = now
+            route_store.keep_block_routes(node, seq, i, bs)
             self.misses.note_attached_block(node.prefix_key)
             path.append(node)
             parent = node
@@ -448,8 +458,14 @@ class BlockTrie(PrefixCache):
         if (ck.step, ck.tail_hash) in anchor.checkpoints:
             self.checkpoints.release(ck)
             return
+        route_store.keep_checkpoint_routes(ck, seq, self.block_size)
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
+
+    def routes_bytes(self) -> int:
+        """Host bytes of the routed experts kept by blocks and checkpoint tails (walks the trie; for statistics)."""
+        live = self.checkpoints.live() if self.checkpoints is not None else []
+        return route_store.bytes_held(self.kv.roots.values(), live)
 
     def plan_checkpoints(self, out: SchedulerOutput) -> None:
         self.policy.plan(out)
