@@ -24,14 +24,25 @@ import numpy as np
 
 from ..messages import GenerationConfig, PytorchEngineConfig
 from .oracle import RequestTiming, attribute_misses, oracle_hits
-from .report import RunResult, compare_outputs, format_table, format_verdicts, summary_json, write_outputs
+from .pressure import (
+    PRESSURE_MODES,
+    Pools,
+    format_pressure_table,
+    format_pressure_verdicts,
+    parse_pressures,
+    pools_at,
+    unbounded_pools,
+    working_set,
+)
+from .report import RunResult, compare_outputs, format_table, format_verdicts, has_pressure, summary_json, write_outputs
 from .workloads import WORKLOADS, Workload, WorkloadSizing, build_workload, conversation_messages
 
 # off: no cache. aligned / exact: state checkpoints at block multiples / at exact prefill and chunk ends, with the
 # checkpoint policies off. exact+<policy>: one policy on (its contribution). full: every policy on (the engine's
-# default). full-lru: every policy but plain LRU eviction instead of eviction by value.
+# default). full-lru: every policy but plain LRU eviction instead of eviction by value. full-aligned: every policy,
+# checkpoints at block multiples only.
 MODES = ('off', 'aligned', 'exact', 'exact+reply', 'exact+logits', 'exact+branch', 'exact+prefill', 'full',
-         'full-lru')
+         'full-lru', 'full-aligned')
 _POLICIES = ('reply', 'logits', 'branch', 'prefill', 'value')
 DEMO_ARCH = 'qwen3_5'
 # The traces need far less KV than the engine's defaults take (GiBs of zeros on CPU; 80% of the free memory on
@@ -78,7 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--prefill-state-interval', type=int, default=64,
                         help='in-prefill checkpoints every N tokens in modes with the prefill policy (0 = off; the '
                              'bench scales the engine defaults down to its short traces: block 16, chunk 256, 64)')
-    parser.add_argument('--out', default=None, help='folder for report.md and hit_rate.png')
+    parser.add_argument('--pressure', default='', type=parse_pressures,
+                        help="pressure axis: pool sizes in percent of each workload's working set, e.g. '100,50,25' "
+                             f"(runs {', '.join(PRESSURE_MODES)} at each level after an unbounded run; default: off)")
+    parser.add_argument('--out', default=None, help='folder for report.md and hit_rate.png (and pressure.png)')
     parser.add_argument('--json', action='store_true', help='print one JSON summary as the last stdout line')
 
 
@@ -100,6 +114,8 @@ class BenchConfig:
     state_budget: int
     decode_state_interval: int
     prefill_state_interval: int = 64
+    # Pool sizes as shares of the working set (pressure.py); () = no pressure axis.
+    pressures: tuple[float, ...] = ()
 
     def __post_init__(self):
         for name in ('num_requests', 'max_new_tokens', 'concurrency'):
@@ -119,21 +135,24 @@ class BenchConfig:
                    max_prefill_token_num=args.max_prefill_token_num, concurrency=args.concurrency,
                    num_blocks=num_blocks, max_batch_size=args.max_batch_size, state_budget=args.state_budget,
                    decode_state_interval=args.decode_state_interval,
-                   prefill_state_interval=args.prefill_state_interval)
+                   prefill_state_interval=args.prefill_state_interval,
+                   pressures=args.pressure if isinstance(args.pressure, tuple) else parse_pressures(args.pressure))
 
-    def engine_config(self, mode: str) -> PytorchEngineConfig:
-        if mode == 'full':
+    def engine_config(self, mode: str, pools: Pools | None = None) -> PytorchEngineConfig:
+        if mode in ('full', 'full-aligned'):
             policies = set(_POLICIES)
         elif mode == 'full-lru':
             policies = set(_POLICIES) - {'value'}
         else:
             policies = {mode.split('+', 1)[1]} if '+' in mode else set()
+        pools = pools or Pools(self.num_blocks, self.state_budget, self.max_batch_size)
         return PytorchEngineConfig(
-            device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=self.num_blocks,
-            max_batch_size=self.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
+            device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=pools.num_blocks,
+            max_batch_size=pools.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
             enable_prefix_caching=mode != 'off',
-            prefix_cache_checkpoint_mode='aligned' if mode == 'aligned' else 'exact',
-            prefix_cache_state_budget=self.state_budget, prefix_cache_decode_state_interval=self.decode_state_interval,
+            prefix_cache_checkpoint_mode='aligned' if mode in ('aligned', 'full-aligned') else 'exact',
+            prefix_cache_state_budget=pools.state_budget,
+            prefix_cache_decode_state_interval=self.decode_state_interval,
             prefix_cache_reply_checkpoints='reply' in policies, prefix_cache_prompt_logits='logits' in policies,
             prefix_cache_branch_checkpoints='branch' in policies, prefix_cache_value_eviction='value' in policies,
             prefix_cache_prefill_state_interval=self.prefill_state_interval if 'prefill' in policies else 0)
@@ -165,6 +184,8 @@ class EngineProbe:
         self.match_s = 0.0
         self.match_calls = 0
         self.peak_bytes = 0
+        self.peak_blocks = 0
+        self.peak_checkpoints = 0
         self.eviction_base = 0
         self.stats_base: dict = {}
         # Checkpoints that existed before the trace (the warm-up's) are left out of the memory figures.
@@ -206,6 +227,7 @@ class EngineProbe:
     def reset(self) -> None:
         """Start counting from here (after the warm-up; the engine must be idle)."""
         self.match_s, self.match_calls, self.peak_bytes = 0.0, 0, 0
+        self.peak_blocks = self.peak_checkpoints = 0
         self.eviction_base = self._raw_evictions()
         self.stats_base = dict(self.engine.stats)
         self._baseline = set(self.live_checkpoints())
@@ -221,6 +243,13 @@ class EngineProbe:
 
     def sample(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.checkpoint_bytes())
+        blocks = self.engine.scheduler.block_manager
+        self.peak_blocks = max(self.peak_blocks, blocks.num_blocks - blocks.num_free)
+        self.peak_checkpoints = max(self.peak_checkpoints, len(self.live_checkpoints()))
+
+    def evictions_by_cause(self) -> dict[str, int]:
+        now, base = self.engine.stats.get('evictions_by_cause', {}), self.stats_base.get('evictions_by_cause', {})
+        return {cause: n - base.get(cause, 0) for cause, n in now.items() if n - base.get(cause, 0)}
 
     def stat_delta(self, key: str) -> int:
         """Growth of an engine counter since `reset()`."""
@@ -328,7 +357,8 @@ def _outputs_digest(records: list[RequestRecord]) -> str:
     return hashlib.sha1(json.dumps(keyed).encode()).hexdigest()[:12]
 
 
-def summarize(workload: str, mode: str, records: list[RequestRecord], probe: EngineProbe) -> RunResult:
+def summarize(workload: str, mode: str, records: list[RequestRecord], probe: EngineProbe,
+              pressure: float | None = None) -> RunResult:
     prompt_lens = [len(r.prompt_ids) for r in records]
     cached = [r.cached_tokens for r in records]
     hits = oracle_hits([r.prompt_ids for r in records], [r.output_ids for r in records])
@@ -353,7 +383,12 @@ def summarize(workload: str, mode: str, records: list[RequestRecord], probe: Eng
         evicted_checkpoints=probe.stat_delta('evicted_checkpoints'), evicted_blocks=probe.stat_delta('evicted_blocks'),
         miss_reasons=reasons, miss_reasons_source='engine' if engine_reasons else 'bench',
         outputs_digest=_outputs_digest(records), outputs={f'{r.conv_id}:{r.turn}': r.output_ids for r in records},
-        margins={f'{r.conv_id}:{r.turn}': r.margins for r in records})
+        margins={f'{r.conv_id}:{r.turn}': r.margins for r in records},
+        pressure=pressure, num_blocks=probe.engine.cache_config.num_blocks,
+        checkpoint_rows=probe.engine.cache_config.prefix_cache_state_budget,
+        evictions_by_cause=probe.evictions_by_cause(), peak_kv_blocks=probe.peak_blocks,
+        peak_checkpoints=probe.peak_checkpoints,
+        max_request_tokens=max(len(r.prompt_ids) + len(r.output_ids) for r in records))
 
 
 def _warm_up(pipe) -> None:
@@ -362,13 +397,13 @@ def _warm_up(pipe) -> None:
     pipe(ids, GenerationConfig(max_new_tokens=2, ignore_eos=True), do_preprocess=False)
 
 
-def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workload | None
-             ) -> tuple[RunResult, Workload]:
+def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workload | None,
+             pools: Pools | None = None, pressure: float | None = None) -> tuple[RunResult, Workload]:
     """One (workload, mode) run on a fresh engine; builds the workload on first use (it needs the tokenizer)."""
     from ..serve.pipeline import pipeline
     # top-2 logprobs: where a mode's greedy tokens part from the reference's, the report gives how near a tie it was
     gen = GenerationConfig(max_new_tokens=config.max_new_tokens, ignore_eos=True, logprobs=2)
-    with pipeline(config.model_path, config.engine_config(mode)) as pipe:
+    with pipeline(config.model_path, config.engine_config(mode, pools)) as pipe:
         if workload is None:
             sizing = WorkloadSizing(config.max_prefill_token_num,
                                     pipe.session_len - 3 * config.max_new_tokens - 64)
@@ -378,7 +413,7 @@ def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workl
         _warm_up(pipe)
         probe.reset()
         records = drive(pipe, workload, gen, config.concurrency, probe)
-        return summarize(workload_name, mode, records, probe), workload
+        return summarize(workload_name, mode, records, probe, pressure), workload
 
 
 def _release_device_memory() -> None:
@@ -392,16 +427,39 @@ def _release_device_memory() -> None:
 
 
 def run_bench(config: BenchConfig, log=sys.stderr) -> list[RunResult]:
+    """Every (workload, mode); with a pressure axis, `full` runs unbounded first (its peaks are the working set),
+    the other modes unbounded too, then every pressure mode (pressure.py) at each pressure level."""
     results = []
     for name in config.workloads:
         workload = None
-        for mode in config.modes:
-            result, workload = run_mode(config, name, mode, workload)
-            _release_device_memory()
-            print(f'[bench] {name}/{mode}: hit rate {result.hit_rate:.3f} (oracle {result.oracle_hit_rate:.3f}), '
-                  f'TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.wall_s:.1f} s', file=log, flush=True)
-            results.append(result)
+        modes = config.modes
+        unbounded = None
+        if config.pressures:
+            modes = ('full',) + tuple(m for m in modes if m != 'full')
+            unbounded = unbounded_pools(config.num_blocks, config.num_requests, config.concurrency)
+        for mode in modes:
+            result, workload = run_mode(config, name, mode, workload, unbounded)
+            results.append(_report(result, log))
+        if config.pressures:
+            full = results[-len(modes)]
+            ws = working_set(full.peak_kv_blocks, full.peak_checkpoints, full.max_request_tokens, config.block_size,
+                             config.concurrency)
+            for pressure in config.pressures:
+                for mode in PRESSURE_MODES:
+                    result, workload = run_mode(config, name, mode, workload, pools_at(ws, pressure,
+                                                                                       config.concurrency), pressure)
+                    results.append(_report(result, log))
     return compare_outputs(results)
+
+
+def _report(result: RunResult, log) -> RunResult:
+    _release_device_memory()
+    at = '' if result.pressure is None else f' @ {result.pressure:.0%}'
+    print(f'[bench] {result.workload}/{result.mode}{at}: hit rate {result.hit_rate:.3f} (oracle '
+          f'{result.oracle_hit_rate:.3f}), TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.wall_s:.1f} s, pools '
+          f'{result.num_blocks} blocks / {result.checkpoint_rows} ckpt rows, evicted {result.evictions_by_cause}',
+          file=log, flush=True)
+    return result
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -409,6 +467,9 @@ def run_cli(args: argparse.Namespace) -> int:
     results = run_bench(config)
     print(format_table(results))
     print(format_verdicts(results))
+    if has_pressure(results):
+        print(format_pressure_table(results))
+        print(format_pressure_verdicts(results))
     if args.out:
         md, png = write_outputs(results, args.out, config.header())
         print(f'wrote {md} and {png}')

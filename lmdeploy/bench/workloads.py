@@ -13,6 +13,9 @@ Shapes (for `num_requests` = N):
   `max_prefill_token_num` (so its prefill is chunked), the next two are follow-up questions.
 - repeat: ceil(N / 2) distinct prompts, each sent a second time after the first has finished.
 - branching: a shared preamble, then sqrt(N) branch sections, then a distinct question per request.
+- shared_system: ceil(N / 2) independent conversations of 2 turns, all opening with one long system prompt (about
+  half a prefill chunk), interleaved by the runner's rounds: the prefix every request shares is short-stepped next
+  to each conversation's own prompt-end and reply checkpoints, the case eviction must not get wrong.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-WORKLOADS = ('multi_turn', 'shared_doc', 'long_context', 'repeat', 'branching')
+WORKLOADS = ('multi_turn', 'shared_doc', 'long_context', 'repeat', 'branching', 'shared_system')
 
 _VOCABULARY = tuple("""
 the a of and to in is was for on with as by at from that this it he she they we you his her their our
@@ -142,12 +145,25 @@ def _branching(rng: random.Random, n: int, sizing: WorkloadSizing, count_tokens:
             for i in range(n)]
 
 
+def _shared_system(rng: random.Random, n: int, sizing: WorkloadSizing,
+                   count_tokens: CountTokens) -> list[Conversation]:
+    system = 'You are a careful assistant. ' + _text_of_tokens(
+        rng, min(sizing.max_prefill_token_num // 2, sizing.max_prompt_tokens // 3), count_tokens)
+    convs, left = [], n
+    for conv_id in range(math.ceil(n / 2)):
+        turns = tuple(_sentences(rng, rng.randint(6, 20)) for _ in range(min(2, left)))
+        left -= len(turns)
+        convs.append(Conversation(conv_id, system, turns))
+    return convs
+
+
 _GENERATORS: dict[str, Callable[[random.Random, int, WorkloadSizing, CountTokens], list[Conversation]]] = {
     'multi_turn': _multi_turn,
     'shared_doc': _shared_doc,
     'long_context': _long_context,
     'repeat': _repeat,
     'branching': _branching,
+    'shared_system': _shared_system,
 }
 
 
