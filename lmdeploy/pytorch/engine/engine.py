@@ -11,7 +11,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -26,6 +25,7 @@ from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
+from .engine_stats import EngineStats
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
@@ -34,11 +34,6 @@ from .routes_recorder import RoutesRecorder
 
 logger = logging.getLogger('lmdeploy')
 _CPU_CACHE_BUDGET = 1 << 30
-
-
-# How long a step waits, at most, for stats readers to take the step lock first (see `Engine.step`).
-_STATS_YIELDS = 50
-_STATS_YIELD_S = 1e-4
 
 
 def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
@@ -90,10 +85,13 @@ class Engine:
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
                     self.cache_engine.state_pool_bytes / 2**20)
         self._lock = threading.Lock()
-        # Held for a whole step: a step delivers its tokens before its prefix-cache bookkeeping, so readers on other
-        # threads (stats, /metrics) wait for the step to end instead of seeing it half done.
+        # Held for a whole step, so a check from another thread (`check_integrity` in tests) runs between steps.
         self._step_lock = threading.RLock()
-        self._stats_waiters = 0  # readers waiting for `_step_lock`: the next step lets them in first
+        # Statistics: one frozen record per step (`stats_snapshot`); `_published` guards the swap and step count.
+        self._published = threading.Condition()
+        self._steps_begun = 0
+        self._stepping_thread: int | None = None
+        self._step_listeners: list[Callable[[EngineStats], None]] = []
         # (request id, command): commands run on the engine thread at the start of a step.
         self._commands: list[tuple[int, Callable[[], list[EngineOutput]]]] = []
         self._seqs: dict[int, tuple[SchedulerSequence, OutputCallback | None]] = {}
@@ -102,6 +100,7 @@ class Engine:
         self._ids = itertools.count(1)
         self.wakeup = threading.Event()
         self.last_step_idle = False
+        self._snapshot = self._make_stats(0)
 
     # ---- sizing -----------------------------------------------------------------------------------------------
     def _num_state_slots(self, model_config: ModelConfig) -> int:
@@ -267,12 +266,16 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        for _ in range(_STATS_YIELDS):  # a lock is not fair: let a waiting reader in between back-to-back steps
-            if not self._stats_waiters:
-                break
-            time.sleep(_STATS_YIELD_S)
         with self._step_lock:
-            return self._step()
+            with self._published:
+                self._steps_begun += 1
+                step = self._steps_begun
+            self._stepping_thread = threading.get_ident()
+            try:
+                return self._step()
+            finally:
+                self._stepping_thread = None
+                self._publish(self._make_stats(step))
 
     def _step(self) -> list[EngineOutput]:
         with self._lock:
@@ -457,42 +460,42 @@ class Engine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    # ---- statistics ---------------------------------------------------------------------------------------------
+    def _make_stats(self, step: int) -> EngineStats:
+        scheduler, cache = self.scheduler, self.agent.vision_cache
+        blocks, states = scheduler.block_manager, scheduler.state_manager
+        return EngineStats(step=step, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                           num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free,
+                           num_state_slots=states.num_usable if states is not None else 0,
+                           num_free_state_slots=states.num_free if states is not None else 0,
+                           prefix_cache=scheduler.prefix_cache.snapshot(),
+                           vision_cache=cache.stats if cache is not None else None)
+
+    def _publish(self, snapshot: EngineStats) -> None:
+        with self._published:
+            self._snapshot = snapshot
+            self._published.notify_all()
+        for listener in self._step_listeners:
+            listener(snapshot)
+
+    def add_step_listener(self, listener: Callable[[EngineStats], None]) -> None:
+        """Call `listener` with every published record, on the engine thread right after its step (keep it short)."""
+        self._step_listeners.append(listener)
+
+    @property
+    def stats_snapshot(self) -> EngineStats:
+        """The record of the last completed step. From another thread while a step runs, it waits for that step's
+        record (a reader that has seen a step's outputs then sees its bookkeeping too); a step never waits for a
+        reader. On the engine thread itself (an output callback) it is the previous step's."""
+        if self._stepping_thread == threading.get_ident():
+            return self._snapshot
+        with self._published:
+            target = self._steps_begun
+            self._published.wait_for(lambda: self._snapshot.step >= target)
+            return self._snapshot
+
     @property
     def stats(self) -> dict:
-        """Prefix-cache statistics (zeros when prefix caching is off), between steps."""
-        with self._lock:
-            self._stats_waiters += 1
-        try:
-            with self._step_lock:
-                return self._stats()
-        finally:
-            with self._lock:
-                self._stats_waiters -= 1
-
-    def _stats(self) -> dict:
-        return {**self._prefix_cache_stats(), **self._vision_cache_stats()}
-
-    def _vision_cache_stats(self) -> dict:
-        cache = self.agent.vision_cache
-        if cache is None:
-            return {}
-        s = cache.stats
-        return {'vision_cache_hits': s.hits, 'vision_cache_misses': s.misses, 'vision_cache_entries': s.entries,
-                'vision_cache_bytes': s.bytes}
-
-    def _prefix_cache_stats(self) -> dict:
-        trie = self.scheduler.trie
-        if trie is None:
-            return {'query_tokens': 0, 'hit_tokens': 0, 'hit_rate': 0.0, 'num_requests': 0, 'num_hits': 0,
-                    'live_checkpoints': 0, 'evicted_checkpoints': 0, 'evicted_blocks': 0, 'checkpoints_saved': 0}
-        s = trie.stats
-        cks = trie.checkpoints
-        live = cks.live() if cks is not None else []
-        return {'query_tokens': s.query_tokens, 'hit_tokens': s.hit_tokens, 'hit_rate': s.hit_rate,
-                'num_requests': s.num_requests, 'num_hits': s.num_hits, 'live_checkpoints': trie.num_checkpoints,
-                'evicted_checkpoints': cks.num_evicted if cks is not None else 0,
-                'evicted_blocks': trie.kv.num_evicted, 'checkpoints_saved': s.checkpoints_saved,
-                'evictions_by_cause': dict(cks.evictions_by_cause) if cks is not None else {},
-                'logits_hits': s.logits_hits, 'branch_points': s.branch_points,
-                'miss_reasons': dict(s.miss_reasons),
-                'checkpoint_bytes': sum(cks.bytes_held(ck) for ck in live) if cks is not None else 0}
+        """`stats_snapshot` as a flat dict: prefix-cache counters (zeros when prefix caching is off), plus the
+        vision-encoder cache's."""
+        return self.stats_snapshot.as_dict()

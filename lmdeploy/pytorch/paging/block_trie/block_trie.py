@@ -11,13 +11,15 @@ reserved checkpoints, drops restore pins and keeps prompt logits; `plan_replies`
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
+from types import MappingProxyType
 
 import numpy as np
 
 from ...messages import SchedulerSequence
 from ..block_manager import BlockManager
-from ..prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch, PromptLogits
+from ..prefix_cache import PrefixCache, PrefixCacheSnapshot, PrefixCacheStats, PrefixMatch, PromptLogits
 from ..scheduler_output import CopyPlan, LogitsHit, SchedulerOutput
 from ..state_manager import StateManager
 from .checkpoint_index import StateCheckpointIndex
@@ -71,8 +73,12 @@ class BlockTrie(PrefixCache):
             state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes) if state_manager is not None else None
         self.misses = MissTracker()
         if self.checkpoints is not None:
-            self.checkpoints.on_evict = lambda ck: self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
+            self.checkpoints.on_evict = self._on_evict
         self.stats = PrefixCacheStats()
+        # What the published checkpoints hold (bytes, and how many have a frozen block), kept up to date at
+        # publication, kept logits and eviction (the only way a published checkpoint dies) so that `snapshot` is O(1).
+        self._held_bytes = 0
+        self._num_partial = 0
         self._paths: dict[int, list[Node]] = {}
         self._clock = 0
         self.policy = CheckpointPolicy(self, block_manager, state_manager, decode_state_interval=decode_state_interval,
@@ -85,6 +91,14 @@ class BlockTrie(PrefixCache):
 
     # ---- matching ---------------------------------------------------------------------------------------------
     def match(self, seq: SchedulerSequence, peers: list[SchedulerSequence] = ()) -> PrefixMatch:
+        start = time.thread_time()
+        try:
+            return self._match(seq, peers)
+        finally:
+            self.stats.match_seconds += time.thread_time() - start
+            self.stats.match_calls += 1
+
+    def _match(self, seq: SchedulerSequence, peers: list[SchedulerSequence]) -> PrefixMatch:
         """The deepest reusable prefix of `seq`. At least one token is left to compute, except for a hybrid prompt
         whose prompt-end checkpoint kept its logits (an identical prompt then needs no forward at all).
 
@@ -420,6 +434,19 @@ class BlockTrie(PrefixCache):
             return
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
+        self._held_bytes += self.checkpoints.bytes_held(ck)
+        self._num_partial += ck.is_partial
+
+    def keep_logits(self, ck: NodeStateCheckpoint, logits) -> None:
+        """Keep a published prompt-end checkpoint's last-position logits (identical prompts sample from them)."""
+        before = self.checkpoints.bytes_held(ck)
+        ck.last_logits = logits
+        self._held_bytes += self.checkpoints.bytes_held(ck) - before
+
+    def _on_evict(self, ck: NodeStateCheckpoint) -> None:
+        self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
+        self._held_bytes -= self.checkpoints.bytes_held(ck)
+        self._num_partial -= ck.is_partial
 
     def plan_checkpoints(self, out: SchedulerOutput) -> None:
         self.policy.plan(out)
@@ -479,8 +506,12 @@ class BlockTrie(PrefixCache):
         """Every published checkpoint's recorded path is attached and is its anchor's path (matching relies on it
         instead of walking the trie)."""
         if self.checkpoints is not None:
-            for ck in self.checkpoints.live():
-                assert not ck.published or self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
+            published = [ck for ck in self.checkpoints.live() if ck.published]
+            for ck in published:
+                assert self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
+            held = sum(self.checkpoints.bytes_held(ck) for ck in published)
+            partial = sum(ck.is_partial for ck in published)
+            assert (self._held_bytes, self._num_partial) == (held, partial), 'checkpoint byte accounting drifted'
 
     def owners(self) -> tuple[Counter, Counter]:
         blocks = self.kv.owners()
@@ -489,6 +520,18 @@ class BlockTrie(PrefixCache):
             ck_blocks, slots = self.checkpoints.owners()
             blocks.update(ck_blocks)
         return blocks, slots
+
+    def snapshot(self) -> PrefixCacheSnapshot:
+        s, cks = self.stats, self.checkpoints
+        return PrefixCacheSnapshot(
+            num_requests=s.num_requests, num_hits=s.num_hits, query_tokens=s.query_tokens, hit_tokens=s.hit_tokens,
+            logits_hits=s.logits_hits, branch_points=s.branch_points,
+            miss_reasons=MappingProxyType(dict(s.miss_reasons)),
+            live_checkpoints=self.num_checkpoints, partial_checkpoints=self._num_partial,
+            checkpoint_bytes=self._held_bytes, checkpoints_saved=s.checkpoints_saved,
+            evicted_checkpoints=cks.num_evicted if cks is not None else 0, evicted_blocks=self.kv.num_evicted,
+            evictions_by_cause=MappingProxyType(dict(cks.evictions_by_cause) if cks is not None else {}),
+            match_calls=s.match_calls, match_seconds=s.match_seconds)
 
     @property
     def num_checkpoints(self) -> int:

@@ -155,7 +155,7 @@ class CheckpointPolicy:
             if ck.step == seq.num_computed and ck.published:
                 logits = prompt_logits(seq)
                 if logits is not None:
-                    ck.last_logits = logits
+                    self.trie.keep_logits(ck, logits)
 
 
 def cap_at_hint(seq: SchedulerSequence, n: int, start: int | None = None) -> int:
