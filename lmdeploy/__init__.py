@@ -1,5 +1,5 @@
 """lmdeploy: an inference and serving engine for hybrid LLMs with exact-step prefix caching."""
-from .messages import GenerationConfig, PytorchEngineConfig, Response
+from .messages import GenerationConfig, PrefixCacheConfig, PytorchEngineConfig, Response
 from .version import __version__
 
 
@@ -9,4 +9,4 @@ def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None)
     return Pipeline(model_path, backend_config)
 
 
-__all__ = ['GenerationConfig', 'PytorchEngineConfig', 'Response', 'pipeline', '__version__']
+__all__ = ['GenerationConfig', 'PrefixCacheConfig', 'PytorchEngineConfig', 'Response', 'pipeline', '__version__']

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..messages import GenerationConfig, PytorchEngineConfig
+from ..messages import GenerationConfig, PrefixCacheConfig, PytorchEngineConfig
 from .oracle import RequestTiming, attribute_misses, oracle_hits
 from .report import RunResult, compare_outputs, format_table, format_verdicts, summary_json, write_outputs
 from .workloads import WORKLOADS, Workload, WorkloadSizing, build_workload, conversation_messages
@@ -130,12 +130,12 @@ class BenchConfig:
         return PytorchEngineConfig(
             device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=self.num_blocks,
             max_batch_size=self.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
-            enable_prefix_caching=mode != 'off',
-            prefix_cache_checkpoint_mode='aligned' if mode == 'aligned' else 'exact',
-            prefix_cache_state_budget=self.state_budget, prefix_cache_decode_state_interval=self.decode_state_interval,
-            prefix_cache_reply_checkpoints='reply' in policies, prefix_cache_prompt_logits='logits' in policies,
-            prefix_cache_branch_checkpoints='branch' in policies, prefix_cache_value_eviction='value' in policies,
-            prefix_cache_prefill_state_interval=self.prefill_state_interval if 'prefill' in policies else 0)
+            enable_prefix_caching=mode != 'off', prefix_cache=PrefixCacheConfig(
+                checkpoint_mode='aligned' if mode == 'aligned' else 'exact', state_budget=self.state_budget,
+                decode_state_interval=self.decode_state_interval, reply_checkpoints='reply' in policies,
+                prompt_logits='logits' in policies, branch_checkpoints='branch' in policies,
+                value_eviction='value' in policies,
+                prefill_state_interval=self.prefill_state_interval if 'prefill' in policies else 0))
 
     def header(self) -> list[str]:
         return [f'model: `{self.model_path}`, device {self.device}, dtype {self.dtype}',

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Callable
 
@@ -18,22 +17,22 @@ import torch
 
 from ...messages import PytorchEngineConfig, UnknownAdapterError
 from ..backends.selector import get_backend
-from ..config import CacheConfig, ModelConfig, SchedulerConfig
+from ..config import SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
-from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
+from .cache_engine import CacheEngine
 from .engine_stats import EngineStats
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
+from .memory_sizing import free_memory_bytes, make_cache_config, session_len
 from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
 from .routes_recorder import RoutesRecorder
 
 logger = logging.getLogger('lmdeploy')
-_CPU_CACHE_BUDGET = 1 << 30
 
 
 def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
@@ -57,10 +56,11 @@ class Engine:
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
             engine_config.max_lora_rank)
-        self.cache_config = self._make_cache_config(self.model_config)
+        self.cache_config = make_cache_config(
+            self.model_config, engine_config, None if engine_config.num_gpu_blocks else free_memory_bytes(self.device))
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
-            session_len=self._session_len())
+            session_len=session_len(self.model_config, self.cache_config, engine_config.session_len))
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid)
         backend = get_backend(engine_config.device_type)
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
@@ -101,53 +101,6 @@ class Engine:
         self.wakeup = threading.Event()
         self.last_step_idle = False
         self._snapshot = self._make_stats(0)
-
-    # ---- sizing -----------------------------------------------------------------------------------------------
-    def _num_state_slots(self, model_config: ModelConfig) -> int:
-        if not model_config.is_hybrid:
-            return 0
-        # dummy row 0 + one per running sequence + a spare for the batch being scheduled.
-        return 1 + self.engine_config.max_batch_size + 1 + self.engine_config.prefix_cache_state_budget
-
-    def _make_cache_config(self, model_config: ModelConfig) -> CacheConfig:
-        cfg = self.engine_config
-        num_slots = self._num_state_slots(model_config)
-        _, row_bytes = state_row_layout(model_config)
-        block_bytes = kv_block_bytes(model_config, cfg.block_size, getattr(torch, model_config.dtype))
-        num_blocks = cfg.num_gpu_blocks or self._blocks_from_memory(block_bytes, num_slots * row_bytes)
-        if num_blocks <= 0:
-            raise ValueError('not enough memory for a single KV block; lower max_batch_size or free memory')
-        return CacheConfig(block_size=cfg.block_size, kernel_block_size=cfg.resolved_kernel_block_size,
-                           num_blocks=num_blocks, num_state_slots=num_slots,
-                           enable_prefix_caching=cfg.enable_prefix_caching,
-                           prefix_cache_state_budget=cfg.prefix_cache_state_budget,
-                           prefix_cache_exact_steps=cfg.prefix_cache_checkpoint_mode == 'exact',
-                           prefix_cache_decode_state_interval=cfg.prefix_cache_decode_state_interval,
-                           prefix_cache_reply_checkpoints=cfg.prefix_cache_reply_checkpoints,
-                           prefix_cache_prompt_logits=cfg.prefix_cache_prompt_logits,
-                           prefix_cache_branch_checkpoints=cfg.prefix_cache_branch_checkpoints,
-                           prefix_cache_value_eviction=cfg.prefix_cache_value_eviction,
-                           prefix_cache_prefill_state_interval=-(-cfg.prefix_cache_prefill_state_interval
-                                                                 // cfg.block_size) * cfg.block_size,
-                           prefix_cache_prefill_state_cap=cfg.prefix_cache_prefill_state_cap,
-                           state_row_bytes=row_bytes, kv_block_bytes=block_bytes)
-
-    def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:
-        if self.device.type == 'cuda':
-            free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-            free = min(total // 4, _CPU_CACHE_BUDGET)
-        return int((free - state_bytes) * self.engine_config.cache_max_entry_count) // block_bytes
-
-    def _session_len(self) -> int:
-        capacity = self.cache_config.num_blocks * self.cache_config.block_size
-        limit = min(self.model_config.max_position_embeddings, capacity)
-        wanted = self.engine_config.session_len
-        if wanted is not None and wanted > limit:
-            logger.warning('session_len %d exceeds the KV capacity / max positions (%d); using %d', wanted, limit,
-                           limit)
-        return limit if wanted is None else min(wanted, limit)
 
     @property
     def session_len(self) -> int:

@@ -17,6 +17,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from ....prefix_cache_config import PrefixCacheConfig
 from ...messages import SchedulerSequence
 from ..block_manager import BlockManager
 from ..prefix_cache import PrefixCache, PrefixCacheSnapshot, PrefixCacheStats, PrefixMatch, PromptLogits
@@ -48,28 +49,31 @@ def _common_nodes(a: list[Node], b: list[Node]) -> int:
     return lo
 
 
-__all__ = ['BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
+__all__ = ['BASE_DESIGN', 'BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
+
+# Checkpoints at prefill and chunk ends of any step, plain LRU: every policy on top switched off.
+BASE_DESIGN = PrefixCacheConfig(reply_checkpoints=False, prompt_logits=False, branch_checkpoints=False,
+                                value_eviction=False, prefill_state_interval=0)
 
 
 class BlockTrie(PrefixCache):
 
     def __init__(self, block_manager: BlockManager, state_manager: StateManager | None, block_size: int,
-                 exact_steps: bool = True, prompt_logits: bool = False, branch_checkpoints: bool = False,
-                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0,
-                 decode_state_interval: int = 0, prefill_state_interval: int = 0, prefill_state_cap: int = 0,
-                 reply_checkpoints: bool = False):
+                 config: PrefixCacheConfig = BASE_DESIGN, state_row_bytes: int = 1, kv_block_bytes: int = 0):
+        """`config`: the knobs, resolved to `block_size` (`PrefixCacheConfig.resolved`)."""
+        self.config = config
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.block_size = block_size
         self.is_hybrid = state_manager is not None
-        self.exact_steps = exact_steps
-        self.prompt_logits = prompt_logits
-        self.branch_checkpoints = branch_checkpoints
+        self.exact_steps = config.exact_steps
+        self.prompt_logits = config.prompt_logits
+        self.branch_checkpoints = config.branch_checkpoints
         self.hasher = PrefixHasher(block_size)
         self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher)
         self.index = StateCheckpointIndex(self.hasher.stride)
         self.checkpoints = StateCheckpointLifecycle(
-            block_manager, state_manager, self.index, value_eviction=value_eviction,
+            block_manager, state_manager, self.index, value_eviction=config.value_eviction,
             state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes) if state_manager is not None else None
         self.misses = MissTracker()
         if self.checkpoints is not None:
@@ -81,9 +85,7 @@ class BlockTrie(PrefixCache):
         self._num_partial = 0
         self._paths: dict[int, list[Node]] = {}
         self._clock = 0
-        self.policy = CheckpointPolicy(self, block_manager, state_manager, decode_state_interval=decode_state_interval,
-                                       prefill_state_interval=prefill_state_interval,
-                                       prefill_state_cap=prefill_state_cap, reply_checkpoints=reply_checkpoints)
+        self.policy = CheckpointPolicy(self, block_manager, state_manager, config)
 
     def tick(self) -> int:
         self._clock += 1
