@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 _DEVICES = ('cuda', 'cpu')
+_LOAD_FORMATS = ('auto', 'safetensors', 'dummy')
+MAX_N = 128  # samples per prompt
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
 
@@ -63,6 +65,7 @@ class PytorchEngineConfig:
     # from it, and a flat field given with another value is a `ValueError`.
     prefix_cache: PrefixCacheConfig | None = None
     prefix_cache_state_budget: int = 0
+    prefix_cache_state_ratio: float = 0.2
     prefix_cache_checkpoint_mode: str = 'exact'
     prefix_cache_decode_state_interval: int = 0
     prefix_cache_reply_checkpoints: bool = True
@@ -84,6 +87,15 @@ class PytorchEngineConfig:
     # return_routed_experts`); MoE layers then record them and, with prefix caching, cached blocks and checkpoints
     # keep them (`engine.stats['routed_experts_bytes_per_token']` says what a cached token costs).
     enable_return_routed_experts: bool = False
+    # Weights: 'auto' / 'safetensors' read the checkpoint; 'dummy' (vLLM's name) draws random weights of the right
+    # shapes and dtypes on the device, from config.json alone (benchmarks at full size; pair with `tokenizer`).
+    load_format: str = 'auto'
+    # A Hugging Face Hub model id resolves to this revision (branch, tag or commit), cached in `download_dir`
+    # (default: huggingface_hub's cache, HF_HOME / HF_HUB_CACHE); HF_HUB_OFFLINE=1 reads the cache only.
+    revision: str | None = None
+    download_dir: str | None = None
+    # The tokenizer's folder or hub id, when not the model's (e.g. a config-only folder with load_format='dummy').
+    tokenizer: str | None = None
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -109,6 +121,8 @@ class PytorchEngineConfig:
                  f"state_dtype must be 'float32' or 'model', got {self.state_dtype!r}")
         _require(isinstance(self.prefix_cache_state_budget, int) and self.prefix_cache_state_budget >= 0,
                  f'prefix_cache_state_budget must be >= 0, got {self.prefix_cache_state_budget!r}')
+        _require(isinstance(self.prefix_cache_state_ratio, int | float) and 0 <= self.prefix_cache_state_ratio < 1,
+                 f'prefix_cache_state_ratio must be in [0, 1), got {self.prefix_cache_state_ratio!r}')
         _require(self.prefix_cache_checkpoint_mode in ('exact', 'aligned'),
                  "prefix_cache_checkpoint_mode must be 'exact' or 'aligned', "
                  f'got {self.prefix_cache_checkpoint_mode!r}')
@@ -133,6 +147,8 @@ class PytorchEngineConfig:
                  f'max_lora_rank must be a positive int, got {self.max_lora_rank!r}')
         _require(len(self.adapters or {}) <= self.max_loras,
                  f'{len(self.adapters or {})} adapters given but max_loras is {self.max_loras}')
+        _require(self.load_format in _LOAD_FORMATS,
+                 f'load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}')
 
     def _resolve_prefix_cache(self) -> None:
         """One source of truth for the prefix-cache knobs: `prefix_cache`, kept equal to the flat fields."""
@@ -155,6 +171,21 @@ class PytorchEngineConfig:
         return self.block_size if self.kernel_block_size is None else self.kernel_block_size
 
 
+STRUCTURED_KINDS = ('json_object', 'json_schema', 'regex', 'grammar')
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token while sampling.
+
+    `kind`: 'json_object' (any JSON object; `spec` unused), 'json_schema' (`spec`: the schema as JSON text),
+    'regex' (`spec`: a regular expression the whole reply must match) or 'grammar' (`spec`: an EBNF grammar in
+    xgrammar's GBNF dialect, rule `root`).
+    """
+    kind: str
+    spec: str | None = None
+
+
 @dataclass
 class GenerationConfig:
     """Sampling and stopping parameters of one request."""
@@ -173,8 +204,20 @@ class GenerationConfig:
     logprobs: int | None = None
     # LoRA adapter to run the request with (a name of `PytorchEngineConfig.adapters`); None: the base model.
     adapter_name: str | None = None
+    # Independent samples per prompt (`pipe` then returns a list of `n` responses per prompt); with a seed,
+    # sample i uses seed + i.
+    n: int = 1
+    # OpenAI penalties over the generated tokens, each in [-2, 2]: logit -= frequency * count + presence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Keep only tokens with probability >= min_p times the most likely token's (after temperature); 0 = off.
+    min_p: float = 0.0
+    # token id -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[int, float] | None = None
     # Return `Response.routed_experts` with the final response (the engine needs enable_return_routed_experts).
     return_routed_experts: bool = False
+    # Constrain the reply to JSON, a JSON schema, a regex or a grammar (None: free text).
+    structured_output: StructuredOutput | None = None
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first invalid field: its type first (`True` is not an int, `1` is not a
@@ -228,6 +271,20 @@ def _optional_name(value):
     return None if value is None or (isinstance(value, str) and value) else 'None or a non-empty string'
 
 
+def _logit_bias(value):
+    ok = value is None or (isinstance(value, dict) and all(
+        _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in value.items()))
+    return None if ok else 'None or a dict of token ids to finite numbers in [-100, 100]'
+
+
+def _structured_output(value):
+    if value is None:
+        return None
+    ok = isinstance(value, StructuredOutput) and value.kind in STRUCTURED_KINDS and (
+        value.kind == 'json_object' or (isinstance(value.spec, str) and value.spec != ''))
+    return None if ok else f'None or a StructuredOutput of kind {STRUCTURED_KINDS} with a non-empty spec'
+
+
 def _range_text(low, high) -> str:
     if low is not None and high is not None:
         return f' in [{low}, {high}]'
@@ -249,6 +306,12 @@ GENERATION_CHECKS = {
     'logprobs': _int(0, 64, optional=True),
     'adapter_name': _optional_name,
     'return_routed_experts': _bool,
+    'n': _int(1, MAX_N),
+    'presence_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
+    'frequency_penalty': _real('in [-2, 2]', lambda v: -2 <= v <= 2),
+    'min_p': _real('in [0, 1]', lambda v: 0 <= v <= 1),
+    'logit_bias': _logit_bias,
+    'structured_output': _structured_output,
 }
 
 

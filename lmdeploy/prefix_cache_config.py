@@ -7,7 +7,7 @@ knobs one by one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 CHECKPOINT_MODES = ('exact', 'aligned')
 
@@ -24,6 +24,9 @@ def check_prefix_cache_knobs(values: dict, prefix: str = '') -> None:
                 f'{prefix}{name} must be a non-negative int, got {value!r}')
 
     non_negative('state_budget')
+    ratio = values['state_ratio']
+    require(isinstance(ratio, int | float) and not isinstance(ratio, bool) and 0 <= ratio < 1,
+            f'{prefix}state_ratio must be in [0, 1), got {ratio!r}')
     require(values['checkpoint_mode'] in CHECKPOINT_MODES,
             f"{prefix}checkpoint_mode must be 'exact' or 'aligned', got {values['checkpoint_mode']!r}")
     for name in ('decode_state_interval', 'prefill_state_interval', 'prefill_state_cap'):
@@ -34,8 +37,10 @@ def check_prefix_cache_knobs(values: dict, prefix: str = '') -> None:
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
-    # Extra state rows reserved for checkpoints (hybrid models).
+    # State rows only checkpoints use (hybrid models): exactly this many when positive, else `state_ratio` of the
+    # cache memory when the KV pool is sized from memory (engine/cache_sizing.py).
     state_budget: int = 0
+    state_ratio: float = 0.2
     # Where hybrid models keep state checkpoints: 'exact' (any safe step) or 'aligned' (block boundaries only).
     checkpoint_mode: str = 'exact'
     # Decode checkpoints (hybrid models): every this many tokens (a multiple of block_size); 0 = off.
@@ -75,11 +80,7 @@ class PrefixCacheConfig:
             raise ValueError(f'prefix_cache_decode_state_interval must be a non-negative multiple of block_size '
                              f'({block_size}), got {self.decode_state_interval!r}')
         interval = -(-self.prefill_state_interval // block_size) * block_size
-        return self if interval == self.prefill_state_interval else _replace(self, prefill_state_interval=interval)
-
-
-def _replace(config: PrefixCacheConfig, **changes) -> PrefixCacheConfig:
-    return PrefixCacheConfig(**{**config.as_dict(), **changes})
+        return self if interval == self.prefill_state_interval else replace(self, prefill_state_interval=interval)
 
 
 # `PytorchEngineConfig` field name -> `PrefixCacheConfig` field name.

@@ -31,13 +31,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='most LoRA adapters loaded at once (all stay resident)')
     group.add_argument('--max-lora-rank', type=int, default=PytorchEngineConfig.max_lora_rank,
                        help='largest LoRA rank accepted; an adapter above it fails start-up')
+    group.add_argument('--load-format', default='auto', choices=['auto', 'safetensors', 'dummy'],
+                       help='dummy: random weights of the right shapes on the device, from config.json alone')
+    group.add_argument('--revision', default=None,
+                       help='a Hugging Face Hub model id: the branch, tag or commit to use (default: main)')
+    group.add_argument('--download-dir', default=None,
+                       help='a Hugging Face Hub model id: where to cache it (default: huggingface_hub cache)')
+    group.add_argument('--tokenizer', default=None,
+                       help="the tokenizer's folder or hub id, when not the model's (e.g. with --load-format dummy)")
+    group.add_argument('--vision-encoder-cache-mb', type=int, default=PytorchEngineConfig.vision_encoder_cache_mb,
+                       help='vision-language models: MiB of encoded images kept by content hash (0: off)')
 
 
 def add_prefix_cache_args(group) -> None:
     """One flag per `PrefixCacheConfig` field, `--prefix-cache-<field>` (booleans also as `--no-...`)."""
     d = PrefixCacheConfig()
     group.add_argument('--prefix-cache-state-budget', type=int, default=d.state_budget,
-                       help='extra state rows reserved for prefix-cache checkpoints (hybrid models)')
+                       help='state rows reserved for prefix-cache checkpoints (hybrid models); > 0 overrides '
+                       '--prefix-cache-state-ratio')
+    group.add_argument('--prefix-cache-state-ratio', type=float, default=d.state_ratio,
+                       help='hybrid models: share of the cache memory (see --cache-max-entry-count) given to '
+                       'checkpoint state rows when the KV pool is sized from memory')
     group.add_argument('--prefix-cache-checkpoint-mode', default=d.checkpoint_mode, choices=list(CHECKPOINT_MODES),
                        help='hybrid models: state checkpoints at any safe step, or at block boundaries only')
     group.add_argument('--prefix-cache-decode-state-interval', type=int, default=d.decode_state_interval,
@@ -85,7 +99,11 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   adapters=parse_adapters(getattr(args, 'adapters', None)),
                   max_loras=getattr(args, 'max_loras', PytorchEngineConfig.max_loras),
                   max_lora_rank=getattr(args, 'max_lora_rank', PytorchEngineConfig.max_lora_rank),
-                  enable_return_routed_experts=getattr(args, 'enable_return_routed_experts', False))
+                  enable_return_routed_experts=getattr(args, 'enable_return_routed_experts', False),
+                  load_format=getattr(args, 'load_format', 'auto'), revision=getattr(args, 'revision', None),
+                  download_dir=getattr(args, 'download_dir', None), tokenizer=getattr(args, 'tokenizer', None),
+                  vision_encoder_cache_mb=getattr(args, 'vision_encoder_cache_mb',
+                                                  PytorchEngineConfig.vision_encoder_cache_mb))
     if args.device is not None:
         kwargs['device_type'] = args.device
     return PytorchEngineConfig(**kwargs)

@@ -63,6 +63,19 @@ class SamplingParams:
     logprobs: int | None = None
     # Return the experts every MoE layer routed each position to (needs `enable_return_routed_experts`).
     return_routed_experts: bool = False
+    # OpenAI penalties over the generated tokens: logit -= frequency * count + presence * (count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Drop tokens whose probability (after temperature) is below min_p times the most likely one's; 0 = off.
+    min_p: float = 0.0
+    # (token id, bias) pairs added to the logits before any other processing.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # A compiled grammar (`xgrammar.CompiledGrammar`) every sampled token must follow; None: unconstrained.
+    grammar: object | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def has_output_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def is_greedy(self) -> bool:
@@ -99,6 +112,15 @@ class SamplingParams:
         _check(not bad, f'stop_token_ids outside the vocabulary [0, {limit}): {bad[:8]}')
         bad = [s for s in self.stop_sequences if not s or any(not _is_int(t) or not 0 <= t < limit for t in s)]
         _check(not bad, f'stop_sequences must be non-empty token id sequences in [0, {limit}), got {bad[:4]}')
+        for name in ('presence_penalty', 'frequency_penalty'):
+            value = getattr(self, name)
+            _check(_is_real(value) and math.isfinite(value) and -2 <= value <= 2,
+                   f'{name} must be a number in [-2, 2], got {value!r}')
+        _check(_is_real(self.min_p) and math.isfinite(self.min_p) and 0 <= self.min_p <= 1,
+               f'min_p must be a number in [0, 1], got {self.min_p!r}')
+        bad = [(t, b) for t, b in self.logit_bias if not _is_int(t) or not 0 <= t < limit
+               or not _is_real(b) or not math.isfinite(b) or not -100 <= b <= 100]
+        _check(not bad, f'logit_bias must map token ids in [0, {limit}) to numbers in [-100, 100], got {bad[:4]}')
 
 
 @dataclass(frozen=True)
@@ -160,6 +182,8 @@ class SchedulerSequence:
     token_epoch: int = field(default=0, init=False, repr=False)
     # Per-request data the prefix cache derives from the tokens (prefix hashes); owned by paging, opaque here.
     prefix_memo: object | None = field(default=None, init=False, repr=False)
+    # The grammar matcher of a constrained request (`engine/guided_decoding.py`); opaque here.
+    grammar_state: object | None = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:

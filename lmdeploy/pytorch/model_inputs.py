@@ -163,10 +163,25 @@ class SamplingInputs:
     generators: list[torch.Generator | None]
     max_num_logprobs: int = -1  # -1: no logprobs
     all_greedy: bool = True
+    # OpenAI-style options; None when no row of the batch uses them (then they cost nothing).
+    # Per row: the generated ids (for presence / frequency penalties), or None when both are 0.
+    output_ids: list[torch.Tensor | None] | None = None
+    presence_penalty: torch.Tensor | None = None   # [S] float32
+    frequency_penalty: torch.Tensor | None = None  # [S] float32
+    min_p: torch.Tensor | None = None              # [S] float32, 0 = off
+    # Per row: (token ids [n] int64, biases [n] float32), or None.
+    logit_bias: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # [S, ceil(V / 32)] int32 bitmask of the tokens each row may sample (grammars); None when no row has one.
+    token_bitmask: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.temperature, self.top_k, self.top_p, self.repetition_penalty]
         out += [t for t in self.penalty_ids + self.banned_ids if t is not None]
+        out += [t for t in (self.presence_penalty, self.frequency_penalty, self.min_p) if t is not None]
+        out += [t for t in self.output_ids or () if t is not None]
+        out += [t for pair in self.logit_bias or () if pair is not None for t in pair]
+        if self.token_bitmask is not None:
+            out.append(self.token_bitmask)
         return out
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplingInputs:
@@ -176,4 +191,10 @@ class SamplingInputs:
             temperature=move(self.temperature), top_k=move(self.top_k), top_p=move(self.top_p),
             repetition_penalty=move(self.repetition_penalty), penalty_ids=[move(t) for t in self.penalty_ids],
             banned_ids=[move(t) for t in self.banned_ids], generators=self.generators,
-            max_num_logprobs=self.max_num_logprobs, all_greedy=self.all_greedy)
+            max_num_logprobs=self.max_num_logprobs, all_greedy=self.all_greedy,
+            output_ids=None if self.output_ids is None else [move(t) for t in self.output_ids],
+            presence_penalty=move(self.presence_penalty), frequency_penalty=move(self.frequency_penalty),
+            min_p=move(self.min_p),
+            logit_bias=None if self.logit_bias is None else [
+                None if pair is None else (move(pair[0]), move(pair[1])) for pair in self.logit_bias],
+            token_bitmask=move(self.token_bitmask))

@@ -7,16 +7,23 @@ from collections.abc import Iterator
 from tqdm import tqdm
 
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, choice_requests
 from .request_builder import ResponseBuilder, is_single_prompt
+from .vision.images import ImageLoadConfig
 
 _TQDM_THRESHOLD = 16
 
 
 class Pipeline:
 
-    def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None):
-        self.async_engine = AsyncEngine(model_path, backend_config)
+    def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None,
+                 generation_config: str = 'auto', allowed_local_media_path: str | None = None):
+        """`generation_config`: 'auto' takes the model's generation_config.json sampling parameters as the default
+        when no `GenerationConfig` is given; 'none' keeps `GenerationConfig()`'s (greedy).
+        `allowed_local_media_path`: the folder images may be read from by path or file:// URL (None: no local
+        files; PIL images, data URLs and http(s) URLs are always accepted)."""
+        self.async_engine = AsyncEngine(model_path, backend_config, generation_config=generation_config,
+                                        image_load_config=ImageLoadConfig(allowed_local_media_path))
         self.tokenizer = self.async_engine.tokenizer
         self.engine = self.async_engine.engine
 
@@ -28,14 +35,19 @@ class Pipeline:
         configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(items)
         if len(configs) != len(items):
             raise ValueError(f'{len(configs)} generation configs for {len(items)} prompts')
-        requests = [self.async_engine.prepare(p, c, do_preprocess, index=i)
-                    for i, (p, c) in enumerate(zip(items, configs))]
-        return single, requests
+        requests, groups = [], []  # groups: the choice indices of each prompt (one per sample of `n`)
+        for prompt, config in zip(items, configs):
+            prepared = self.async_engine.prepare(prompt, config, do_preprocess)
+            choices = choice_requests(prepared, len(requests))
+            groups.append([c.index for c in choices])
+            requests += choices
+        return single, requests, groups
 
     def __call__(self, prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
                  do_preprocess: bool = True, use_tqdm: bool | None = None) -> Response | list[Response]:
-        """Run prompts to completion. One prompt gives one `Response`, a list gives a list (in order)."""
-        single, requests = self._prepare_all(prompts, gen_config, do_preprocess)
+        """Run prompts to completion. One prompt gives one `Response`, a list gives a list (in order); with
+        `n > 1` each prompt gives a list of its `n` responses instead of one."""
+        single, requests, groups = self._prepare_all(prompts, gen_config, do_preprocess)
         done: queue.Queue = queue.Queue()
         builders, seq_ids = {}, {}
         for request in requests:
@@ -54,15 +66,18 @@ class Pipeline:
                     if not builder.engine_finished:  # a stop string: the engine does not know
                         self.async_engine.abort(seq_ids[builder.index])
         responses = [builders[i].final() for i in range(len(requests))]
-        return responses[0] if single else responses
+        per_prompt = [[responses[i] for i in group] if requests[group[0]].requested_n > 1 else responses[group[0]]
+                      for group in groups]
+        return per_prompt[0] if single else per_prompt
 
     def stream_infer(self, prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
                      do_preprocess: bool = True) -> Iterator[Response]:
-        """Incremental `Response`s of all prompts as they arrive (`Response.index` tells which prompt).
+        """Incremental `Response`s of all prompts as they arrive (`Response.index` tells which prompt; with `n > 1`
+        it is the choice: prompt i's samples are i*n .. i*n+n-1 when every prompt has the same n).
 
         Closing the iterator early aborts the requests that have not finished.
         """
-        _, requests = self._prepare_all(prompts, gen_config, do_preprocess)
+        _, requests, _ = self._prepare_all(prompts, gen_config, do_preprocess)
         merged: queue.Queue = queue.Queue()
         unfinished: dict[int, int] = {}  # prompt index -> seq id
         for request in requests:
@@ -98,6 +113,8 @@ class Pipeline:
         self.close()
 
 
-def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None) -> Pipeline:
-    """Build a `Pipeline` over a Hugging Face checkpoint folder."""
-    return Pipeline(model_path, backend_config)
+def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None,
+             generation_config: str = 'auto', allowed_local_media_path: str | None = None) -> Pipeline:
+    """Build a `Pipeline` over a Hugging Face checkpoint folder. Prompts may carry images (vision-language
+    checkpoints): `(text, image)` / `(text, [images])` tuples, or chat messages with `image_url` / `image` parts."""
+    return Pipeline(model_path, backend_config, generation_config, allowed_local_media_path)

@@ -389,12 +389,19 @@ def test_eviction_under_tiny_pools_keeps_outputs_and_invariants(model_path, arch
             release(ck)
 
         def checked_detach(node):
-            partial = [ck for ck in lifecycle.live() if ck.is_partial and lifecycle.is_evictable(ck)]
-            assert not partial, 'a trie leaf was evicted while unpinned partial checkpoints remained'
             detached.append(node)
             detach(node)
 
-        lifecycle.release, trie.kv.detach = checked_release, checked_detach
+        evict_leaf = trie.evict_leaf
+
+        def checked_evict_leaf(priority, leaf):
+            # Partial checkpoints and leaves compete in one order: none of lower or equal priority remains.
+            cheaper = [ck for ck in lifecycle.live()
+                       if ck.is_partial and lifecycle.is_evictable(ck) and ck.priority <= priority]
+            assert not cheaper, 'a trie leaf was evicted before a partial checkpoint of no higher priority'
+            evict_leaf(priority, leaf)
+
+        lifecycle.release, trie.kv.detach, trie.evict_leaf = checked_release, checked_detach, checked_evict_leaf
 
     def after_step():
         if trie.checkpoints is not None:
@@ -568,10 +575,12 @@ def test_every_block_a_forward_writes_is_request_owned(model_path, arch, monkeyp
     # continuation is recomputed into private blocks (prior-art trap 4).
     runs += generate(engine, [base[:64] + ids(10, seed=18), base[:40] + ids(3, seed=19)], max_new_tokens=4)
     runs += generate(engine, [base[:64] + ids(10, seed=18) + ids(20, seed=20)] * 2, max_new_tokens=4)
-    # Wave 3 (94 tokens, twice) resumes at the wave-2 prefill end 74; the second copy is admitted one step later.
-    # Hybrid: by then the first copy's prompt-end checkpoint (with its logits) serves the whole prompt: only restore
-    # copies and decodes write. Dense: the first copy's chunk attached block 4 ([64, 80)): 5 blocks.
-    assert [r.cached for r in runs] == ([0, 46, 23, 74, 94] if arch in HYBRID else [0, 64, 32, 64, 80])
+    # Wave 3 (94 tokens, twice). Hybrid: the state pool (10 rows) is full by then, and eviction by value gave the
+    # wave-2 prompt-end checkpoint at 74 (partial: a frozen block more to hold, no hit yet) up for the aligned one
+    # at 64, so the first copy resumes at 64; the second copy is admitted one step later, when the first copy's
+    # prompt-end checkpoint (with its logits) serves the whole prompt: only restore copies and decodes write.
+    # Dense: the first copy's chunk attached block 4 ([64, 80)): 5 blocks.
+    assert [r.cached for r in runs] == ([0, 46, 23, 64, 94] if arch in HYBRID else [0, 64, 32, 64, 80])
     assert len(written) > 10
     monkeypatch.undo()
     check_against_cold(path, runs, 4)

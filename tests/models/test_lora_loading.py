@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from lora_folders import write_adapter
 from safetensors.torch import save_file
 
 from lmdeploy.messages import PytorchEngineConfig, UnknownAdapterError
@@ -19,24 +20,6 @@ from lmdeploy.pytorch.models.peft_adapter import load_peft_adapter
 
 LIN, FULL = 'linear_attention', 'full_attention'
 HIDDEN = 64  # the tiny models' hidden size
-
-
-def write_adapter(path, modules: dict[str, tuple[int, int]], rank: int = 4, prefix: str = 'base_model.model.',
-                  seed: int = 0, **config) -> str:
-    """modules: checkpoint module path -> (in, out); B and A random."""
-    os.makedirs(path, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for module, (fan_in, fan_out) in modules.items():
-        tensors[f'{prefix}{module}.lora_A.weight'] = torch.randn(rank, fan_in, generator=gen)
-        tensors[f'{prefix}{module}.lora_B.weight'] = torch.randn(fan_out, rank, generator=gen)
-    save_file(tensors, os.path.join(path, 'adapter_model.safetensors'))
-    cfg = dict(peft_type='LORA', r=rank, lora_alpha=2 * rank, target_modules=sorted({m.rsplit('.', 1)[-1]
-                                                                                    for m in modules}))
-    cfg.update(config)
-    with open(os.path.join(path, 'adapter_config.json'), 'w') as f:
-        json.dump(cfg, f)
-    return str(path)
 
 
 @pytest.fixture(scope='module')
@@ -128,6 +111,16 @@ def test_a_module_the_engine_cannot_place_fails_start_up(qwen3_next, tmp_path, m
     path = write_adapter(tmp_path / 'x', {module: shape})
     with pytest.raises(ValueError, match=message):
         engine(qwen3_next, {'x': path})
+
+
+def test_vision_tower_modules_fail_start_up(tiny_model_factory, tmp_path):
+    # the vision-language class loads the vision tower, whose Linear layers see image patches, not tokens
+    path = str(tiny_model_factory('qwen3_5_vl', num_hidden_layers=2, layer_types=[FULL, LIN]))
+    with open(os.path.join(path, 'config.json')) as f:
+        width = json.load(f)['vision_config']['hidden_size']
+    adapter = write_adapter(tmp_path / 'v', {'model.visual.blocks.0.mlp.linear_fc1': (width, 4 * width)})
+    with pytest.raises(ValueError, match='outside the decoder layers'):
+        engine(path, {'v': adapter})
 
 
 def test_limits_on_resident_adapters_and_rank_fail_start_up(qwen3_5, tmp_path):

@@ -183,13 +183,22 @@ class PagingMachine(RuleBasedStateMachine):
 
         def checked_detach(node):
             assert self.s.block_manager.ref_count(node.block_id) == 1, 'evicted a leaf a request still uses'
-            if lifecycle is not None:
-                partial = [ck for ck in lifecycle.live() if ck.is_partial and lifecycle.is_evictable(ck)]
-                assert not partial, 'a trie leaf was evicted while unpinned partial checkpoints remained'
             FIGURES['evicted_leaves'] += 1
             detach(node)
 
         trie.kv.detach = checked_detach
+        evict_leaf = trie.evict_leaf
+
+        def checked_evict_leaf(priority, leaf):
+            # One order: the leaf is the lowest-priority candidate; partial checkpoints win ties.
+            assert priority == trie.kv.leaf_priority(leaf)
+            if lifecycle is not None:
+                cheaper = [ck for ck in lifecycle.live()
+                           if ck.is_partial and lifecycle.is_evictable(ck) and ck.priority <= priority]
+                assert not cheaper, 'a trie leaf was evicted before a partial checkpoint of no higher priority'
+            evict_leaf(priority, leaf)
+
+        trie.evict_leaf = checked_evict_leaf
         if lifecycle is None:
             return
         release = lifecycle.release
@@ -527,11 +536,17 @@ class PagingMachine(RuleBasedStateMachine):
 
     def _check_saves(self, out: SchedulerOutput) -> None:
         """Reserved checkpoints: safe boundary, mode, their save copies; remember what they must end up holding."""
+        cuts = {(cut.seq.seq_id, cut.step, cut.slot) for cut in getattr(out, 'state_cuts', ())}
         for seq, ck in out.reserved:
             assert ck.state == CheckpointState.RESERVED and ck.pin_count == 0
             assert seq.is_prefix_cache_boundary_safe(ck.step), 'a checkpoint inside a multimodal span'
             assert self.cfg.exact or ck.step % self.bs == 0
-            assert (seq.state_slot, ck.slot) in out.state_saves
+            if (seq.seq_id, ck.step, ck.slot) in cuts:
+                # A state cut inside this forward's piece (aligned fallback of a branch point): no save copy.
+                assert not ck.is_partial and seq.num_computed < ck.step
+                assert all(dst != ck.slot for _, dst in out.state_saves)
+            else:
+                assert (seq.state_slot, ck.slot) in out.state_saves
             if ck.is_partial:
                 assert (seq.block_ids[ck.step // self.bs], ck.frozen_block_id) in out.kv_saves
             keys = self.keys(seq, ck.step)
@@ -562,6 +577,9 @@ class PagingMachine(RuleBasedStateMachine):
                 self.state[seq.state_slot] = keys[start + n]
             for p in range(start, start + n):
                 self.kv[seq.block_ids[p // self.bs]][p % self.bs] = keys[p + 1]
+        for cut in out.state_cuts:  # the forward leaves the state at each cut in its row
+            assert cut.seq.num_computed < cut.step < cut.seq.num_computed + out.num_new_tokens[out.seqs.index(cut.seq)]
+            self.state[cut.slot] = self.keys(cut.seq, cut.step)[cut.step]
         for seq, _ in out.logits_hits:
             self._check_computed(seq)
             assert self.state[seq.state_slot] == self.keys(seq, seq.num_tokens)[seq.num_tokens]

@@ -4,29 +4,89 @@ Harness and geometry: `trie_harness.py`.
 """
 from __future__ import annotations
 
+import pytest
 from trie_harness import live, make_scheduler, make_seq, run, step, tokens
+
+from lmdeploy.pytorch.paging.block_trie.eviction_policy import LazyMinHeap
 
 
 # ---- eviction ---------------------------------------------------------------------------------------------------
-def test_partial_checkpoints_are_evicted_before_trie_leaves():
+def test_partial_checkpoints_and_trie_leaves_compete_in_one_order():
+    # Plain LRU (the base design) to make the order readable: priority = last access tick.
     s = make_scheduler(num_blocks=16)
-    run(s, make_seq(tokens(10)))                 # nodes (2 blocks) + partial checkpoint at 10 (frozen block)
-    run(s, make_seq(tokens(8, start=100)))       # nodes (2 blocks) + aligned checkpoint at 8
-    run(s, make_seq(tokens(6, start=200)))       # node (1 block) + partial checkpoint at 6 (frozen block)
+    run(s, make_seq(tokens(10)))                 # nodes a1 a2 + partial checkpoint at 10 (frozen block) on a2
+    run(s, make_seq(tokens(8, start=100)))       # nodes b1 b2 + aligned checkpoint at 8 on b2
+    run(s, make_seq(tokens(6, start=200)))       # node c1 + partial checkpoint at 6 (frozen block) on c1
     trie = s.trie
     assert trie.kv.num_nodes == 5 and s.block_manager.num_free == 16 - 5 - 2
-    assert trie.evict_blocks(s.block_manager.num_free + 2)
-    # Exactly the two frozen blocks went; no trie node was touched.
-    assert trie.checkpoints.evictions_by_cause == {'kv': 2} and trie.kv.num_evicted == 0
-    assert [ck.step for ck in live(s)] == [8]
-    assert trie.evict_blocks(s.block_manager.num_free + 1)
-    # Then the least recently used leaf (block 1 of the first prompt), no checkpoint on it.
-    assert trie.kv.num_evicted == 1 and trie.checkpoints.evictions_by_cause == {'kv': 2}
+    order = []
+    while live(s) or trie.kv.num_nodes:
+        kv, leaves = trie.checkpoints.evictions_by_cause['kv'], trie.kv.num_evicted
+        assert trie.evict_blocks(s.block_manager.num_free + 1)
+        s.check_integrity()
+        if trie.kv.num_evicted > leaves:
+            order.append(('leaf', trie.checkpoints.evictions_by_cause['kv_leaf']))
+        else:
+            assert trie.checkpoints.evictions_by_cause['kv'] == kv + 1
+            order.append(('partial', len(live(s))))
+    # The oldest partial checkpoint (tie with its leaf: the partial goes first, then the leaf, dead now, and its
+    # parent); then the older prompt's leaf with its aligned checkpoint and its parent; the youngest partial
+    # checkpoint and its leaf last.
+    assert order == [('partial', 2), ('leaf', 0), ('leaf', 0), ('leaf', 1), ('leaf', 1), ('partial', 0), ('leaf', 1)]
+
+
+@pytest.mark.parametrize('value_eviction, hot_survives', [(True, True), (False, False)])
+def test_a_checkpoint_that_served_hits_outlives_one_off_checkpoints(value_eviction, hot_survives):
+    # 6 rows: dummy + 1 running + 4 checkpoints; every checkpoint holds 1 byte (a row) in this harness.
+    s = make_scheduler(num_state_slots=6, num_blocks=64, prefix_cache_value_eviction=value_eviction)
+    hot = tokens(8)                              # 2 full blocks: an aligned checkpoint at 8
+    run(s, make_seq(hot))
+    for k in range(2):                           # two hits on it, each leaving a one-off checkpoint at 9
+        follow = make_seq(hot + [50 + k])
+        run(s, follow)
+        assert follow.num_cached == 8
+    for k in range(3):                           # three one-off prompts, each leaving a checkpoint at 6
+        run(s, make_seq(tokens(6, start=100 * (k + 1))))
+    assert s.trie.checkpoints.evictions_by_cause == {'state': 2}
+    # By value the hot checkpoint holds 3 uses' credit (8 tokens each) against one-offs' one: the two at 9 or at 6
+    # went. By recency it was the least recently used after the one-offs arrived.
+    again = make_seq(hot + [60])
+    run(s, again)
+    assert again.num_cached == (8 if hot_survives else 0)
+
+
+def test_an_evicted_partial_checkpoint_leaves_its_hits_to_the_aligned_fallback():
+    s = make_scheduler(num_blocks=64, prefix_cache_value_eviction=True)
+    run(s, make_seq(tokens(8)))                  # aligned checkpoint at 8 on node [4, 8)
+    run(s, make_seq(tokens(10)))                 # hits 8; partial checkpoint at 10 on the same node
+    for k in range(2):
+        run(s, make_seq(tokens(10) + [70 + k]))  # two hits on the partial one
+    trie = s.trie
+    aligned, partial = (next(ck for ck in live(s) if ck.step == step) for step in (8, 10))
+    assert (aligned.num_hits, partial.num_hits) == (1, 2)
+    assert trie.checkpoints.fallback(partial) is aligned and trie.checkpoints.fallback(aligned) is None
+    before = aligned.priority
+    trie.checkpoints.evict(partial, 'kv')
     s.check_integrity()
-    assert trie.evict_blocks(s.block_manager.num_free + 3)
-    # ... then the leaf carrying the aligned checkpoint goes with it.
-    assert trie.checkpoints.evictions_by_cause == {'kv': 2, 'kv_leaf': 1} and live(s) == []
-    s.check_integrity()
+    # The requests that resumed at 10 resume at 8 now: its credit moved there, at the clock of the eviction.
+    assert aligned.num_hits == 3 and aligned.priority > max(before, trie.reuse.clock)
+    resumed = make_seq(tokens(10) + [90])
+    run(s, resumed)
+    assert resumed.num_cached == 8
+
+
+def test_lazy_min_heap_pops_the_lowest_live_eligible_entry():
+    heap = LazyMinHeap()
+    for name, priority in [('a', 3.0), ('b', 1.0), ('c', 2.0)]:
+        heap.push(name, priority)
+    heap.push('b', 5.0)                          # supersedes b's entry at 1.0
+    assert heap.peek() == (2.0, 'c')
+    assert heap.peek(lambda item: item != 'c') == (3.0, 'a') and heap.peek() == (2.0, 'c')
+    heap.discard('c')
+    assert heap.peek() == (3.0, 'a') and len(heap) == 2 and 'c' not in heap
+    for k in range(500):                         # stale entries are compacted away
+        heap.push('a', float(k))
+    assert len(heap._heap) <= 2 * len(heap) + 65 and heap.peek() == (5.0, 'b')
 
 
 def test_pinned_checkpoints_are_never_evicted():

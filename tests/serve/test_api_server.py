@@ -249,7 +249,8 @@ BAD_REQUESTS = {
     'empty-messages': ('chat/completions', {'messages': []}, 400, 'messages'),
     'bad-role': ('chat/completions', {'messages': [{'role': 'wizard', 'content': 'x'}]}, 400, 'messages.0.role'),
     'negative-max-tokens': ('chat/completions', {'messages': CHAT, 'max_tokens': -1}, 400, 'max_tokens'),
-    'n-2': ('chat/completions', {'messages': CHAT, 'n': 2}, 400, 'n'),
+    'n-0': ('chat/completions', {'messages': CHAT, 'n': 0}, 400, 'n'),
+    'n-too-many': ('chat/completions', {'messages': CHAT, 'n': 129}, 400, 'n'),
     'over-long-prompt': ('chat/completions', {'messages': [{'role': 'user', 'content': OVERLONG}]}, 400,
                          'messages'),
     'unknown-model': ('chat/completions', {'model': 'gpt-5', 'messages': CHAT}, 404, 'model'),
@@ -258,7 +259,10 @@ BAD_REQUESTS = {
     'prompt-wrong-type': ('completions', {'prompt': {'a': 1}}, 400, 'prompt'),
     'empty-stop-string': ('completions', {'prompt': 'a', 'stop': ['']}, 400, None),
     'empty-prompt': ('completions', {'prompt': ''}, 400, 'prompt'),
-    'batched-prompts': ('completions', {'prompt': ['a', 'b']}, 400, 'prompt'),
+    'batched-prompts-one-empty': ('completions', {'prompt': ['a', '']}, 400, 'prompt'),
+    'logit-bias-not-a-token-id': ('completions', {'prompt': 'a', 'logit_bias': {'x': 1}}, 400, 'logit_bias'),
+    'logit-bias-outside-vocab': ('completions', {'prompt': 'a', 'logit_bias': {'99999999': 1}}, 400, None),
+    'presence-penalty-3': ('chat/completions', {'messages': CHAT, 'presence_penalty': 3}, 400, 'presence_penalty'),
     'echo': ('completions', {'prompt': 'a', 'echo': True}, 400, None),
     'huge-seed': ('completions', {'prompt': 'a', 'seed': 2**80}, 400, 'seed'),
     # past what the sampling kernels take (float32 / int64): 400 naming the field, not a failed batch
@@ -293,7 +297,7 @@ def test_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server, c
 
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=0)
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model='no-such-model', messages=CHAT)
     assert info.value.code == 'model_not_found'
@@ -313,7 +317,7 @@ def test_api_keys_guard_v1_but_not_health(async_engine, live_server_factory):
 
 def test_metrics_reflect_the_traffic(server, client):
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, **GREEDY)
-    httpx.post(f'{server.url}/v1/chat/completions', json={'model': MODEL, 'messages': CHAT, 'n': 2})
+    httpx.post(f'{server.url}/v1/chat/completions', json={'model': MODEL, 'messages': CHAT, 'n': 0})
     m = server.metrics()
     assert m[('lmdeploy_requests_total', (('endpoint', 'chat'), ('finish_reason', 'length')))] >= 1
     assert m[('lmdeploy_rejected_requests_total', (('status', '400'),))] >= 1

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lmdeploy.messages import GENERATION_CHECKS, GenerationConfig
+from lmdeploy.messages import GENERATION_CHECKS, GenerationConfig, StructuredOutput
 
 # For each field: values of the wrong type or out of range (bool is not an int, an int is not a bool, floats
 # must be finite), and values that must pass.
@@ -25,6 +25,13 @@ BAD_VALUES = {
     'logprobs': [True, -1, 65, 2.0],
     'adapter_name': ['', 5, ['a']],
     'return_routed_experts': [1, None, 'true'],
+    'n': [0, True, 129, 2.0, None],
+    'presence_penalty': [True, 2.5, -3, math.nan, None],
+    'frequency_penalty': [math.inf, '1', None],
+    'min_p': [-0.1, 1.5, math.nan, True],
+    'logit_bias': [{'1': 1.0}, {1: 101}, {-1: 0}, {1: math.inf}, {True: 1}, [(1, 1.0)]],
+    'structured_output': ['{"type": "object"}', StructuredOutput('yaml', 'x'), StructuredOutput('regex', ''),
+                          StructuredOutput('json_schema')],
 }
 GOOD_VALUES = {
     'max_new_tokens': [0, 10**9], 'min_new_tokens': [0, 3], 'do_sample': [True, False],
@@ -33,6 +40,10 @@ GOOD_VALUES = {
     'stop_token_ids': [None, [], [0, 7]], 'ignore_eos': [True, False],
     'random_seed': [None, 0, -2**63, 2**64 - 1], 'logprobs': [None, 0, 64], 'adapter_name': [None, 'sql'],
     'return_routed_experts': [True, False],
+    'n': [1, 128], 'presence_penalty': [0, -2, 2, 0.5], 'frequency_penalty': [0.0, -1.5],
+    'min_p': [0, 0.05, 1], 'logit_bias': [None, {}, {0: -100, 7: 100.0, 3: 0}],
+    'structured_output': [None, StructuredOutput('json_object'), StructuredOutput('regex', 'a+'),
+                          StructuredOutput('grammar', 'root ::= "x"')],
 }
 
 

@@ -147,7 +147,7 @@ BAD_REQUESTS: dict[str, tuple] = {
     'top-logprobs-21': ('chat/completions', _chat(logprobs=True, top_logprobs=21), 400, 'top_logprobs', None),
     'completion-logprobs-huge': ('completions', _completion(logprobs=10**6), 400, 'logprobs', None),
     'seed-2**80': ('completions', _completion(seed=2**80), 400, 'seed', None),
-    'n-3': ('chat/completions', _chat(n=3), 400, 'n', None),
+    'n-0': ('chat/completions', _chat(n=0), 400, 'n', None),
     # token ids the model does not have, prompts it cannot hold
     'token-id-out-of-vocab': ('completions', _completion(prompt=[1, 2, 10**6]), 400, 'prompt', None),
     'token-id-2**70': ('completions', _completion(prompt=[2**70]), 400, 'prompt', None),

@@ -21,12 +21,13 @@ from ..config import SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
+from ..models.model_source import resolve_model_path
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .cache_engine import CacheEngine
+from .cache_sizing import free_memory_bytes, make_cache_config, session_len
 from .engine_stats import EngineStats
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
-from .memory_sizing import free_memory_bytes, make_cache_config, session_len
 from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
@@ -48,10 +49,12 @@ class Engine:
         if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
         self.device = torch.device(engine_config.device_type)
-        self.model_path = model_path
+        # a local folder, or a hub id resolved through huggingface_hub (`ModelNotFoundError`: one line to print)
+        self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
+                                             with_weights=engine_config.load_format != 'dummy')
         dtype = resolve_dtype(engine_config)
-        self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
-                                                    engine_config.state_dtype)
+        self.model, self.model_config = build_model(self.model_path, self.device, dtype, engine_config.device_type,
+                                                    engine_config.state_dtype, load_format=engine_config.load_format)
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
@@ -66,8 +69,6 @@ class Engine:
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
-        if engine_config.enable_return_routed_experts and engine_config.enable_prefix_caching:
-            raise ValueError('enable_return_routed_experts does not work with enable_prefix_caching yet')
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
@@ -411,18 +412,28 @@ class Engine:
             self.step()
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        """Block / slot accounting check; between steps (it waits for a running step's bookkeeping, which goes on
+        after the step's outputs were delivered)."""
+        with self._step_lock:
+            self.scheduler.check_integrity()
 
     # ---- statistics ---------------------------------------------------------------------------------------------
     def _make_stats(self, step: int) -> EngineStats:
-        scheduler, cache = self.scheduler, self.agent.vision_cache
+        scheduler, cache, cache_config = self.scheduler, self.agent.vision_cache, self.cache_config
         blocks, states = scheduler.block_manager, scheduler.state_manager
+        rows = cache_config.num_state_slots if cache_config.prefix_cache is not None else 0
+        running = sum(seq.state_slot is not None for seq in scheduler.running) if rows else 0
+        routes = self.routes.record_all
         return EngineStats(step=step, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                            num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free,
                            num_state_slots=states.num_usable if states is not None else 0,
                            num_free_state_slots=states.num_free if states is not None else 0,
                            prefix_cache=scheduler.prefix_cache.snapshot(),
-                           vision_cache=cache.stats if cache is not None else None)
+                           vision_cache=cache.stats if cache is not None else None,
+                           checkpoint_rows=cache_config.prefix_cache.state_budget if rows else 0,
+                           checkpoint_capacity=rows - 2 - running if rows else 0,
+                           routed_experts_bytes_per_token=self.routes.bytes_per_token if routes else None,
+                           routed_experts_cached_bytes=scheduler.trie.routes_bytes() if routes else None)
 
     def _publish(self, snapshot: EngineStats) -> None:
         with self._published:

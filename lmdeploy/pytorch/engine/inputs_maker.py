@@ -15,6 +15,7 @@ from ..model_inputs import ModelInputs, SamplingInputs, StateCuts
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import SchedulerOutput
 from .cache_inputs import CacheCheckpointInputs
+from .guided_decoding import grammar_bitmask
 from .mm_inputs import sequence_mm_inputs
 
 
@@ -147,10 +148,19 @@ class SamplingRow(NamedTuple):
     banned_ids: torch.Tensor | None    # stop ids not allowed before min_new_tokens
     generator: torch.Generator | None
     logprobs: int | None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    output_ids: torch.Tensor | None = None  # generated ids, when a presence / frequency penalty is on
+    min_p: float = 0.0
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator]) -> SamplingRow:
     params = seq.sampling
+    bias = None
+    if params.logit_bias:
+        bias = (torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64),
+                torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))
     return SamplingRow(
         temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k, top_p=params.top_p,
         repetition_penalty=params.repetition_penalty,
@@ -158,11 +168,16 @@ def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator])
         if params.repetition_penalty != 1.0 else None,
         banned_ids=torch.tensor(params.stop_token_ids, dtype=torch.int64)
         if seq.num_generated < params.min_new_tokens and params.stop_token_ids else None,
-        generator=generators.get(seq.seq_id), logprobs=params.logprobs)
+        generator=generators.get(seq.seq_id), logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        output_ids=torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64)
+        if params.has_output_penalties else None,
+        min_p=params.min_p, logit_bias=bias)
 
 
 def _stack(rows: list[SamplingRow]) -> SamplingInputs:
     temperature = [row.temperature for row in rows]
+    penalties = any(row.output_ids is not None for row in rows)
     return SamplingInputs(
         temperature=torch.tensor(temperature, dtype=torch.float32),
         top_k=torch.tensor([row.top_k for row in rows], dtype=torch.int64),
@@ -171,11 +186,21 @@ def _stack(rows: list[SamplingRow]) -> SamplingInputs:
         penalty_ids=[row.penalty_ids for row in rows], banned_ids=[row.banned_ids for row in rows],
         generators=[row.generator for row in rows],
         max_num_logprobs=max((row.logprobs for row in rows if row.logprobs is not None), default=-1),
-        all_greedy=all(t == 0.0 for t in temperature))
+        all_greedy=all(t == 0.0 for t in temperature),
+        output_ids=[row.output_ids for row in rows] if penalties else None,
+        presence_penalty=torch.tensor([row.presence_penalty for row in rows], dtype=torch.float32)
+        if penalties else None,
+        frequency_penalty=torch.tensor([row.frequency_penalty for row in rows], dtype=torch.float32)
+        if penalties else None,
+        min_p=torch.tensor([row.min_p for row in rows], dtype=torch.float32)
+        if any(row.min_p > 0 for row in rows) else None,
+        logit_bias=[row.logit_bias for row in rows] if any(row.logit_bias is not None for row in rows) else None)
 
 
 def _build(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]) -> SamplingInputs:
-    return _stack([sampling_row(seq, generators) for seq in seqs])
+    inputs = _stack([sampling_row(seq, generators) for seq in seqs])
+    inputs.token_bitmask = grammar_bitmask(seqs)
+    return inputs
 
 
 def make_sampling_inputs(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]
@@ -193,7 +218,8 @@ def make_sampling_inputs(seqs: list[SchedulerSequence], generators: dict[int, to
 
 
 _ROW_DTYPES = {'temperature': torch.float32, 'top_k': torch.int64, 'top_p': torch.float32,
-               'repetition_penalty': torch.float32}
+               'repetition_penalty': torch.float32, 'presence_penalty': torch.float32,
+               'frequency_penalty': torch.float32, 'min_p': torch.float32}
 
 
 def _row_error(seq: SchedulerSequence, generators: dict[int, torch.Generator]) -> str | None:

@@ -31,12 +31,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...messages import PytorchEngineConfig
 from ...messages import Response as EngineResponse
-from ..async_engine import AsyncEngine, PreparedRequest
+from ..async_engine import AsyncEngine, PreparedRequest, choice_requests
 from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser, ParsedDelta
 from ..request_builder import TemplateOptions
 from ..server_config import ServerConfig
+from ..vision.images import ImageLoadConfig
+from ..watchdog import EngineWatchdog
+from .admission import Admission, AdmissionMiddleware
 from .body import BodyLimitMiddleware
 from .errors import APIError
+from .lifecycle import run_app
 from .limits import check_request_limits
 from .metrics import ServerMetrics
 from .protocol import (
@@ -51,7 +55,6 @@ from .protocol import (
     CompletionResponse,
     DeltaMessage,
     DeltaToolCall,
-    ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -83,6 +86,7 @@ class ServerState:
         self.tool_call_parser = tool_call_parser
         self.config = config = config or ServerConfig()
         self.tokenizers = TokenizerPool(config.tokenizer_workers)
+        self.watchdog = EngineWatchdog(async_engine, config.watchdog_timeout)
         self.created = now()
         self.metrics = ServerMetrics(async_engine.engine)
         tokenizer = async_engine.tokenizer
@@ -90,10 +94,19 @@ class ServerState:
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
         self.token_bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=1 << 16)(tokenizer.token_bytes)
 
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise APIError(404, f'The model `{model}` does not exist; this server serves `{self.model_name}`.',
-                           param='model', code='model_not_found')
+    @property
+    def served_names(self) -> list[str]:
+        """What `model` may name: the base model, then every resident LoRA adapter."""
+        return [self.model_name, *self.async_engine.adapter_names]
+
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a name this server does not serve."""
+        if not model or model == self.model_name:
+            return None
+        if model in self.async_engine.adapter_names:
+            return model
+        raise APIError(404, f'The model `{model}` does not exist; this server serves '
+                       f'{", ".join(f"`{n}`" for n in self.served_names)}.', param='model', code='model_not_found')
 
     def output_parser(self, body: ChatCompletionRequest, prepared: PreparedRequest) -> ChatOutputParser:
         tools = body.template_tools()
@@ -103,7 +116,8 @@ class ServerState:
     async def prepare(self, prompt, body: ChatCompletionRequest | CompletionRequest, do_preprocess: bool,
                       param: str, template: TemplateOptions | None = None) -> PreparedRequest:
         check_request_limits(body, self.config)
-        gen = body.to_generation_config()
+        gen = body.with_defaults(self.async_engine.sampling_defaults).to_generation_config()
+        gen.adapter_name = self.check_model(body.model)
         try:
             self.async_engine.validate_generation_config(gen)
         except ValueError as exc:
@@ -119,11 +133,23 @@ class ServerState:
         prepared.gen_config.max_new_tokens = room if wanted is None else min(wanted, room)
         return prepared
 
+    async def prepare_choices(self, prompts: list, body: ChatCompletionRequest | CompletionRequest,
+                              do_preprocess: bool, param: str,
+                              template: TemplateOptions | None = None) -> list[PreparedRequest]:
+        """Every choice of the request, in order: prompt i's n samples are choices i*n .. i*n+n-1."""
+        n, choices = body.num_choices, []
+        for i, prompt in enumerate(prompts):
+            prepared = await self.prepare(prompt, body, do_preprocess, param, template)
+            choices += choice_requests(prepared, i * n)
+        return choices
+
     async def generate(self, prepared: PreparedRequest, endpoint: str,
                        arrival: float) -> AsyncIterator[EngineResponse]:
         tracker = self.metrics.track(endpoint, arrival)
         try:
-            async with aclosing(self.async_engine.astream(prepared)) as stream:
+            stream = self.async_engine.astream(
+                prepared, on_first_step=lambda step: self.admission.observe_queue_time(arrival, step))
+            async with aclosing(stream) as stream:
                 async for response in stream:
                     tracker.observe(response)
                     yield response
@@ -141,8 +167,8 @@ router = APIRouter(prefix='/v1')
 @router.get('/models')
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
-                                     max_model_len=state.async_engine.session_len)])
+    return ModelList(data=[ModelCard(id=name, created=state.created, max_model_len=state.async_engine.session_len)
+                           for name in state.served_names])
 
 
 def _chat_delta(parsed: ParsedDelta, num_calls_before: int) -> DeltaMessage:
@@ -161,71 +187,80 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     arrival, state = time.perf_counter(), _state(request)
     state.check_model(body.model)
     template = TemplateOptions(tools=body.template_tools(), kwargs=body.chat_template_kwargs)
-    prepared = await state.prepare(body.prompt(), body, True, 'messages', template)
-    parser = state.output_parser(body, prepared)
-    responses = state.generate(prepared, 'chat', arrival)
-    rid, created, k = new_id('chatcmpl'), now(), body.top_logprobs or 0
+    choices = await state.prepare_choices([body.prompt()], body, True, 'messages', template)
+    parsers = [state.output_parser(body, c) for c in choices]
+    streams = [state.generate(c, 'chat', arrival) for c in choices]
+    rid, created, k, n = new_id('chatcmpl'), now(), body.top_logprobs or 0, body.num_choices
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+        return ChatCompletionChunk(id=rid, created=created, model=body.model or state.model_name, choices=choices,
+                                   usage=usage)
 
-    def delta(r: EngineResponse) -> ChatCompletionChunk | None:
+    def delta(index: int, r: EngineResponse) -> ChatCompletionChunk | None:
+        parser = parsers[index]
         logprobs = chat_logprobs(r, k, state.decode, state.token_bytes) if r.logprobs is not None else None
         num_calls = parser.num_tool_calls
         message = _chat_delta(parser.feed(r.text, final=r.finish_reason is not None), num_calls)
         if not (message.content or message.reasoning_content or message.tool_calls or r.finish_reason
                 or (logprobs and logprobs.content)):
             return None
-        return chunk([ChatChunkChoice(delta=message, logprobs=logprobs,
+        return chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,
                                       finish_reason=_chat_finish_reason(r.finish_reason, parser),
                                       routed_experts=RoutedExpertsData.of(r.routed_experts))])
 
     if body.stream:
-        head = chunk([ChatChunkChoice(delta=DeltaMessage(role='assistant', content=''))])
-        usage = (lambda r: chunk([], UsageInfo.of(r))) if body.include_usage else None
-        return _event_stream(responses, delta, usage, head)
-    final = await _unless_disconnected(request, _collect(responses))
-    logprobs = chat_logprobs(final, k, state.decode, state.token_bytes) if final.logprobs is not None else None
-    parsed = parser.feed(final.text, final=True)
-    calls = [ToolCallOut(id=c.id, function={'name': c.name, 'arguments': c.arguments}) for c in parsed.tool_calls]
-    message = ChatResponseMessage(content=parsed.content if parsed.content or not calls else None,
-                                  reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
-    choice = ChatChoice(message=message, logprobs=logprobs,
-                        finish_reason=_chat_finish_reason(final.finish_reason, parser),
-                        routed_experts=RoutedExpertsData.of(final.routed_experts))
-    return ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=[choice],
-                                  usage=UsageInfo.of(final))
+        heads = [chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role='assistant', content=''))])
+                 for c in choices]
+        usage = (lambda lasts: chunk([], UsageInfo.total(lasts, n))) if body.include_usage else None
+        return _event_stream(streams, delta, usage, heads)
+    finals = await _unless_disconnected(request, _collect_all(streams))
+    out = []
+    for index, (final, parser) in enumerate(zip(finals, parsers)):
+        logprobs = chat_logprobs(final, k, state.decode, state.token_bytes) if final.logprobs is not None else None
+        parsed = parser.feed(final.text, final=True)
+        calls = [ToolCallOut(id=c.id, function={'name': c.name, 'arguments': c.arguments})
+                 for c in parsed.tool_calls]
+        message = ChatResponseMessage(content=parsed.content if parsed.content or not calls else None,
+                                      reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+        out.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                              finish_reason=_chat_finish_reason(final.finish_reason, parser),
+                              routed_experts=RoutedExpertsData.of(final.routed_experts)))
+    return ChatCompletionResponse(id=rid, created=created, model=body.model or state.model_name, choices=out,
+                                  usage=UsageInfo.total(finals, n))
 
 
 @router.post('/completions')
 async def completions(body: CompletionRequest, request: Request):
     arrival, state = time.perf_counter(), _state(request)
     state.check_model(body.model)
-    prepared = await state.prepare(body.prompt, body, False, 'prompt')
-    responses = state.generate(prepared, 'completions', arrival)
-    rid, created, k = new_id('cmpl'), now(), body.logprobs
-    offset = 0  # characters streamed so far, for logprobs.text_offset
+    choices = await state.prepare_choices(body.prompts(), body, False, 'prompt')
+    streams = [state.generate(c, 'completions', arrival) for c in choices]
+    rid, created, k, n = new_id('cmpl'), now(), body.logprobs, body.num_choices
+    offsets = [0] * len(choices)  # characters streamed so far per choice, for logprobs.text_offset
 
     def completion(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
-        return CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=rid, created=created, model=body.model or state.model_name, choices=choices,
+                                  usage=usage)
 
-    def delta(r: EngineResponse) -> CompletionResponse | None:
-        nonlocal offset
-        logprobs = completion_logprobs(r, k, state.decode, offset) if r.logprobs is not None else None
-        offset += len(r.text)
+    def delta(index: int, r: EngineResponse) -> CompletionResponse | None:
+        logprobs = completion_logprobs(r, k, state.decode, offsets[index]) if r.logprobs is not None else None
+        offsets[index] += len(r.text)
         if not (r.text or r.finish_reason or (logprobs and logprobs.tokens)):
             return None
-        return completion([CompletionChoice(text=r.text, logprobs=logprobs, finish_reason=r.finish_reason,
+        return completion([CompletionChoice(index=index, text=r.text, logprobs=logprobs,
+                                            finish_reason=r.finish_reason,
                                             routed_experts=RoutedExpertsData.of(r.routed_experts))])
 
     if body.stream:
-        usage = (lambda r: completion([], UsageInfo.of(r))) if body.include_usage else None
-        return _event_stream(responses, delta, usage)
-    final = await _unless_disconnected(request, _collect(responses))
-    logprobs = completion_logprobs(final, k, state.decode, 0) if final.logprobs is not None else None
-    choice = CompletionChoice(text=final.text, logprobs=logprobs, finish_reason=final.finish_reason,
-                              routed_experts=RoutedExpertsData.of(final.routed_experts))
-    return completion([choice], UsageInfo.of(final))
+        usage = (lambda lasts: completion([], UsageInfo.total(lasts, n))) if body.include_usage else None
+        return _event_stream(streams, delta, usage)
+    finals = await _unless_disconnected(request, _collect_all(streams))
+    out = [CompletionChoice(index=index, text=final.text, finish_reason=final.finish_reason,
+                            logprobs=completion_logprobs(final, k, state.decode, 0)
+                            if final.logprobs is not None else None,
+                            routed_experts=RoutedExpertsData.of(final.routed_experts))
+           for index, final in enumerate(finals)]
+    return completion(out, UsageInfo.total(finals, n))
 
 
 # ---- response plumbing -----------------------------------------------------------------------------------------
@@ -233,30 +268,93 @@ def _sse(record: BaseModel) -> str:
     return f'data: {record.model_dump_json()}\n\n'
 
 
-def _event_stream(responses: AsyncIterator[EngineResponse], delta: Callable[[EngineResponse], BaseModel | None],
-                  usage: Callable[[EngineResponse], BaseModel] | None, head: BaseModel | None = None):
-    """SSE: `head`, one chunk per non-empty delta, the usage chunk when asked, then `data: [DONE]`.
-    An engine failure after the headers went out is reported as an error event before `[DONE]`."""
+def _event_stream(streams: list[AsyncIterator[EngineResponse]],
+                  delta: Callable[[int, EngineResponse], BaseModel | None],
+                  usage: Callable[[list[EngineResponse]], BaseModel] | None, heads: list[BaseModel] | None = None):
+    """SSE: the `heads`, one chunk per non-empty delta of any choice (as they come), the usage chunk when asked,
+    then `data: [DONE]`. An engine failure after the headers went out is reported as an error event before
+    `[DONE]`, and ends every choice."""
 
     async def events() -> AsyncIterator[str]:
-        if head is not None:
+        for head in heads or ():
             yield _sse(head)
-        last = None
-        async with aclosing(responses):
-            async for response in responses:
-                last = response
+        lasts: list[EngineResponse | None] = [None] * len(streams)
+        async with aclosing(_merge(streams)) as merged:
+            async for index, response in merged:
+                lasts[index] = response
                 if response.error:
-                    yield _sse(ErrorResponse(error=ErrorInfo(message=response.error, type='internal_error')))
+                    yield _sse(ErrorResponse(error=_engine_error(response).info))
                     break
-                chunk = delta(response)
+                chunk = delta(index, response)
                 if chunk is not None:
                     yield _sse(chunk)
-        if last is not None and usage is not None:
-            yield _sse(usage(last))
+        if usage is not None and all(last is not None for last in lasts):
+            yield _sse(usage(lasts))
         yield 'data: [DONE]\n\n'
 
     return StreamingResponse(events(), media_type='text/event-stream',
                              headers={'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'})
+
+
+def _engine_error(response: EngineResponse) -> APIError:
+    """An engine-side failure: 503 for a request aborted by the shutdown, 500 otherwise."""
+    if response.finish_reason == 'abort':
+        return APIError(503, response.error, type='service_unavailable', code='server_shutting_down')
+    return APIError(500, response.error, type='internal_error')
+
+
+async def _merge(streams: list[AsyncIterator[EngineResponse]]) -> AsyncIterator[tuple[int, EngineResponse]]:
+    """(choice index, response) of all streams as they arrive; closing it closes (and so aborts) every stream."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for response in stream:
+                yield 0, response
+        return
+    arrivals: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[EngineResponse]) -> None:
+        try:
+            async with aclosing(stream):
+                async for response in stream:
+                    arrivals.put_nowait((index, response))
+        except Exception as exc:  # re-raised in the consumer
+            arrivals.put_nowait((index, exc))
+        finally:
+            arrivals.put_nowait((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await arrivals.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect_all(streams: list[AsyncIterator[EngineResponse]]) -> list[EngineResponse]:
+    """Every choice collected; the first failure cancels (and so aborts) the others."""
+    if len(streams) == 1:
+        return [await _collect(streams[0])]
+    tasks = [asyncio.ensure_future(_collect(stream)) for stream in streams]
+    try:
+        finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task in finished and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _collect(responses: AsyncIterator[EngineResponse]) -> EngineResponse:
@@ -268,7 +366,7 @@ async def _collect(responses: AsyncIterator[EngineResponse]) -> EngineResponse:
             token_ids += last.token_ids
             logprobs += last.logprobs or []
     if last.error:
-        raise APIError(500, last.error, type='internal_error')
+        raise _engine_error(last)
     return replace(last, text=''.join(texts), token_ids=token_ids,
                    logprobs=logprobs if last.logprobs is not None else None)
 
@@ -297,8 +395,9 @@ class ApiKeyMiddleware:
     """Rejects requests outside `OPEN_PATHS` without `Authorization: Bearer <one of the keys>` (before any body
     is read)."""
 
-    def __init__(self, app, api_keys: list[str], metrics: ServerMetrics):
+    def __init__(self, app, api_keys: list[str], metrics: ServerMetrics, open_paths: tuple[str, ...] = OPEN_PATHS):
         self.app = app
+        self.open_paths = open_paths
         self.keys = [key.encode() for key in api_keys]
         self.metrics = metrics
 
@@ -310,7 +409,7 @@ class ApiKeyMiddleware:
         return scheme.lower() == 'bearer' and any(matches)
 
     async def __call__(self, scope, receive, send):
-        if scope['type'] == 'http' and scope['path'] not in OPEN_PATHS and not self._authorized(scope):
+        if scope['type'] == 'http' and scope['path'] not in self.open_paths and not self._authorized(scope):
             self.metrics.reject(401)
             error = APIError(401, 'Missing or invalid API key: send "Authorization: Bearer <key>".',
                              code='invalid_api_key')
@@ -371,9 +470,14 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
     app.state.server = state
     app.include_router(router)
 
+    state.admission = admission = Admission(config.admission_limit(async_engine.engine.engine_config.max_batch_size),
+                                            lambda: state.watchdog.state, state.metrics.registry)
+
     @app.get('/health')
-    async def health() -> dict:
-        return {'status': 'ok'}
+    async def health() -> JSONResponse:
+        """200 `ok`; 503 `draining`, `engine_dead` or `engine_hung` (a load balancer should go elsewhere)."""
+        status = 'draining' if admission.draining else state.watchdog.state.value
+        return JSONResponse({'status': status}, status_code=200 if status == 'ok' else 503)
 
     @app.get('/metrics')
     def metrics() -> Response:  # sync: FastAPI runs it in a worker thread, since reading the engine's statistics
@@ -381,11 +485,13 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
         return Response(content, media_type=media_type)
 
     _install_error_handlers(app, state.metrics)
-    # Middleware added last runs first: API key (no body read) -> body limits -> handlers.
+    # Middleware added last runs first: API key -> admission (neither reads the body) -> body limits -> handlers.
     app.add_middleware(BodyLimitMiddleware, payload_limit=config.payload_limit, timeout_body=config.timeout_body,
                        metrics=state.metrics)
+    app.add_middleware(AdmissionMiddleware, admission=admission, metrics=state.metrics)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics)
+        open_paths = ('/health',) if config.enable_metrics_auth else OPEN_PATHS
+        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics, open_paths=open_paths)
     return app
 
 
@@ -406,16 +512,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, server_name: str = '127.0.0.1',
           server_port: int = 23333, api_keys: list[str] | None = None, model_name: str | None = None,
           log_level: str = 'info', chat_template: str | None = None, reasoning_parser: str | None = None,
-          tool_call_parser: str | None = None, config: ServerConfig | None = None) -> int:
-    """Bind the port, load the model and serve it until interrupted; returns the process exit status."""
-    import uvicorn
+          tool_call_parser: str | None = None, config: ServerConfig | None = None,
+          generation_config: str = 'auto', allowed_local_media_path: str | None = None) -> int:
+    """Bind the port, load the model and serve it until interrupted; returns the process exit status.
+    `allowed_local_media_path`: the folder `file://` image URLs may read from (None: no local files)."""
     sock = bind_socket(server_name, server_port)
     try:
-        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template)
+        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template, generation_config,
+                                   image_load_config=ImageLoadConfig(allowed_local_media_path))
         try:
             app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser, config)
-            uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower())).run(sockets=[sock])
-            return 0
+            return int(run_app(app, sock, log_level))
         finally:
             async_engine.close()
     finally:

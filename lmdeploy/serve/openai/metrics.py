@@ -37,6 +37,7 @@ class EngineCollector:
         yield _gauge('lmdeploy_kv_cache_usage_ratio', 'Fraction of KV blocks not on the free list', stats.kv_usage)
         yield _gauge('lmdeploy_state_cache_usage_ratio', 'Fraction of recurrent-state slots in use (hybrid models)',
                      stats.state_usage)
+        yield from _vision_cache_metrics(stats.vision_cache)
         cache = stats.prefix_cache
         yield CounterMetricFamily('lmdeploy_prefix_cache_query_tokens', 'Prompt tokens looked up in the prefix cache',
                                   value=cache.query_tokens)
@@ -48,6 +49,17 @@ class EngineCollector:
         for reason, count in sorted(cache.miss_reasons.items()):
             misses.add_metric([str(reason)], count)
         yield misses
+
+
+def _vision_cache_metrics(cache) -> Iterator[Metric]:
+    if cache is None:
+        return  # no vision tower, or its encoder cache is off
+    yield CounterMetricFamily('lmdeploy_vision_cache_hits', 'Images whose embeddings came from the encoder cache',
+                              value=cache.hits)
+    yield CounterMetricFamily('lmdeploy_vision_cache_misses', 'Images run through the vision tower',
+                              value=cache.misses)
+    yield _gauge('lmdeploy_vision_cache_entries', 'Encoded images held by the encoder cache', cache.entries)
+    yield _gauge('lmdeploy_vision_cache_bytes', 'Device bytes held by the encoder cache', cache.bytes)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -3,7 +3,7 @@
 Requests check types and ranges here (pydantic errors become 400s in the server); what only the engine can judge
 (prompt length against the session, token ids against the vocabulary) is checked by `AsyncEngine.prepare`.
 Unknown OpenAI fields (`user`, `metadata`, ...) are accepted and ignored; known features the engine lacks
-(`n > 1`, `echo`, `best_of`, `suffix`, penalties other than `repetition_penalty`) are rejected with a message.
+(`echo`, `best_of`, `suffix`) are rejected with a message.
 """
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ from pydantic import (
     model_validator,
 )
 
-from ...messages import GenerationConfig, Response
+from ...messages import GenerationConfig, Response, StructuredOutput
 
 SEED_RANGE = (-2**63, 2**64 - 1)
+MAX_N = 128          # choices per prompt
+MAX_CHOICES = 256    # choices per request (prompts x n)
 
 
 def new_id(prefix: str) -> str:
@@ -63,6 +65,29 @@ class StreamOptions(_Record):
 
 
 # ---- requests --------------------------------------------------------------------------------------------------
+class JsonSchemaFormat(_Record):
+    name: Text | None = None
+    description: Text | None = None
+    # The JSON Schema (OpenAI's field name is `schema`, which pydantic reserves: aliased).
+    json_schema: dict[str, Any] = Field(alias='schema')
+    strict: bool | None = None
+
+
+class ResponseFormat(_Record):
+    """OpenAI's `response_format`, plus LMDeploy's `regex_schema` type."""
+    type: Literal['text', 'json_object', 'json_schema', 'regex_schema']
+    json_schema: JsonSchemaFormat | None = None
+    regex_schema: Text | None = None
+
+    @model_validator(mode='after')
+    def _has_its_spec(self) -> ResponseFormat:
+        if self.type == 'json_schema' and self.json_schema is None:
+            raise ValueError('response_format of type json_schema needs json_schema.schema')
+        if self.type == 'regex_schema' and not self.regex_schema:
+            raise ValueError('response_format of type regex_schema needs regex_schema')
+        return self
+
+
 class _SamplingRequest(_Record):
     """Fields shared by chat and text completions; `None` means the OpenAI default."""
     model: Text | None = None
@@ -72,34 +97,74 @@ class _SamplingRequest(_Record):
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    # token id (as a string, as OpenAI sends it) -> bias added to its logit
+    logit_bias: dict[str, float] | None = None
     # Extensions (vLLM / LMDeploy names).
     top_k: int = Field(0, ge=-1, description='0 or -1: off')
+    min_p: float = Field(0.0, ge=0, le=1, description='0: off')
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     # The experts each MoE layer routed every position to, in the final chunk / response (LMDeploy's name).
     return_routed_experts: bool = False
+    # Structured output: OpenAI's `response_format`, or vLLM's `guided_json` / `guided_regex` / `guided_grammar`.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: Text | None = Field(None, min_length=1)
+    guided_grammar: Text | None = Field(None, min_length=1)
 
-    @field_validator('n')
-    @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f'only n=1 is supported, got n={n}')
-        return n
+    @model_validator(mode='after')
+    def _one_constraint(self) -> _SamplingRequest:
+        given = [name for name in ('guided_json', 'guided_regex', 'guided_grammar') if getattr(self, name)]
+        if self.response_format is not None and self.response_format.type != 'text':
+            given.append('response_format')
+        if len(given) > 1:
+            raise ValueError(f'give at most one structured-output constraint, got {given}')
+        return self
 
-    @field_validator('presence_penalty', 'frequency_penalty')
+    def structured_output(self) -> StructuredOutput | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type == 'json_object':
+            return StructuredOutput('json_object')
+        if fmt is not None and fmt.type == 'json_schema':
+            return StructuredOutput('json_schema', json.dumps(fmt.json_schema.json_schema))
+        if fmt is not None and fmt.type == 'regex_schema':
+            return StructuredOutput('regex', fmt.regex_schema)
+        if self.guided_json is not None:
+            return StructuredOutput('json_schema', json.dumps(self.guided_json))
+        if self.guided_regex:
+            return StructuredOutput('regex', self.guided_regex)
+        if self.guided_grammar:
+            return StructuredOutput('grammar', self.guided_grammar)
+        return None
+
+    @field_validator('logit_bias')
     @classmethod
-    def _no_openai_penalties(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError('presence/frequency penalties are not supported; use repetition_penalty')
-        return value
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f'logit_bias keys are token ids, got {key!r}')
+            if not -100 <= value <= 100:
+                raise ValueError(f'logit_bias values must be in [-100, 100], got {value!r} for {key}')
+        return bias
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def with_defaults(self, defaults: dict) -> _SamplingRequest:
+        """A copy with the model's sampling defaults in the fields the client did not send."""
+        unset = {k: v for k, v in defaults.items() if k in type(self).model_fields and k not in self.model_fields_set}
+        if 'top_k' in unset and unset['top_k'] < 0:
+            unset['top_k'] = 0
+        return self.model_copy(update=unset) if unset else self
 
     def generation_config(self, logprobs: int | None) -> GenerationConfig:
         """`max_new_tokens` is left for the server: it is `max_tokens` clamped to what the session leaves."""
@@ -110,12 +175,34 @@ class _SamplingRequest(_Record):
             do_sample=temperature > 0, temperature=temperature or 1.0,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k, 0),
             repetition_penalty=self.repetition_penalty, stop_words=stop or None, ignore_eos=self.ignore_eos,
-            random_seed=self.seed, logprobs=logprobs, return_routed_experts=self.return_routed_experts)
+            random_seed=self.seed, logprobs=logprobs, n=self.num_choices,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            min_p=self.min_p, logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            return_routed_experts=self.return_routed_experts, structured_output=self.structured_output())
 
 
 class TextContentPart(_Record):
     type: Literal['text']
     text: Text
+
+
+class ImageURL(_Record):
+    url: Text  # http(s), data:image/...;base64, or (allow-listed) file:// URL
+    detail: Literal['auto', 'low', 'high'] | None = None
+
+
+class ImageContentPart(_Record):
+    type: Literal['image_url']
+    image_url: ImageURL
+
+
+class VideoContentPart(_Record):
+    """Accepted by the schema so the request gets a clear 'not supported' error instead of a schema error."""
+    type: Literal['video_url', 'input_video']
+    video_url: dict[str, Any] | None = None
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart | VideoContentPart, Field(discriminator='type')]
 
 
 class FunctionCall(_Record):
@@ -142,15 +229,22 @@ class ToolCallMessage(_Record):
 
 class ChatMessage(_Record):
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
-    content: Text | list[TextContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: Text | None = None
     reasoning_content: Text | None = None
 
     def as_template_message(self) -> dict:
-        """The message as Hugging Face chat templates take it (`content` always a string)."""
-        content = self.content if isinstance(self.content, str) else ''.join(p.text for p in self.content or ())
+        """The message as Hugging Face chat templates take it: `content` a string, or a list of text and image
+        parts when the message has images (the template writes one image placeholder per image part)."""
+        content = self.content
+        if not isinstance(content, str):
+            parts = content or ()
+            if all(isinstance(p, TextContentPart) for p in parts):
+                content = ''.join(p.text for p in parts)
+            else:
+                content = [p.model_dump(exclude_none=True) for p in parts]
         message: dict[str, Any] = {'role': 'system' if self.role == 'developer' else self.role, 'content': content}
         if self.tool_calls:
             message['tool_calls'] = [call.as_template_call() for call in self.tool_calls]
@@ -241,14 +335,18 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator('prompt')
-    @classmethod
-    def _single_prompt(cls, prompt):
+    @model_validator(mode='after')
+    def _bounded_choices(self) -> CompletionRequest:
+        if len(self.prompts()) * self.num_choices > MAX_CHOICES:
+            raise ValueError(f'{len(self.prompts())} prompts x n={self.num_choices} exceed {MAX_CHOICES} choices')
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a batch (a string or a token-id list is one prompt); choice i*n+j is prompt i's j-th."""
+        prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(f'batched prompts are not supported: send one prompt per request, got {len(prompt)}')
-            return prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
     @model_validator(mode='after')
     def _unsupported(self) -> CompletionRequest:
@@ -281,9 +379,16 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def of(cls, response: Response) -> UsageInfo:
-        return cls(prompt_tokens=response.input_token_len, completion_tokens=response.generate_token_len,
-                   total_tokens=response.input_token_len + response.generate_token_len,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=response.cached_tokens))
+        return cls.total([response], 1)
+
+    @classmethod
+    def total(cls, responses: list[Response], n: int) -> UsageInfo:
+        """Usage of a request's choices (ordered prompt by prompt, `n` each): each prompt counts once."""
+        firsts = responses[::n]
+        prompt = sum(r.input_token_len for r in firsts)
+        completion = sum(r.generate_token_len for r in responses)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in firsts)))
 
 
 class RoutedExpertsData(BaseModel):

@@ -1,4 +1,5 @@
-"""Token sampling: repetition penalty, stop-id masking, temperature, top-k, top-p, seeded draws, logprobs."""
+"""Token sampling, in this order: logit bias, presence / frequency penalties, grammar mask, repetition penalty,
+stop-id masking, temperature, min-p, top-k, top-p, seeded draws; logprobs are of the raw distribution."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,34 @@ from ...model_inputs import SamplingInputs
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
+def _apply_openai_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> None:
+    """Logit bias; presence and frequency penalties over each row's generated tokens (in place)."""
+    for row, pair in enumerate(inputs.logit_bias or ()):
+        if pair is not None:
+            logits[row].index_add_(0, pair[0], pair[1])
+    for row, ids in enumerate(inputs.output_ids or ()):
+        if ids is not None and ids.numel():
+            counts = torch.bincount(ids, minlength=logits.size(-1)).to(logits.dtype)
+            logits[row] -= inputs.frequency_penalty[row] * counts + inputs.presence_penalty[row] * (counts > 0)
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float('-inf'))
+
+
+def _apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf for every token whose bit is 0 in its row of the int32 `bitmask` [S, ceil(V / 32)] (in place)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.size(-1)]
+    logits.masked_fill_(~allowed, float('-inf'))
+
+
 def _apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+    _apply_openai_penalties(logits, inputs)
+    if inputs.token_bitmask is not None:
+        _apply_token_bitmask(logits, inputs.token_bitmask)
     for row, (ids, banned) in enumerate(zip(inputs.penalty_ids, inputs.banned_ids)):
         if ids is not None and ids.numel():
             penalty = inputs.repetition_penalty[row]
@@ -64,7 +92,10 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> tuple[torch.Tensor, 
         next_ids = greedy_ids
     else:
         temperature = inputs.temperature.clamp(min=1e-5)[:, None]
-        filtered = _filter_top_k_top_p((logits / temperature).clamp(max=_FLOAT32_MAX), inputs.top_k, inputs.top_p)
+        scaled = (logits / temperature).clamp(max=_FLOAT32_MAX)
+        if inputs.min_p is not None:
+            scaled = _filter_min_p(scaled, inputs.min_p)
+        filtered = _filter_top_k_top_p(scaled, inputs.top_k, inputs.top_p)
         sampled = _draw(filtered.softmax(dim=-1), inputs.generators)
         next_ids = torch.where(inputs.temperature > 0, sampled, greedy_ids)
     logprobs = _top_logprobs(raw, next_ids, inputs.max_num_logprobs) if inputs.max_num_logprobs >= 0 else None

@@ -23,9 +23,11 @@ from ..block_manager import BlockManager
 from ..prefix_cache import PrefixCache, PrefixCacheSnapshot, PrefixCacheStats, PrefixMatch, PromptLogits
 from ..scheduler_output import CopyPlan, LogitsHit, SchedulerOutput
 from ..state_manager import StateManager
+from . import route_store
 from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
 from .checkpoint_policy import CheckpointPolicy, cap_at_hint
+from .eviction_policy import ReusePolicy
 from .kv_lifecycle import TrieKVLifecycle
 from .miss_tracker import MissTracker
 from .node import Node, NodeStateCheckpoint, tail_hash
@@ -70,20 +72,27 @@ class BlockTrie(PrefixCache):
         self.prompt_logits = config.prompt_logits
         self.branch_checkpoints = config.branch_checkpoints
         self.hasher = PrefixHasher(block_size)
-        self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher)
+        # Eviction priorities (eviction_policy.py); `policy` below is where checkpoints are taken.
+        self.reuse = ReusePolicy(lru=not config.value_eviction)
+        self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher, self.reuse, kv_block_bytes,
+                                  hybrid=self.is_hybrid)
         self.index = StateCheckpointIndex(self.hasher.stride)
         self.checkpoints = StateCheckpointLifecycle(
-            block_manager, state_manager, self.index, value_eviction=config.value_eviction,
-            state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes) if state_manager is not None else None
+            block_manager, state_manager, self.index, state_row_bytes=state_row_bytes, kv_block_bytes=kv_block_bytes,
+            policy=self.reuse) if state_manager is not None else None
         self.misses = MissTracker()
         if self.checkpoints is not None:
             self.checkpoints.on_evict = self._on_evict
+            self.checkpoints.on_change = self.kv.refresh
         self.stats = PrefixCacheStats()
         # What the published checkpoints hold (bytes, and how many have a frozen block), kept up to date at
         # publication, kept logits and eviction (the only way a published checkpoint dies) so that `snapshot` is O(1).
         self._held_bytes = 0
         self._num_partial = 0
         self._paths: dict[int, list[Node]] = {}
+        # Branch point of each admitted sequence: a checkpoint reserved there starts with one observed reuse (the
+        # cached prompt it was found in shares it).
+        self._junctions: dict[int, int] = {}
         self._clock = 0
         self.policy = CheckpointPolicy(self, block_manager, state_manager, config)
 
@@ -114,9 +123,9 @@ class BlockTrie(PrefixCache):
         run. What was verified is memoized on the request."""
         tokens = seq.token_array()
         n, bs = len(tokens), self.block_size
-        ck, mm_limited = None, 0
+        ck, mm_limited, routes_limited = None, 0, 0
         if self.is_hybrid:
-            ck, mm_limited = self._find_checkpoint(seq, tokens, n if self.prompt_logits else n - 1)
+            ck, mm_limited, routes_limited = self._find_checkpoint(seq, tokens, n if self.prompt_logits else n - 1)
         path = self._cached_path(seq, tokens, list(ck.nodes) if ck is not None else [])
         if self.is_hybrid:
             hit = ck.step if ck is not None else 0
@@ -125,18 +134,21 @@ class BlockTrie(PrefixCache):
             while depth and not seq.is_prefix_cache_boundary_safe(depth * bs):
                 depth -= 1
                 mm_limited = min(len(path), (n - 1) // bs) * bs
+            if seq.routed_experts is not None and route_store.routed_depth(path, depth) < depth:
+                routes_limited, depth = depth * bs, route_store.routed_depth(path, depth)
             hit = depth * bs
         covered, evicted_until = self._coverage(seq, tokens, path)
         junction = 0
         if self.branch_checkpoints and self.is_hybrid:
             junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, path, peers, hit)), hit)
-        miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited)
+        miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited, routes_limited)
         return PrefixMatch(hit, path[:hit // bs], ck, junction, miss)
 
     def _find_checkpoint(self, seq: SchedulerSequence, tokens: np.ndarray, max_step: int
-                         ) -> tuple[NodeStateCheckpoint | None, int]:
-        """The deepest verified, usable checkpoint, and the deepest verified step rejected for a multimodal span."""
-        n, mm_limited = len(tokens), 0
+                         ) -> tuple[NodeStateCheckpoint | None, int, int]:
+        """The deepest verified, usable checkpoint, and the deepest verified steps rejected for a multimodal span
+        and (for a sequence that records routed experts) for routes the cache cannot replay."""
+        n, mm_limited, routes_limited = len(tokens), 0, 0
         memo = self.hasher.memo(seq)
         for ck in self.checkpoint_candidates(seq, max_step):
             step = ck.step
@@ -150,8 +162,11 @@ class BlockTrie(PrefixCache):
             if not seq.is_prefix_cache_boundary_safe(step):
                 mm_limited = max(mm_limited, step)
                 continue
-            return ck, mm_limited
-        return None, mm_limited
+            if seq.routed_experts is not None and not route_store.has_routes(ck.nodes, ck, step, self.block_size):
+                routes_limited = max(routes_limited, step)
+                continue
+            return ck, mm_limited, routes_limited
+        return None, mm_limited, routes_limited
 
     @staticmethod
     def _same_prefix(seq: SchedulerSequence, tokens: np.ndarray, ck: NodeStateCheckpoint) -> bool:
@@ -200,10 +215,11 @@ class BlockTrie(PrefixCache):
         memo.nodes = path
         return path
 
-    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node) -> list[Node]:
-        """The nodes from just below the end of `path` down to `node` if they hold exactly the sequence's blocks
-        there (tokens and multimodal identity), else []."""
-        top = path[-1] if path else self.kv.root(seq.adapter_name)
+    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node,
+                      top: Node | None = None) -> list[Node]:
+        """The nodes from just below the end of `path` (or below `top`, a root) down to `node` if they hold exactly
+        the sequence's blocks there (tokens and multimodal identity), else []."""
+        top = top or (path[-1] if path else self.kv.root(seq.adapter_name))
         run, parts = [], []
         while node.depth > top.depth:
             run.append(node)
@@ -288,17 +304,35 @@ class BlockTrie(PrefixCache):
         return junction if junction > hit else 0
 
     def _attribute(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], hit: int, covered: int,
-                   evicted_until: int, mm_limited: int) -> Counter:
+                   evicted_until: int, mm_limited: int, routes_limited: int = 0) -> Counter:
         bs = self.block_size
         first, last = hit // bs, min(covered, len(tokens)) // bs
         gap_anchors = self.hasher.block_keys(seq)[first:min(last, len(path)) + 1].tolist()
-        other = 0
-        if len(self.kv.roots) > 1 and len(tokens) >= bs:
-            block = tokens[:bs]
-            mm = mm_identity_of(seq, 0, bs)
-            if any(self.kv.find_child(r, block, mm) for a, r in self.kv.roots.items() if a != seq.adapter_name):
-                other = bs
-        return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other)
+        other = self._other_adapter_coverage(seq, tokens) if len(self.kv.roots) > 1 else 0
+        return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other,
+                                     routes_limited)
+
+    def _other_adapter_coverage(self, seq: SchedulerSequence, tokens: np.ndarray) -> int:
+        """Leading prompt tokens the trie holds under another adapter's root (its cached run of blocks, found by
+        binary search on that adapter's block prefix keys and verified, plus the longest continuation after it):
+        what the `adapter` miss reason counts. Attribution only; a hit never reads another root."""
+        bs, max_depth, best = self.block_size, len(tokens) // self.block_size, 0
+        for adapter, root in self.kv.roots.items():
+            if adapter == seq.adapter_name:
+                continue
+            keys, found, lo, hi = self.hasher.block_keys_under(seq, adapter), root, 1, max_depth
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                node = self.kv.lookup(int(keys[mid]))
+                if node is None or node.depth != mid or node.adapter_name != adapter:
+                    hi = mid - 1
+                else:
+                    found, lo = node, mid + 1
+            if found is not root and not self._verified_run(seq, tokens, [], found, top=root):
+                found = root
+            base = found.depth * bs
+            best = max(best, base + found.longest_continuation(tokens[base:base + bs].tobytes()))
+        return min(best, len(tokens))
 
     def _tail_start(self, step: int) -> int:
         rem = step % self.block_size
@@ -341,7 +375,10 @@ class BlockTrie(PrefixCache):
 
     def on_admitted(self, seq: SchedulerSequence, match: PrefixMatch, first_admission: bool) -> None:
         now = self.tick()
+        route_store.replay(seq, match.nodes, match.checkpoint, match.num_tokens, self.block_size)
         self._paths[seq.seq_id] = list(match.nodes)
+        if match.junction:
+            self._junctions[seq.seq_id] = match.junction
         self.kv.touch_path(match.nodes, now)
         if match.checkpoint is not None:
             self.checkpoints.touch(match.checkpoint, now)
@@ -357,6 +394,7 @@ class BlockTrie(PrefixCache):
 
     def on_released(self, seq: SchedulerSequence) -> None:
         self._paths.pop(seq.seq_id, None)
+        self._junctions.pop(seq.seq_id, None)
 
     # ---- attaching blocks -------------------------------------------------------------------------------------
     def attach(self, seq: SchedulerSequence) -> list[Node]:
@@ -388,6 +426,7 @@ class BlockTrie(PrefixCache):
                 self.block_manager.free([seq.block_ids[i]])
                 seq.block_ids[i] = node.block_id
             node.last_access = now
+            route_store.keep_block_routes(node, seq, i, bs)
             self.misses.note_attached_block(node.prefix_key)
             path.append(node)
             parent = node
@@ -414,7 +453,8 @@ class BlockTrie(PrefixCache):
             slot=slot, step=step, frozen_block_id=frozen_block_id, adapter_name=seq.adapter_name, token_ids=tokens,
             mm_identity=mm, tail_hash=tail_hash(tokens[start:step], mm), last_access=self.tick(),
             chunk_hash=chunk_hash, tail_sum=tail_sum, prefix_mm_identity=mm_identity_of(seq, 0, step),
-            tail_bytes=tokens[step - step % self.block_size:].tobytes())
+            tail_bytes=tokens[step - step % self.block_size:].tobytes(),
+            num_hits=int(self._junctions.get(seq.seq_id) == step))
         return self.checkpoints.reserve(ck)
 
     def note_skipped_checkpoint(self, seq: SchedulerSequence, step: int) -> None:
@@ -434,6 +474,7 @@ class BlockTrie(PrefixCache):
         if (ck.step, ck.tail_hash) in anchor.checkpoints:
             self.checkpoints.release(ck)
             return
+        route_store.keep_checkpoint_routes(ck, seq, self.block_size)
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
         self._held_bytes += self.checkpoints.bytes_held(ck)
@@ -449,6 +490,11 @@ class BlockTrie(PrefixCache):
         self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
         self._held_bytes -= self.checkpoints.bytes_held(ck)
         self._num_partial -= ck.is_partial
+
+    def routes_bytes(self) -> int:
+        """Host bytes of the routed experts kept by blocks and checkpoint tails (walks the trie; for statistics)."""
+        live = self.checkpoints.live() if self.checkpoints is not None else []
+        return route_store.bytes_held(self.kv.roots.values(), live)
 
     def plan_checkpoints(self, out: SchedulerOutput) -> None:
         self.policy.plan(out)
@@ -480,27 +526,41 @@ class BlockTrie(PrefixCache):
         return self.policy.allocate_slot()
 
     def evict_blocks(self, num_needed: int) -> bool:
-        """Free KV blocks until `num_needed` are free: partial checkpoints first (LRU), then trie leaves (LRU)."""
+        """Free KV blocks until `num_needed` are free. Partial checkpoints (each frees its frozen block) and trie
+        leaves (each frees its block, with its checkpoints) compete in one order: the lowest priority goes
+        (eviction_policy.py; a partial checkpoint first on a tie)."""
         while not self.block_manager.can_allocate(num_needed):
-            if self.checkpoints is not None and self.checkpoints.evict_one(partial_only=True, cause='kv'):
-                continue
-            if not self._evict_leaf():
+            ck = self.checkpoints.peek(partial_only=True) if self.checkpoints is not None else None
+            leaf = self.kv.peek_leaf(self._leaf_is_evictable)
+            if ck is None and leaf is None:
                 return False
+            if ck is not None and (leaf is None or ck[0] <= leaf[0]):
+                self.checkpoints.evict(ck[1], 'kv')
+            else:
+                self.evict_leaf(*leaf)
         return True
 
+    def _leaf_is_evictable(self, leaf: Node) -> bool:
+        return self.block_manager.ref_count(leaf.block_id) == 1 and all(
+            self.checkpoints.is_evictable(ck) for ck in leaf.checkpoints.values())
+
     def _evict_leaf(self) -> bool:
-        for leaf in self.kv.evictable_leaves():
-            cks = list(leaf.checkpoints.values())
-            if all(self.checkpoints.is_evictable(ck) for ck in cks):
-                for ck in cks:
-                    self.checkpoints.evict(ck, 'kv_leaf')
-                self.misses.note_evicted_block(leaf.prefix_key)
-                self.kv.detach(leaf)
-                return True
-        return False
+        """Evict the lowest-priority evictable trie leaf; False when there is none."""
+        leaf = self.kv.peek_leaf(self._leaf_is_evictable)
+        if leaf is not None:
+            self.evict_leaf(*leaf)
+        return leaf is not None
+
+    def evict_leaf(self, priority: float, leaf: Node) -> None:
+        """Evict `leaf` (found at `priority`) with its checkpoints."""
+        for ck in list(leaf.checkpoints.values()):
+            self.checkpoints.evict(ck, 'kv_leaf')
+        self.reuse.on_evicted(priority)
+        self.misses.note_evicted_block(leaf.prefix_key)
+        self.kv.detach(leaf)
 
     def evict_slot(self) -> bool:
-        """Free one state slot by releasing the least recently used unpinned checkpoint."""
+        """Free one state slot by evicting the lowest-priority unpinned checkpoint."""
         return self.checkpoints is not None and self.checkpoints.evict_one(partial_only=False, cause='state')
 
     # ---- invariants -------------------------------------------------------------------------------------------

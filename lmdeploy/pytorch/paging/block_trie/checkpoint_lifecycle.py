@@ -2,38 +2,44 @@
 
 Owns: every checkpoint record, its state slot and its frozen partial block (one KV ref each). A RESERVED record
 holds resources for save copies that are not queued yet and is never evicted; a PUBLISHED one is matchable;
-a pinned one (restore copies pending) is never evicted or released. Eviction order: least recently used first;
-under KV pressure only partial (frozen-block) checkpoints are candidates here, before any trie leaf.
+a pinned one (restore copies pending) is never evicted or released. The published, unpinned ones wait in two
+heaps (partial, aligned) ordered by `ReusePolicy` priority (eviction_policy.py): state pressure takes the lowest of
+either; KV pressure compares the lowest partial one with the lowest trie leaf (`BlockTrie.evict_blocks`). When a
+partial checkpoint goes, an aligned checkpoint at its block floor on the same anchor (its fallback: the same prefix
+up to the block boundary) inherits its hits.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
+from collections.abc import Callable
 
 from ..block_manager import BlockManager
 from ..state_manager import StateManager
 from .checkpoint_index import StateCheckpointIndex
+from .eviction_policy import LazyMinHeap, ReusePolicy
 from .node import CheckpointState, Node, NodeStateCheckpoint
-
-_VALUE_WINDOW = 16
 
 
 class StateCheckpointLifecycle:
 
     def __init__(self, block_manager: BlockManager, state_manager: StateManager, index: StateCheckpointIndex,
-                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0):
+                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0,
+                 policy: ReusePolicy | None = None):
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.index = index
-        # Eviction by value: among the `_VALUE_WINDOW` least recently used candidates, evict the one that saves the
-        # least compute (tokens skipped) per byte held (state row + frozen block + kept logits).
-        self.value_eviction = value_eviction
+        self.policy = policy or ReusePolicy(lru=not value_eviction)
         self.state_row_bytes = max(state_row_bytes, 1)
         self.kv_block_bytes = kv_block_bytes
         # Called with every checkpoint released by eviction (miss attribution).
-        self.on_evict = None
+        self.on_evict: Callable[[NodeStateCheckpoint], None] | None = None
+        # Called with the anchor whenever its set of checkpoints or one of their priorities changes (the trie
+        # leaf's own priority follows them).
+        self.on_change: Callable[[Node], None] | None = None
         self._live: set[NodeStateCheckpoint] = set()
-        # Published and unpinned, least recently used first.
-        self._evictable: OrderedDict[NodeStateCheckpoint, None] = OrderedDict()
+        # Published and unpinned, by priority.
+        self._partial: LazyMinHeap[NodeStateCheckpoint] = LazyMinHeap()
+        self._aligned: LazyMinHeap[NodeStateCheckpoint] = LazyMinHeap()
         self.num_evicted = 0
         self.evictions_by_cause: Counter = Counter()
 
@@ -61,25 +67,35 @@ class StateCheckpointLifecycle:
         anchor.checkpoints[(ck.step, ck.tail_hash)] = ck
         anchor.add_continuation(ck.tail_bytes)
         self.index.add(ck)
-        if ck.pin_count == 0:
-            self._evictable[ck] = None
+        self._reprioritise(ck)
 
     def pin(self, ck: NodeStateCheckpoint, now: int) -> None:
         ck.pin_count += 1
         ck.last_access = now
-        self._evictable.pop(ck, None)
+        self._heap(ck).discard(ck)
 
     def unpin(self, ck: NodeStateCheckpoint) -> None:
         assert ck.pin_count > 0, 'unpin without pin'
         ck.pin_count -= 1
         if ck.pin_count == 0 and ck.published:
-            self._evictable[ck] = None
-            self._evictable.move_to_end(ck)
+            self._heap(ck).push(ck, ck.priority)
 
     def touch(self, ck: NodeStateCheckpoint, now: int) -> None:
+        """A request was admitted on `ck` (a hit): one more observed reuse."""
         ck.last_access = now
-        if ck in self._evictable:
-            self._evictable.move_to_end(ck)
+        ck.num_hits += 1
+        self._reprioritise(ck)
+
+    def _heap(self, ck: NodeStateCheckpoint) -> LazyMinHeap[NodeStateCheckpoint]:
+        return self._partial if ck.is_partial else self._aligned
+
+    def _reprioritise(self, ck: NodeStateCheckpoint) -> None:
+        """Priority as of now (a publication or a use); re-queued if evictable; the anchor's leaf follows."""
+        ck.priority = self.policy.priority(ck.num_hits, ck.step, self.bytes_held(ck), ck.last_access)
+        if ck.published and ck.pin_count == 0:
+            self._heap(ck).push(ck, ck.priority)
+        if ck.published and self.on_change is not None:
+            self.on_change(ck.anchor)
 
     def release(self, ck: NodeStateCheckpoint) -> None:
         """Return the slot and frozen block; the record dies. Never called on a pinned checkpoint."""
@@ -91,50 +107,58 @@ class StateCheckpointLifecycle:
             if ck.anchor.checkpoints.get((ck.step, ck.tail_hash)) is ck:
                 del ck.anchor.checkpoints[(ck.step, ck.tail_hash)]
             ck.anchor.remove_continuation(ck.tail_bytes)
+        anchor, was_published = ck.anchor, ck.published
         ck.state = CheckpointState.RELEASED
-        self._evictable.pop(ck, None)
+        self._heap(ck).discard(ck)
         self._live.discard(ck)
         self.state_manager.free(ck.slot)
         if ck.frozen_block_id is not None:
             self.block_manager.free([ck.frozen_block_id])
+        if was_published and self.on_change is not None:
+            self.on_change(anchor)
 
     def bytes_held(self, ck: NodeStateCheckpoint) -> int:
         logits = getattr(ck.last_logits, 'nbytes', 0) if ck.last_logits is not None else 0
         return self.state_row_bytes + (self.kv_block_bytes if ck.is_partial else 0) + int(logits)
 
-    def value(self, ck: NodeStateCheckpoint) -> float:
-        """Compute saved per byte held: the tokens a hit skips over the bytes the checkpoint holds."""
-        return ck.step / self.bytes_held(ck)
+    def peek(self, partial_only: bool) -> tuple[float, NodeStateCheckpoint] | None:
+        """The lowest-priority evictable checkpoint (only partial ones if asked) with its priority, or None."""
+        found = [f for f in (self._partial.peek(), None if partial_only else self._aligned.peek()) if f is not None]
+        return min(found, key=lambda f: f[0]) if found else None
 
     def evict_one(self, partial_only: bool, cause: str) -> bool:
-        """Release one unpinned published checkpoint (only partial ones if asked): the least recently used, or
-        with value eviction the lowest-value one among the least recently used few."""
-        victim, window = None, []
-        for ck in self._evictable:
-            if partial_only and not ck.is_partial:
-                continue
-            if not self.value_eviction:
-                victim = ck
-                break
-            window.append(ck)
-            if len(window) == _VALUE_WINDOW:
-                break
-        if window:
-            victim = min(window, key=self.value)
-        if victim is None:
+        """Evict the lowest-priority evictable checkpoint (only partial ones if asked); False when there is none."""
+        found = self.peek(partial_only)
+        if found is None:
             return False
-        self.evict(victim, cause)
+        self.evict(found[1], cause)
         return True
 
     def evict(self, ck: NodeStateCheckpoint, cause: str) -> None:
+        assert ck.pin_count == 0 and ck.published, 'only published, unpinned checkpoints are evicted'
         if self.on_evict is not None:
             self.on_evict(ck)
+        self.policy.on_evicted(ck.priority)
+        fallback = self.fallback(ck) if ck.num_hits else None
         self.release(ck)
         self.num_evicted += 1
         self.evictions_by_cause[cause] += 1
+        if fallback is not None:
+            fallback.num_hits += ck.num_hits
+            self._reprioritise(fallback)
+
+    @staticmethod
+    def fallback(ck: NodeStateCheckpoint) -> NodeStateCheckpoint | None:
+        """The published aligned checkpoint at the block floor of a partial `ck` (same anchor, so the same prefix
+        up to there): where `ck`'s hits resume once `ck` is gone. None for aligned or root-anchored ones."""
+        if not ck.is_partial or not ck.published or ck.anchor.is_root:
+            return None
+        floor = ck.step - len(ck.tail_bytes) // 8
+        return next((other for other in ck.anchor.checkpoints.values()
+                     if other.step == floor and not other.is_partial and other.published), None)
 
     def is_evictable(self, ck: NodeStateCheckpoint) -> bool:
-        return ck in self._evictable
+        return ck in self._partial or ck in self._aligned
 
     def verify(self, ck: NodeStateCheckpoint) -> bool:
         """A published record still refers to live trie nodes holding exactly its frozen block ids, and its

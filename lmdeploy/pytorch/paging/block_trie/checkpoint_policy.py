@@ -4,8 +4,8 @@ Owns no records (the trie and `StateCheckpointLifecycle` do); it decides and res
 (the prefix-cache contract, see `paging/prefix_cache.py`) in step order:
 - admission: `waits_for_peer` (branch points in flight), `admission_chunk` / `chunk` (a chunk ends at a branch
   point), `allocate_slot` (slot allocation with eviction);
-- end of `schedule`: `plan` reserves at prefill and chunk ends, at branch points, at in-prefill cuts and at the
-  opt-in decode interval;
+- end of `schedule`: `plan` reserves at prefill and chunk ends, at branch points (plus an aligned fallback at an
+  unaligned one's block floor), at in-prefill cuts and at the opt-in decode interval;
 - `commit`: `keep_prompt_logits`, then `plan_replies` (reply checkpoints of the sequences that stopped).
 Every reservation allocates its slot (and, for a step inside a block, its frozen block) or is skipped; it never
 preempts a sequence. Eviction itself (which checkpoint or leaf goes) belongs to the lifecycles, not here.
@@ -87,6 +87,8 @@ class CheckpointPolicy:
             seq.checkpoint_hint = None
         if n > 1 and not at_branch_point:
             self._plan_prefill_cuts(seq, n, out)
+        if at_branch_point:
+            self._plan_fallback(seq, step, out)
         if seq.num_computed >= seq.num_prompt_tokens and n == 1:
             interval = self.decode_state_interval
             if not interval or step % interval:
@@ -113,6 +115,20 @@ class CheckpointPolicy:
                 seq.num_prefill_checkpoints += 1
                 room -= 1
             step -= interval
+
+    def _plan_fallback(self, seq: SchedulerSequence, step: int, out: SchedulerOutput) -> None:
+        """An unaligned branch point also keeps an aligned checkpoint at its block floor (a state cut in the same
+        forward, no frozen block), in a free state row only: when KV pressure evicts the branch point's frozen
+        block, its hits resume there (`StateCheckpointLifecycle.fallback`) instead of at the previous checkpoint."""
+        floor = step - step % self.block_size
+        if floor <= seq.num_computed or floor == step or not self.trie.wants_checkpoint(seq, floor):
+            return
+        slot = self.state_manager.allocate()
+        if slot is None:
+            return
+        ck = self.trie.reserve_checkpoint(seq, floor, slot, None)
+        out.reserved.append(ReservedCheckpoint(seq, ck))
+        out.state_cuts.append(StateCut(seq, floor, slot))
 
     def reserve(self, seq: SchedulerSequence, step: int, plan: CopyPlan) -> None:
         """Reserve a checkpoint of `seq` at `step` with its save copies into `plan`, if wanted and affordable."""

@@ -3,7 +3,9 @@
 Owns: one reference on the block of every attached node. Topology only grows by new leaves or shrinks by
 removing leaves. A leaf can be evicted when nothing else references its block (ref count 1 = the trie's own) and
 none of its checkpoints is pinned or reserved; its unpinned checkpoints go with it. Hence every ancestor of an
-attached node is attached.
+attached node is attached. Leaves wait in a heap by `ReusePolicy` priority (eviction_policy.py): a dense model's
+leaf by its own hits, a hybrid model's by its most valuable checkpoint (none left: it can serve no hit and goes
+first).
 
 Two ways to find a node: `find_child` (chained hash of one block under a known parent, exact token check), and
 `lookup` by the key of its whole block prefix (prefix_keys.py), which only proposes a node: the caller verifies
@@ -16,16 +18,23 @@ from collections import Counter
 import numpy as np
 
 from ..block_manager import BlockManager
+from .eviction_policy import DEAD, LazyMinHeap, ReusePolicy
 from .node import MMIdentity, Node, block_hash, root_hash
 from .prefix_keys import PrefixHasher
 
 
 class TrieKVLifecycle:
 
-    def __init__(self, block_manager: BlockManager, block_size: int, hasher: PrefixHasher):
+    def __init__(self, block_manager: BlockManager, block_size: int, hasher: PrefixHasher,
+                 policy: ReusePolicy | None = None, kv_block_bytes: int = 1, hybrid: bool = False):
         self.block_manager = block_manager
         self.block_size = block_size
         self.hasher = hasher
+        self.policy = policy or ReusePolicy(lru=True)
+        self.kv_block_bytes = max(kv_block_bytes, 1)
+        # Hybrid models: a block serves hits only through the checkpoints on or below it.
+        self.hybrid = hybrid
+        self._leaf_heap: LazyMinHeap[Node] = LazyMinHeap()
         self.roots: dict[str | None, Node] = {}
         # Prefix key -> a node indexed under it (the first one on a collision).
         self._by_key: dict[int, Node] = {}
@@ -75,18 +84,37 @@ class TrieKVLifecycle:
         self._by_key.setdefault(prefix_key, node)
         self._nodes.add(node)
         self._leaves.discard(parent)
+        self._leaf_heap.discard(parent)
         self._leaves.add(node)
+        node.priority = self.policy.priority(0, self.block_size, self.kv_block_bytes, now)
+        self.refresh(node)
         self.num_nodes += 1
         return node
 
     def touch_path(self, nodes: list[Node], now: int) -> None:
+        """A request was admitted sharing `nodes`: one more use of each."""
         for node in nodes:
             node.last_access = now
+            node.num_hits += 1
+            node.priority = self.policy.priority(node.num_hits, self.block_size, self.kv_block_bytes, now)
+        if nodes:
+            self.refresh(nodes[-1])
 
-    def evictable_leaves(self) -> list[Node]:
-        """Leaves whose block only the trie references and whose checkpoints are all evictable, LRU first."""
-        leaves = [n for n in self._leaves if self.block_manager.ref_count(n.block_id) == 1]
-        return sorted(leaves, key=lambda n: n.last_access)
+    def leaf_priority(self, node: Node) -> float:
+        if not self.hybrid:
+            return node.priority
+        best = max((ck.priority for ck in node.checkpoints.values() if ck.published), default=DEAD)
+        return max(best, node.priority) if self.policy.lru else best
+
+    def refresh(self, node: Node) -> None:
+        """Re-queue an attached leaf at its current priority (after its block or checkpoints changed)."""
+        if node in self._leaves:
+            self._leaf_heap.push(node, self.leaf_priority(node))
+
+    def peek_leaf(self, eligible) -> tuple[float, Node] | None:
+        """The lowest-priority leaf that `eligible` accepts (its block only the trie's, its checkpoints all
+        evictable), left in place; None when there is none."""
+        return self._leaf_heap.peek(eligible)
 
     def detach(self, node: Node) -> None:
         """Remove a leaf and drop the trie's reference on its block."""
@@ -98,8 +126,10 @@ class TrieKVLifecycle:
             del self._by_key[node.prefix_key]
         self._nodes.discard(node)
         self._leaves.discard(node)
+        self._leaf_heap.discard(node)
         if not parent.is_root and parent.is_leaf:
             self._leaves.add(parent)
+            self.refresh(parent)
         node.attached = False
         self.block_manager.free([node.block_id])
         self.num_nodes -= 1

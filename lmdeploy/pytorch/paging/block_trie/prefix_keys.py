@@ -163,6 +163,11 @@ class PrefixHasher:
         memo = self._update(seq)
         return _frozen(memo.keys[:memo.num_blocks + 1])
 
+    def block_keys_under(self, seq: SchedulerSequence, adapter_name: str | None) -> np.ndarray:
+        """`block_keys(seq)` as if the request ran under `adapter_name`: keys differ only in the adapter term."""
+        delta = _U64((root_hash(adapter_name) - root_hash(seq.adapter_name)) * self._mix_adapter & _MASK)
+        return self.block_keys(seq) + delta
+
     def prefix_hashes(self, seq: SchedulerSequence, steps: np.ndarray) -> np.ndarray:
         """H(s) for every `s` in `steps` (each <= the request's length)."""
         chunks, rems = np.divmod(np.asarray(steps, dtype=np.int64), self.stride)

@@ -1,0 +1,101 @@
+"""Eviction order of the prefix cache: what keeping each checkpoint and trie leaf is expected to save.
+
+Owns the priorities only (no resources): `StateCheckpointLifecycle` and `TrieKVLifecycle` keep their candidates in
+`LazyMinHeap`s keyed by these priorities, and `BlockTrie` evicts the lowest one across them.
+
+By value (the default), GreedyDual-Size-Frequency (Cherkasova 1998), in tokens of prefill saved per byte held:
+
+    priority = L + (1 + hits) * tokens / bytes
+
+- `hits`: requests admitted on the item so far (restores of a checkpoint; matches through a dense-model block).
+  An item no request has used yet gets the credit of one use.
+- `tokens`: the prefill a hit skips (a checkpoint's step; for a dense block the `block_size` tokens it adds to its
+  parent's prefix).
+- `bytes`: what the item holds (a checkpoint: state row, frozen block if partial, kept logits; a block: one block).
+- `L` (the clock): the priority of the last evicted item. It only grows, so credit earned long ago is worth less
+  than fresh credit: observed reuse decays with eviction time, and an item that served `h` hits outlives about
+  `h` one-off items of its own size and depth evicted after its last hit.
+
+A hybrid model's trie leaf is worth the most valuable checkpoint on it (evicting the leaf evicts them); a leaf with
+no checkpoint left holds KV no hybrid match can use and goes first.
+
+With `lru` the priority is the item's last access tick (plain least recently used, for comparison).
+Cost: an O(log n) heap push per publish, hit, unpin or leaf change, and an O(log n) pop per eviction (amortised;
+stale entries are skipped and compacted).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar('T')
+
+DEAD = -math.inf  # priority of an item that can serve no hit
+
+
+class LazyMinHeap(Generic[T]):
+    """Min-heap of items by priority with lazy invalidation: `push` supersedes an item's earlier entry and
+    `discard` drops it; stale entries are skipped when popped. Ties go to the earlier push."""
+
+    def __init__(self):
+        self._heap: list[tuple[float, int, T]] = []
+        self._live: dict[T, int] = {}   # item -> sequence number of its current entry
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, item: T) -> bool:
+        return item in self._live
+
+    def push(self, item: T, priority: float) -> None:
+        seq = next(self._seq)
+        self._live[item] = seq
+        heapq.heappush(self._heap, (priority, seq, item))
+        if len(self._heap) > 2 * len(self._live) + 64:
+            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def discard(self, item: T) -> None:
+        self._live.pop(item, None)
+
+    def peek(self, eligible: Callable[[T], bool] | None = None) -> tuple[float, T] | None:
+        """The lowest-priority live item that is `eligible` (all live items when None), left in the heap.
+        Ineligible entries met on the way are kept."""
+        skipped = []
+        found = None
+        while self._heap:
+            priority, seq, item = self._heap[0]
+            if self._live.get(item) != seq:
+                heapq.heappop(self._heap)
+                continue
+            if eligible is None or eligible(item):
+                found = (priority, item)
+                break
+            skipped.append(heapq.heappop(self._heap))
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def items(self) -> list[T]:
+        return list(self._live)
+
+
+class ReusePolicy:
+    """Priorities of checkpoints and trie blocks (see the module docstring)."""
+
+    def __init__(self, lru: bool = False):
+        self.lru = lru
+        self.clock = 0.0   # L: the priority of the last evicted item (by value)
+
+    def priority(self, hits: int, tokens: int, nbytes: int, last_access: int) -> float:
+        if self.lru:
+            return float(last_access)
+        return self.clock + (1 + hits) * tokens / max(nbytes, 1)
+
+    def on_evicted(self, priority: float) -> None:
+        if not self.lru and priority > self.clock:
+            self.clock = priority
