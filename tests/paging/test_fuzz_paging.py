@@ -505,7 +505,13 @@ class PagingMachine(RuleBasedStateMachine):
         CacheCheckpointInputs.build(out.kv_restores, out.state_restores, out.kv_saves, out.state_saves,
                                     bm.resolve_gpu_block_offsets)
         assert len(out.seqs) <= self.cfg.max_batch_size
-        assert sum(n for n in out.num_new_tokens if n > 1) <= self.cfg.max_prefill
+        # The prefill budget holds, except where a piece is one whole image longer than the budget left (a chunk
+        # never splits an image: it stops before one, or, starting at one, takes it whole).
+        whole_image = any(n > 1 and any(sp.start == seq.num_computed and sp.end == seq.num_computed + n
+                                        for sp in seq.mm_spans) for seq, n in zip(out.seqs, out.num_new_tokens))
+        assert whole_image or sum(n for n in out.num_new_tokens if n > 1) <= self.cfg.max_prefill
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            assert seq.is_prefix_cache_boundary_safe(seq.num_computed + n), 'a chunk ends inside an image'
         node_blocks = set(trie.kv.owners())
         frozen = {ck.frozen_block_id for ck in trie.checkpoints.live()} if trie.checkpoints is not None else set()
         for seq, n in zip(out.seqs, out.num_new_tokens):

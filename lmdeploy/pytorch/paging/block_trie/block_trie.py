@@ -175,7 +175,7 @@ class BlockTrie(PrefixCache):
         checkpoint is published (only leaves are detached, and only after their checkpoints are released;
         `check_integrity` asserts it)."""
         return (ck.prefix_mm_identity == mm_identity_of(seq, 0, ck.step) and ck.anchor.attached
-                and equal_tokens(ck.token_ids, tokens[:ck.step]))
+                and ck.position_offset == seq.position_offset(ck.step) and equal_tokens(ck.token_ids, tokens[:ck.step]))
 
     def checkpoint_candidates(self, seq: SchedulerSequence, max_step: int) -> list[NodeStateCheckpoint]:
         """Published checkpoints whose prefix hashes equal the sequence's at their anchor and step (unverified),
@@ -454,7 +454,7 @@ class BlockTrie(PrefixCache):
             mm_identity=mm, tail_hash=tail_hash(tokens[start:step], mm), last_access=self.tick(),
             chunk_hash=chunk_hash, tail_sum=tail_sum, prefix_mm_identity=mm_identity_of(seq, 0, step),
             tail_bytes=tokens[step - step % self.block_size:].tobytes(),
-            num_hits=int(self._junctions.get(seq.seq_id) == step))
+            num_hits=int(self._junctions.get(seq.seq_id) == step), position_offset=seq.position_offset(step))
         return self.checkpoints.reserve(ck)
 
     def note_skipped_checkpoint(self, seq: SchedulerSequence, step: int) -> None:

@@ -3,7 +3,7 @@
 Owns no records (the trie and `StateCheckpointLifecycle` do); it decides and reserves. Called through `BlockTrie`
 (the prefix-cache contract, see `paging/prefix_cache.py`) in step order:
 - admission: `waits_for_peer` (branch points in flight), `admission_chunk` / `chunk` (a chunk ends at a branch
-  point), `allocate_slot` (slot allocation with eviction);
+  point, and at the end of the prompt's last image), `allocate_slot` (slot allocation with eviction);
 - end of `schedule`: `plan` reserves at prefill and chunk ends, at branch points (plus an aligned fallback at an
   unaligned one's block floor), at in-prefill cuts and at the opt-in decode interval;
 - `commit`: `keep_prompt_logits`, then `plan_replies` (reply checkpoints of the sequences that stopped).
@@ -60,8 +60,21 @@ class CheckpointPolicy:
         return False
 
     def admission_chunk(self, seq: SchedulerSequence, match: PrefixMatch, n: int) -> int:
-        seq.checkpoint_hint = match.junction if match.junction > match.num_tokens else None
+        hints = [h for h in (match.junction, self.image_end_hint(seq, match.num_tokens)) if h is not None
+                 and h > match.num_tokens]
+        seq.checkpoint_hint = min(hints) if hints else None
         return cap_at_hint(seq, n, start=match.num_tokens)
+
+    def image_end_hint(self, seq: SchedulerSequence, after: int) -> int | None:
+        """The end of the prompt's last image when a chunk should end there to checkpoint it ("same images, new
+        question" then resumes exactly after the images): after `after`, before the prompt's end, not already
+        checkpointed. None otherwise."""
+        if not seq.mm_spans or not self.trie.is_hybrid:
+            return None
+        end = seq.mm_spans[-1].end
+        if not after < end < seq.num_prompt_tokens or not self.trie.wants_checkpoint(seq, end):
+            return None
+        return end
 
     # ---- slots ------------------------------------------------------------------------------------------------
     def allocate_slot(self) -> int | None:
@@ -84,7 +97,7 @@ class CheckpointPolicy:
         step = seq.num_computed + n
         at_branch_point = seq.checkpoint_hint == step
         if seq.checkpoint_hint is not None and step >= seq.checkpoint_hint:
-            seq.checkpoint_hint = None
+            seq.checkpoint_hint = self.image_end_hint(seq, step)  # a branch point before the last image end
         if n > 1 and not at_branch_point:
             self._plan_prefill_cuts(seq, n, out)
         if at_branch_point:
