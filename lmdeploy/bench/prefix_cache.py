@@ -6,8 +6,7 @@ Per (workload, mode) a fresh pipeline is built, warmed up with one unrelated req
 rounds: each round sends the next turn of up to `concurrency` active conversations at once (all submitted before
 any is awaited) and waits for all of them, so the submission order, and thus the oracle, is the same in every
 mode. Decoding is greedy with `ignore_eos` and a fixed `max_new_tokens`, so every mode must generate the same
-tokens; the report says whether it did. Engine internals are read only from the engine loop thread (inside
-output callbacks) or after the run.
+tokens; the report says whether it did. Engine figures come from the engine's per-step statistics records only.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..messages import GenerationConfig, PytorchEngineConfig
+from ..messages import GenerationConfig, PrefixCacheConfig, PytorchEngineConfig
 from .oracle import RequestTiming, attribute_misses, oracle_hits
 from .pressure import (
     PRESSURE_MODES,
@@ -149,13 +148,13 @@ class BenchConfig:
         return PytorchEngineConfig(
             device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=pools.num_blocks,
             max_batch_size=pools.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
-            enable_prefix_caching=mode != 'off',
-            prefix_cache_checkpoint_mode='aligned' if mode in ('aligned', 'full-aligned') else 'exact',
-            prefix_cache_state_budget=pools.state_budget,
-            prefix_cache_decode_state_interval=self.decode_state_interval,
-            prefix_cache_reply_checkpoints='reply' in policies, prefix_cache_prompt_logits='logits' in policies,
-            prefix_cache_branch_checkpoints='branch' in policies, prefix_cache_value_eviction='value' in policies,
-            prefix_cache_prefill_state_interval=self.prefill_state_interval if 'prefill' in policies else 0)
+            enable_prefix_caching=mode != 'off', prefix_cache=PrefixCacheConfig(
+                checkpoint_mode='aligned' if mode in ('aligned', 'full-aligned') else 'exact',
+                state_budget=pools.state_budget,
+                decode_state_interval=self.decode_state_interval, reply_checkpoints='reply' in policies,
+                prompt_logits='logits' in policies, branch_checkpoints='branch' in policies,
+                value_eviction='value' in policies,
+                prefill_state_interval=self.prefill_state_interval if 'prefill' in policies else 0))
 
     def header(self) -> list[str]:
         return [f'model: `{self.model_path}`, device {self.device}, dtype {self.dtype}',
@@ -168,99 +167,83 @@ class BenchConfig:
 
 
 class EngineProbe:
-    """Engine internals the report needs: times `BlockTrie.match`, samples checkpoint memory, reads evictions.
+    """What the report needs from the engine, from its per-step statistics records (`Engine.stats_snapshot`, and a
+    step listener): matching cost, checkpoint memory, evictions, counter growth since the warm-up.
 
-    `evictions()` runs on the engine loop thread (from output callbacks); `request_sample()` (also from a callback)
-    makes the probe sample checkpoint memory right after that step, once the step's bookkeeping (blocks attached,
-    checkpoints published) is done: a step delivers its tokens before that bookkeeping.
+    `evictions()` runs on the engine loop thread (from output callbacks) and reads the previous step's record;
+    `request_sample()` (also from a callback) makes the probe sample checkpoint memory from the record of the step
+    that delivered the output, published once the step's bookkeeping (blocks attached, checkpoints published) is
+    done: a step delivers its tokens before that bookkeeping.
     """
 
     def __init__(self, engine):
         self.engine = engine
-        self.trie = engine.scheduler.trie
-        cache = engine.cache_engine
-        self.row_bytes = cache.state_pool.size(1) if cache.state_pool.size(0) else 0
-        self.block_bytes = cache.kv_pool_bytes // engine.cache_config.num_blocks
-        self.match_s = 0.0
-        self.match_calls = 0
+        self.is_cache_enabled = engine.engine_config.enable_prefix_caching
+        # Bytes of one checkpoint's state row and of its frozen partial block (kept logits are left out).
+        self.row_bytes = engine.cache_config.state_row_bytes if engine.cache_config.num_state_slots else 0
+        self.block_bytes = engine.cache_config.kv_block_bytes
         self.peak_bytes = 0
-        self.peak_blocks = 0
-        self.peak_checkpoints = 0
-        self.eviction_base = 0
-        self.stats_base: dict = {}
-        # Checkpoints that existed before the trace (the warm-up's) are left out of the memory figures.
-        self._baseline: set = set()
+        # Peaks of KV blocks in use and of live checkpoints, over every step (the working set when unbounded).
+        self.peak_blocks = self.peak_checkpoints = 0
+        self.base = engine.stats_snapshot.prefix_cache
         self._sample_due = False
-        if self.trie is not None:
-            self._wrap_match()
-        self._wrap_step()
+        engine.add_step_listener(self._on_step)
 
-    def _wrap_step(self) -> None:
-        original = self.engine.step
-
-        def step_then_sample():
-            try:
-                return original()
-            finally:
-                if self._sample_due:
-                    self._sample_due = False
-                    self.sample()
-
-        self.engine.step = step_then_sample  # shadows the method on this instance only
+    def _on_step(self, stats) -> None:
+        self.peak_blocks = max(self.peak_blocks, stats.num_kv_blocks - stats.num_free_kv_blocks)
+        self.peak_checkpoints = max(self.peak_checkpoints, self.live_checkpoints(stats.prefix_cache))
+        if self._sample_due:
+            self._sample_due = False
+            self._sample(stats.prefix_cache)
 
     def request_sample(self) -> None:
         self._sample_due = True
 
-    def _wrap_match(self) -> None:
-        original = self.trie.match
-
-        def timed_match(seq, *args, **kwargs):
-            start = time.thread_time()
-            try:
-                return original(seq, *args, **kwargs)
-            finally:
-                self.match_s += time.thread_time() - start
-                self.match_calls += 1
-
-        self.trie.match = timed_match  # shadows the method on this instance only
-
     def reset(self) -> None:
         """Start counting from here (after the warm-up; the engine must be idle)."""
-        self.match_s, self.match_calls, self.peak_bytes = 0.0, 0, 0
+        self.peak_bytes = 0
         self.peak_blocks = self.peak_checkpoints = 0
-        self.eviction_base = self._raw_evictions()
-        self.stats_base = dict(self.engine.stats)
-        self._baseline = set(self.live_checkpoints())
+        self.base = self.engine.stats_snapshot.prefix_cache
 
-    def live_checkpoints(self) -> list:
-        if self.trie is None or self.trie.checkpoints is None:
-            return []
-        return [ck for ck in self.trie.checkpoints.live() if ck not in self._baseline]
+    @property
+    def now(self):
+        return self.engine.stats_snapshot.prefix_cache
 
-    def checkpoint_bytes(self) -> int:
-        live = self.live_checkpoints()
-        return len(live) * self.row_bytes + sum(ck.frozen_block_id is not None for ck in live) * self.block_bytes
+    @property
+    def match_s(self) -> float:
+        return self.now.match_seconds - self.base.match_seconds
+
+    @property
+    def match_calls(self) -> int:
+        return self.now.match_calls - self.base.match_calls
+
+    def live_checkpoints(self, snapshot=None) -> int:
+        """Checkpoints published since `reset()` and still live (the warm-up's are left out)."""
+        return (snapshot or self.now).live_checkpoints - self.base.live_checkpoints
+
+    def checkpoint_bytes(self, snapshot=None) -> int:
+        snapshot = snapshot or self.now
+        partial = snapshot.partial_checkpoints - self.base.partial_checkpoints
+        return self.live_checkpoints(snapshot) * self.row_bytes + partial * self.block_bytes
+
+    def _sample(self, snapshot) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.checkpoint_bytes(snapshot))
 
     def sample(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.checkpoint_bytes())
-        blocks = self.engine.scheduler.block_manager
-        self.peak_blocks = max(self.peak_blocks, blocks.num_blocks - blocks.num_free)
-        self.peak_checkpoints = max(self.peak_checkpoints, len(self.live_checkpoints()))
+        self._sample(self.now)
 
     def evictions_by_cause(self) -> dict[str, int]:
-        now, base = self.engine.stats.get('evictions_by_cause', {}), self.stats_base.get('evictions_by_cause', {})
+        now, base = self.now.evictions_by_cause, self.base.evictions_by_cause
         return {cause: n - base.get(cause, 0) for cause, n in now.items() if n - base.get(cause, 0)}
 
     def stat_delta(self, key: str) -> int:
         """Growth of an engine counter since `reset()`."""
-        return self.engine.stats[key] - self.stats_base.get(key, 0)
-
-    def _raw_evictions(self) -> int:
-        stats = self.engine.stats
-        return stats['evicted_checkpoints'] + stats['evicted_blocks']
+        return getattr(self.now, key) - getattr(self.base, key)
 
     def evictions(self) -> int:
-        return self._raw_evictions() - self.eviction_base
+        now = self.now
+        return (now.evicted_checkpoints + now.evicted_blocks) - (self.base.evicted_checkpoints
+                                                                 + self.base.evicted_blocks)
 
 
 class _Flight:
@@ -366,7 +349,7 @@ def summarize(workload: str, mode: str, records: list[RequestRecord], probe: Eng
     probe.sample()
     engine_reasons = stats.get('miss_reasons')
     reasons = dict(engine_reasons) if engine_reasons else attribute_misses(
-        prompt_lens, cached, hits, [r.timing for r in records], is_cache_enabled=probe.trie is not None)
+        prompt_lens, cached, hits, [r.timing for r in records], is_cache_enabled=probe.is_cache_enabled)
     ttft_ms = np.array([(r.timing.first_token_s - r.timing.submit_s) * 1000 for r in records])
     wall = max(r.finish_s for r in records) - min(r.timing.submit_s for r in records)
     generated = sum(len(r.output_ids) for r in records)
@@ -379,13 +362,13 @@ def summarize(workload: str, mode: str, records: list[RequestRecord], probe: Eng
         throughput_tok_s=generated / wall if wall > 0 else 0.0, wall_s=wall,
         match_ms_per_request=probe.match_s * 1000 / len(records), match_calls=probe.match_calls,
         checkpoint_mib_peak=probe.peak_bytes / _MIB, checkpoint_mib_final=probe.checkpoint_bytes() / _MIB,
-        live_checkpoints=len(probe.live_checkpoints()), checkpoints_saved=probe.stat_delta('checkpoints_saved'),
+        live_checkpoints=probe.live_checkpoints(), checkpoints_saved=probe.stat_delta('checkpoints_saved'),
         evicted_checkpoints=probe.stat_delta('evicted_checkpoints'), evicted_blocks=probe.stat_delta('evicted_blocks'),
         miss_reasons=reasons, miss_reasons_source='engine' if engine_reasons else 'bench',
         outputs_digest=_outputs_digest(records), outputs={f'{r.conv_id}:{r.turn}': r.output_ids for r in records},
         margins={f'{r.conv_id}:{r.turn}': r.margins for r in records},
         pressure=pressure, num_blocks=probe.engine.cache_config.num_blocks,
-        checkpoint_rows=probe.engine.cache_config.prefix_cache_state_budget,
+        checkpoint_rows=probe.engine.stats_snapshot.checkpoint_rows,
         evictions_by_cause=probe.evictions_by_cause(), peak_kv_blocks=probe.peak_blocks,
         peak_checkpoints=probe.peak_checkpoints,
         max_request_tokens=max(len(r.prompt_ids) + len(r.output_ids) for r in records))

@@ -106,8 +106,12 @@ def build_model(model_path: str, device: torch.device, dtype: str, device_type: 
     if checkpoint is None:
         fill_dummy_(model)
     else:
-        model.load_weights(checkpoint.iter_tensors(), fp8_kept=fp8_kept,
-                           fp8_block_size=fp8_config.block_size if fp8_config else None)
+        tensors = checkpoint.iter_tensors()
+        try:
+            model.load_weights(tensors, fp8_kept=fp8_kept,
+                               fp8_block_size=fp8_config.block_size if fp8_config else None)
+        finally:
+            tensors.close()  # a failed load stops the reader threads now, not when the traceback is freed
     model.eval()
     config = model_cls.build_model_config(hf_config, dtype, dtype if state_dtype == 'model' else state_dtype)
     eos = read_eos_token_ids(model_path, hf_config)
