@@ -13,6 +13,9 @@ Shapes (for `num_requests` = N):
   `max_prefill_token_num` (so its prefill is chunked), the next two are follow-up questions.
 - repeat: ceil(N / 2) distinct prompts, each sent a second time after the first has finished.
 - branching: a shared preamble, then sqrt(N) branch sections, then a distinct question per request.
+- shared_system: ceil(N / 2) independent conversations of 2 turns, all opening with one long system prompt (about
+  half a prefill chunk), interleaved by the runner's rounds: the prefix every request shares is short-stepped next
+  to each conversation's own prompt-end and reply checkpoints, the case eviction must not get wrong.
 
 Multimodal shapes (vision-language models; not part of 'all'): an image is a seed, drawn by the runner
 (`bench/images.py`), and sits before the text of a conversation's first turn.
@@ -27,7 +30,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-WORKLOADS = ('multi_turn', 'shared_doc', 'long_context', 'repeat', 'branching')
+WORKLOADS = ('multi_turn', 'shared_doc', 'long_context', 'repeat', 'branching', 'shared_system')
 MULTIMODAL_WORKLOADS = ('mm_shared_images', 'mm_multi_turn')
 
 _VOCABULARY = tuple("""
@@ -151,6 +154,18 @@ def _branching(rng: random.Random, n: int, sizing: WorkloadSizing, count_tokens:
             for i in range(n)]
 
 
+def _shared_system(rng: random.Random, n: int, sizing: WorkloadSizing,
+                   count_tokens: CountTokens) -> list[Conversation]:
+    system = 'You are a careful assistant. ' + _text_of_tokens(
+        rng, min(sizing.max_prefill_token_num // 2, sizing.max_prompt_tokens // 3), count_tokens)
+    convs, left = [], n
+    for conv_id in range(math.ceil(n / 2)):
+        turns = tuple(_sentences(rng, rng.randint(6, 20)) for _ in range(min(2, left)))
+        left -= len(turns)
+        convs.append(Conversation(conv_id, system, turns))
+    return convs
+
+
 def _mm_shared_images(rng: random.Random, n: int, sizing: WorkloadSizing,
                       count_tokens: CountTokens) -> list[Conversation]:
     seeds = (rng.randrange(1 << 30), rng.randrange(1 << 30))
@@ -173,6 +188,7 @@ _GENERATORS: dict[str, Callable[[random.Random, int, WorkloadSizing, CountTokens
     'long_context': _long_context,
     'repeat': _repeat,
     'branching': _branching,
+    'shared_system': _shared_system,
     'mm_shared_images': _mm_shared_images,
     'mm_multi_turn': _mm_multi_turn,
 }

@@ -360,3 +360,57 @@ def test_the_dequantized_copy_reference_equals_transformers_fp8_load(fp8_checkpo
         fp8_load = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
         copy = transformers.AutoModelForCausalLM.from_pretrained(dequantized_copy(path), dtype=torch.float32)
         assert_close(copy.eval()(ids).logits, fp8_load, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_decode_graphs_replay_the_eager_forward(tiny_model_factory, tmp_path):
+    arch, overrides = 'qwen3_next', dict(num_hidden_layers=2, layer_types=[LIN, FULL], linear_key_head_dim=32,
+                                         linear_value_head_dim=32, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=64)
+    path = quantize_checkpoint(tiny_model_factory(arch, **overrides), str(tmp_path / 'fp8'), block=[32, 32])
+    results = []
+    for eager in (True, False):
+        engine = Engine(path, PytorchEngineConfig(device_type='cuda', dtype='bfloat16', block_size=16,
+                                                  num_gpu_blocks=32, max_batch_size=4, eager_mode=eager))
+        results.append(engine_logits(engine, PROMPT, max_new_tokens=6))
+        del engine
+    (eager_tokens, eager_logits), (graph_tokens, graph_logits) = results
+    assert graph_tokens == eager_tokens
+    assert_close(graph_logits, eager_logits, atol=2e-2, rtol=0, what='graph vs eager logits')
+
+
+@pytest.mark.gpu
+def test_dummy_fp8_weights_start_on_cuda_and_generate(tiny_model_factory, tmp_path):
+    src = tiny_model_factory('qwen3_next', num_hidden_layers=2, layer_types=[LIN, FULL], linear_key_head_dim=32,
+                             linear_value_head_dim=32, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    folder = tmp_path / 'config-only'
+    folder.mkdir()
+    with open(os.path.join(src, 'config.json')) as f:
+        cfg = json.load(f)
+    cfg['quantization_config'] = {'quant_method': 'fp8', 'weight_block_size': [32, 32],
+                                  'modules_to_not_convert': NOT_CONVERTED}
+    with open(folder / 'config.json', 'w') as f:
+        json.dump(cfg, f)
+    engine = Engine(str(folder), PytorchEngineConfig(device_type='cuda', load_format='dummy', block_size=16,
+                                                     num_gpu_blocks=32, max_batch_size=4))
+    assert any(p.dtype == FP8_DTYPE for p in engine.model.parameters())
+    tokens, logits = engine_logits(engine, PROMPT, max_new_tokens=4)
+    assert len(tokens) == len(PROMPT) + 4 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize('keep', [False, True], ids=['dequantized', 'kept'])
+def test_weights_and_scales_in_different_shards_pair_up(fp8_checkpoints, tmp_path, keep):
+    from test_checkpoint_loading import shard
+    path = fp8_checkpoints('qwen3_next')
+    sharded = shard(path, str(tmp_path / 'sharded'), 3)
+    names = json.load(open(os.path.join(sharded, 'model.safetensors.index.json')))['weight_map']
+    split = [n for n in names if n.endswith('.weight_scale_inv')
+             and names[n] != names[n[:-len('weight_scale_inv')] + 'weight']]
+    assert split, 'no weight / scale pair was split across shards'
+
+    def build(folder: str):
+        return loader.build_model(folder, torch.device('cpu'), 'float32', 'cpu', fp8_weights=keep)[0]
+    whole, parts = dict(build(path).named_parameters()), dict(build(sharded).named_parameters())
+    assert whole.keys() == parts.keys()
+    assert all(torch.equal(whole[n].float(), parts[n].float()) for n in whole)
+    assert any(p.dtype == FP8_DTYPE for p in parts.values()) == keep

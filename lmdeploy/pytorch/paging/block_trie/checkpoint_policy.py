@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ....prefix_cache_config import PrefixCacheConfig
 from ...messages import SchedulerSequence
 from ..block_manager import BlockManager
 from ..prefix_cache import PrefixMatch, PromptLogits
@@ -27,18 +28,17 @@ if TYPE_CHECKING:
 class CheckpointPolicy:
 
     def __init__(self, trie: BlockTrie, block_manager: BlockManager, state_manager: StateManager | None,
-                 decode_state_interval: int = 0, prefill_state_interval: int = 0, prefill_state_cap: int = 0,
-                 reply_checkpoints: bool = False):
+                 config: PrefixCacheConfig):
         self.trie = trie
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.block_size = trie.block_size
         # Block-aligned decode checkpoints every this many tokens (0 = off).
-        self.decode_state_interval = decode_state_interval
+        self.decode_state_interval = config.decode_state_interval
         # In-prefill checkpoints every this many tokens (0 = off), at most `prefill_state_cap` per prompt.
-        self.prefill_state_interval = prefill_state_interval
-        self.prefill_state_cap = prefill_state_cap
-        self.reply_checkpoints = reply_checkpoints
+        self.prefill_state_interval = config.prefill_state_interval
+        self.prefill_state_cap = config.prefill_state_cap
+        self.reply_checkpoints = config.reply_checkpoints
 
     # ---- branch points ----------------------------------------------------------------------------------------
     def waits_for_peer(self, seq: SchedulerSequence, match: PrefixMatch, out: SchedulerOutput) -> bool:
@@ -184,7 +184,7 @@ class CheckpointPolicy:
             if ck.step == seq.num_computed and ck.published:
                 logits = prompt_logits(seq)
                 if logits is not None:
-                    ck.last_logits = logits
+                    self.trie.keep_logits(ck, logits)
 
 
 def cap_at_hint(seq: SchedulerSequence, n: int, start: int | None = None) -> int:
