@@ -3,10 +3,12 @@ from .messages import GenerationConfig, PytorchEngineConfig, Response
 from .version import __version__
 
 
-def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None):
-    """Build a `Pipeline` over a Hugging Face checkpoint folder (see `lmdeploy.serve.pipeline`)."""
+def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None,
+             allowed_local_media_path: str | None = None):
+    """Build a `Pipeline` over a Hugging Face checkpoint folder (see `lmdeploy.serve.pipeline`);
+    `allowed_local_media_path`: the folder images may be read from by path (None: no local image files)."""
     from .serve.pipeline import Pipeline
-    return Pipeline(model_path, backend_config)
+    return Pipeline(model_path, backend_config, allowed_local_media_path=allowed_local_media_path)
 
 
 __all__ = ['GenerationConfig', 'PytorchEngineConfig', 'Response', 'pipeline', '__version__']

@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='most LoRA adapters loaded at once (all stay resident)')
     group.add_argument('--max-lora-rank', type=int, default=PytorchEngineConfig.max_lora_rank,
                        help='largest LoRA rank accepted; an adapter above it fails start-up')
+    group.add_argument('--vision-encoder-cache-mb', type=int, default=PytorchEngineConfig.vision_encoder_cache_mb,
+                       help='vision-language models: MiB of encoded images kept by content hash (0: off)')
 
 
 def parse_adapters(specs: list[str] | None) -> dict[str, str] | None:
@@ -68,7 +70,10 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   adapters=parse_adapters(getattr(args, 'adapters', None)),
                   max_loras=getattr(args, 'max_loras', PytorchEngineConfig.max_loras),
                   max_lora_rank=getattr(args, 'max_lora_rank', PytorchEngineConfig.max_lora_rank),
-                  enable_return_routed_experts=getattr(args, 'enable_return_routed_experts', False))
+                  enable_return_routed_experts=getattr(args, 'enable_return_routed_experts', False),
+
+                  vision_encoder_cache_mb=getattr(args, 'vision_encoder_cache_mb',
+                                                  PytorchEngineConfig.vision_encoder_cache_mb))
     if args.device is not None:
         kwargs['device_type'] = args.device
     return PytorchEngineConfig(**kwargs)

@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
                           "OpenAI defaults), or a folder holding a generation_config.json")
     api.add_argument('--reasoning-parser', default=None, choices=sorted(REASONING_PARSERS),
                      help='separate <think>...</think> into reasoning_content')
+    api.add_argument('--allowed-local-media-path', default=None,
+                     help='folder that file:// image URLs may read from (default: no local files)')
     add_engine_args(api)
     add_server_args(api)
     api.set_defaults(func=run_api_server)
@@ -41,4 +43,5 @@ def run_api_server(args: argparse.Namespace) -> int:
                  server_port=args.server_port, api_keys=args.api_keys, model_name=args.model_name,
                  log_level=args.log_level, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
                  tool_call_parser=args.tool_call_parser, config=server_config_from_args(args),
-                 generation_config=args.generation_config)
+                 generation_config=args.generation_config,
+                 allowed_local_media_path=args.allowed_local_media_path)

@@ -18,10 +18,13 @@ from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
 from ..pytorch.engine.request import EngineOutput
-from ..pytorch.messages import SEED_RANGE, SamplingParams
+from ..pytorch.messages import SEED_RANGE, MultiModalSpan, SamplingParams
 from .request_builder import Prompt, ResponseBuilder, TemplateOptions, encode_prompt, make_sampling_params
 from .sampling_defaults import apply_to_generation_config, load_sampling_defaults
 from .tokenizer import Tokenizer
+from .vision.images import ImageLoadConfig, load_image
+from .vision.processor import ImageProcessor
+from .vision.prompt import image_sources, is_image_tuple, messages_of_image_tuple
 
 
 @dataclass
@@ -31,6 +34,8 @@ class PreparedRequest:
     index: int = 0
     # The rendered prompt (None when given as token ids): reasoning parsers look at how it ends.
     prompt_text: str | None = None
+    # The prompt's images (placeholder ranges of `input_ids` with their pixels and content hashes).
+    mm_spans: tuple[MultiModalSpan, ...] = ()
     # `n` of the user's config (each choice's own config has n=1).
     requested_n: int = 1
 
@@ -52,15 +57,21 @@ def choice_requests(request: PreparedRequest, first_index: int = 0) -> list[Prep
 class AsyncEngine:
 
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None,
-                 model_name: str | None = None, chat_template: str | None = None, generation_config: str = 'auto'):
+                 model_name: str | None = None, chat_template: str | None = None, generation_config: str = 'auto',
+                 image_load_config: ImageLoadConfig | None = None):
         """`generation_config`: where default sampling parameters come from ('auto': the model's
-        generation_config.json; 'none': the API's defaults; or a folder holding one)."""
+        generation_config.json; 'none': the API's defaults; or a folder holding one). `image_load_config`: where
+        images may come from (local files only under its allow-listed folder) and how large they may be; it
+        matters for vision-language checkpoints only."""
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
         # the engine first: it names a bad model folder with a ValueError, the tokenizer with a hub error
         self.engine = Engine(model_path, backend_config)
         self.tokenizer = Tokenizer(model_path, chat_template)
         self.sampling_defaults = load_sampling_defaults(model_path, generation_config)
+        image_token_id = self.engine.model_config.image_token_id
+        self.image_processor = ImageProcessor(model_path, image_token_id) if image_token_id is not None else None
+        self.image_load_config = image_load_config or ImageLoadConfig()
         self._loop = EngineLoop(self.engine)
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')
         # seq_id -> (put a response into its astream, its ResponseBuilder), for `fail_requests`
@@ -82,10 +93,20 @@ class AsyncEngine:
             gen_config = GenerationConfig()
             apply_to_generation_config(gen_config, self.sampling_defaults)
         self.validate_generation_config(gen_config)
+        if is_image_tuple(prompt):
+            prompt = messages_of_image_tuple(prompt)
+        sources = image_sources(prompt)
+        if sources and self.image_processor is None:
+            raise ValueError('this model takes no images (its checkpoint has no vision tower)')
+        images = [load_image(source, self.image_load_config) for source in sources]
         input_ids, text = encode_prompt(self.tokenizer, prompt, do_preprocess, template,
                                         max_tokens=self.session_len - 1)
+        spans = ()
+        if images:
+            input_ids, spans = self.image_processor.expand(input_ids, images)
         self.engine.validate_prompt(input_ids)
-        return PreparedRequest(input_ids, gen_config, index, text)
+        self.engine.validate_mm_spans(input_ids, spans)
+        return PreparedRequest(input_ids, gen_config, index, text, spans)
 
     def validate_generation_config(self, gen_config: GenerationConfig) -> None:
         """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges,
@@ -101,7 +122,7 @@ class AsyncEngine:
 
     def submit(self, request: PreparedRequest, callback) -> int:
         return self.engine.add_request(request.input_ids, self._sampling_params(request.gen_config), callback,
-                                       adapter_name=request.gen_config.adapter_name)
+                                       adapter_name=request.gen_config.adapter_name, mm_spans=request.mm_spans)
 
     def abort(self, seq_id: int) -> None:
         self.engine.abort_request(seq_id)

@@ -9,13 +9,15 @@ from ..pytorch.messages import SamplingParams
 from .bounded_encode import encode_within
 from .detokenizer import IncrementalDetokenizer
 from .tokenizer import Tokenizer
+from .vision.prompt import is_image_tuple
 
-Prompt = str | list[int] | list[dict]
+Prompt = str | list[int] | list[dict] | tuple
 
 
 def is_single_prompt(prompts) -> bool:
-    """A str, a list of token ids, or a list of chat messages is one prompt; any other list is a batch."""
-    if isinstance(prompts, str):
+    """A str, a list of token ids, a list of chat messages, or a `(text, images)` tuple is one prompt; any other
+    list is a batch."""
+    if isinstance(prompts, str) or is_image_tuple(prompts):
         return True
     if isinstance(prompts, list | tuple):
         return len(prompts) == 0 or all(isinstance(p, int) for p in prompts) or all(

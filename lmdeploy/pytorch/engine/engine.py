@@ -455,7 +455,10 @@ class Engine:
             self.step()
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        """Block / slot accounting check; between steps (it waits for a running step's bookkeeping, which goes on
+        after the step's outputs were delivered)."""
+        with self._step_lock:
+            self.scheduler.check_integrity()
 
     @property
     def stats(self) -> dict:

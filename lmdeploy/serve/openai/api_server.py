@@ -35,6 +35,7 @@ from ..async_engine import AsyncEngine, PreparedRequest, choice_requests
 from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser, ParsedDelta
 from ..request_builder import TemplateOptions
 from ..server_config import ServerConfig
+from ..vision.images import ImageLoadConfig
 from ..watchdog import EngineWatchdog
 from .admission import Admission, AdmissionMiddleware
 from .body import BodyLimitMiddleware
@@ -512,11 +513,13 @@ def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, ser
           server_port: int = 23333, api_keys: list[str] | None = None, model_name: str | None = None,
           log_level: str = 'info', chat_template: str | None = None, reasoning_parser: str | None = None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None,
-          generation_config: str = 'auto') -> int:
-    """Bind the port, load the model and serve it until interrupted; returns the process exit status."""
+          generation_config: str = 'auto', allowed_local_media_path: str | None = None) -> int:
+    """Bind the port, load the model and serve it until interrupted; returns the process exit status.
+    `allowed_local_media_path`: the folder `file://` image URLs may read from (None: no local files)."""
     sock = bind_socket(server_name, server_port)
     try:
-        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template, generation_config)
+        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template, generation_config,
+                                   image_load_config=ImageLoadConfig(allowed_local_media_path))
         try:
             app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser, config)
             return int(run_app(app, sock, log_level))

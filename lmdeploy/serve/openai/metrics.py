@@ -48,10 +48,24 @@ class EngineCollector:
         usage = 0.0 if states is None else 1.0 - states.num_free / max(states.num_usable, 1)
         yield _gauge('lmdeploy_state_cache_usage_ratio', 'Fraction of recurrent-state slots in use (hybrid models)',
                      usage)
-        yield from self._prefix_cache()
+        stats = getattr(self.engine, 'stats', None)  # one read: it waits for the running step
+        yield from self._prefix_cache(stats)
+        yield from self._vision_cache(stats)
 
-    def _prefix_cache(self) -> Iterator[Metric]:
-        stats = getattr(self.engine, 'stats', None)
+    @staticmethod
+    def _vision_cache(stats) -> Iterator[Metric]:
+        if stats is None or _read(stats, 'vision_cache_entries', None) is None:
+            return  # no vision tower, or its encoder cache is off
+        yield CounterMetricFamily('lmdeploy_vision_cache_hits', 'Images whose embeddings came from the encoder cache',
+                                  value=_read(stats, 'vision_cache_hits'))
+        yield CounterMetricFamily('lmdeploy_vision_cache_misses', 'Images run through the vision tower',
+                                  value=_read(stats, 'vision_cache_misses'))
+        yield _gauge('lmdeploy_vision_cache_entries', 'Encoded images held by the encoder cache',
+                     _read(stats, 'vision_cache_entries'))
+        yield _gauge('lmdeploy_vision_cache_bytes', 'Device bytes held by the encoder cache',
+                     _read(stats, 'vision_cache_bytes'))
+
+    def _prefix_cache(self, stats) -> Iterator[Metric]:
         query = hit = 0
         reasons: dict = {}
         if stats is not None:

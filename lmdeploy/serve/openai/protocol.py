@@ -133,6 +133,25 @@ class TextContentPart(_Record):
     text: Text
 
 
+class ImageURL(_Record):
+    url: Text  # http(s), data:image/...;base64, or (allow-listed) file:// URL
+    detail: Literal['auto', 'low', 'high'] | None = None
+
+
+class ImageContentPart(_Record):
+    type: Literal['image_url']
+    image_url: ImageURL
+
+
+class VideoContentPart(_Record):
+    """Accepted by the schema so the request gets a clear 'not supported' error instead of a schema error."""
+    type: Literal['video_url', 'input_video']
+    video_url: dict[str, Any] | None = None
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart | VideoContentPart, Field(discriminator='type')]
+
+
 class FunctionCall(_Record):
     name: Text
     arguments: Text = '{}'  # JSON, as the model wrote it
@@ -157,15 +176,22 @@ class ToolCallMessage(_Record):
 
 class ChatMessage(_Record):
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
-    content: Text | list[TextContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: Text | None = None
     reasoning_content: Text | None = None
 
     def as_template_message(self) -> dict:
-        """The message as Hugging Face chat templates take it (`content` always a string)."""
-        content = self.content if isinstance(self.content, str) else ''.join(p.text for p in self.content or ())
+        """The message as Hugging Face chat templates take it: `content` a string, or a list of text and image
+        parts when the message has images (the template writes one image placeholder per image part)."""
+        content = self.content
+        if not isinstance(content, str):
+            parts = content or ()
+            if all(isinstance(p, TextContentPart) for p in parts):
+                content = ''.join(p.text for p in parts)
+            else:
+                content = [p.model_dump(exclude_none=True) for p in parts]
         message: dict[str, Any] = {'role': 'system' if self.role == 'developer' else self.role, 'content': content}
         if self.tool_calls:
             message['tool_calls'] = [call.as_template_call() for call in self.tool_calls]

@@ -291,7 +291,7 @@ class BlockTrie(PrefixCache):
     def _other_adapter_coverage(self, seq: SchedulerSequence, tokens: np.ndarray) -> int:
         """Leading prompt tokens the trie holds under another adapter's root (its cached run of blocks, found by
         binary search on that adapter's block prefix keys and verified, plus the longest continuation after it):
-        what the `adapter_mismatch` miss reason counts. Attribution only; a hit never reads another root."""
+        what the `adapter` miss reason counts. Attribution only; a hit never reads another root."""
         bs, max_depth, best = self.block_size, len(tokens) // self.block_size, 0
         for adapter, root in self.kv.roots.items():
             if adapter == seq.adapter_name:

@@ -9,14 +9,14 @@ tokens into reasons; every uncached token gets exactly one:
 - `evicted`: the blocks or a checkpoint covering them were evicted;
 - `capacity`: a checkpoint there was wanted but could not be reserved (no free slot or block);
 - `multimodal`: the resume step would fall strictly inside a multimodal span;
-- `adapter_mismatch`: the tokens are cached under another adapter;
+- `adapter`: the tokens are cached under another adapter;
 - `no_checkpoint`: the tokens are cached (KV) but no state checkpoint exists at a usable step.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-REASONS = ('novel', 'evicted', 'capacity', 'multimodal', 'adapter_mismatch', 'no_checkpoint')
+REASONS = ('novel', 'evicted', 'capacity', 'multimodal', 'adapter', 'no_checkpoint')
 _MAX_ENTRIES = 1 << 16
 
 
@@ -91,7 +91,7 @@ class MissTracker:
             rest -= evicted
         adapter = min(max(other_adapter - cached_end, 0), rest)
         if adapter:
-            reasons['adapter_mismatch'] += adapter
+            reasons['adapter'] += adapter
             rest -= adapter
         if rest > 0:
             reasons['novel'] += rest
