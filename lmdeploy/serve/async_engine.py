@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -19,8 +20,10 @@ from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SEED_RANGE, MultiModalSpan, SamplingParams
+from ..pytorch.models.model_source import is_hub_id, resolve_model_path
 from .request_builder import Prompt, ResponseBuilder, TemplateOptions, encode_prompt, make_sampling_params
 from .sampling_defaults import apply_to_generation_config, load_sampling_defaults
+from .structured_output import GrammarCompiler
 from .tokenizer import Tokenizer
 from .vision.images import ImageLoadConfig, load_image
 from .vision.processor import ImageProcessor
@@ -63,14 +66,17 @@ class AsyncEngine:
         generation_config.json; 'none': the API's defaults; or a folder holding one). `image_load_config`: where
         images may come from (local files only under its allow-listed folder) and how large they may be; it
         matters for vision-language checkpoints only."""
-        self.model_path = model_path
-        self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
-        # the engine first: it names a bad model folder with a ValueError, the tokenizer with a hub error
+        # a hub id is served under its full name (`Qwen/Qwen3.5-9B`, as vLLM does), a folder under its base name
+        self.model_name = model_name or (model_path if is_hub_id(model_path) else model_path.rstrip('/').split('/')[-1])
+        # the engine first: it resolves the model (one-line `ModelNotFoundError`) and names a bad folder
         self.engine = Engine(model_path, backend_config)
-        self.tokenizer = Tokenizer(model_path, chat_template)
-        self.sampling_defaults = load_sampling_defaults(model_path, generation_config)
+        self.model_path = self.engine.model_path  # the local folder
+        tokenizer = self.engine.engine_config.tokenizer
+        tokenizer_path = resolve_model_path(tokenizer, with_weights=False) if tokenizer else self.model_path
+        self.tokenizer = Tokenizer(tokenizer_path, chat_template)
+        self.sampling_defaults = load_sampling_defaults(self.model_path, generation_config)
         image_token_id = self.engine.model_config.image_token_id
-        self.image_processor = ImageProcessor(model_path, image_token_id) if image_token_id is not None else None
+        self.image_processor = ImageProcessor(self.model_path, image_token_id) if image_token_id is not None else None
         self.image_load_config = image_load_config or ImageLoadConfig()
         self._loop = EngineLoop(self.engine)
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')
@@ -88,11 +94,14 @@ class AsyncEngine:
 
     def prepare(self, prompt: Prompt, gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
                 index: int = 0, template: TemplateOptions | None = None) -> PreparedRequest:
-        """Tokenize and validate; raises `ValueError` naming the problem."""
+        """Tokenize, validate and compile the request's grammar (if any, into the cache `submit` reads); raises
+        `ValueError` naming the problem. The server runs it in a worker thread."""
         if gen_config is None:
             gen_config = GenerationConfig()
             apply_to_generation_config(gen_config, self.sampling_defaults)
         self.validate_generation_config(gen_config)
+        if gen_config.structured_output is not None:
+            self.grammars.compile(gen_config.structured_output)
         if is_image_tuple(prompt):
             prompt = messages_of_image_tuple(prompt)
         sources = image_sources(prompt)
@@ -110,15 +119,29 @@ class AsyncEngine:
 
     def validate_generation_config(self, gen_config: GenerationConfig) -> None:
         """Raise `ValueError` naming the first field the engine cannot serve (user, kernel and vocabulary ranges,
-        routed experts without the engine flag; `UnknownAdapterError` for an adapter the engine has not loaded)."""
-        self.engine.validate_sampling(self._sampling_params(gen_config))
+        routed experts without the engine flag; `UnknownAdapterError` for an adapter the engine has not loaded).
+        Cheap: it compiles no grammar (`prepare` does)."""
+        self.engine.validate_sampling(self._sampling_params(gen_config, with_grammar=False))
         self.engine.adapter_identity(gen_config.adapter_name)
 
-    def _sampling_params(self, gen_config: GenerationConfig) -> SamplingParams:
-        model_config = self.engine.model_config
-        eos = tuple(model_config.eos_token_ids) or ((self.tokenizer.eos_token_id,)
-                                                    if self.tokenizer.eos_token_id is not None else ())
-        return make_sampling_params(gen_config, self.tokenizer, eos, model_config.vocab_size)
+    @property
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        eos = tuple(self.engine.model_config.eos_token_ids)
+        return eos or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        return GrammarCompiler(self.tokenizer.hf_tokenizer, self.engine.model_config.vocab_size, self._eos_token_ids)
+
+    def _sampling_params(self, gen_config: GenerationConfig, with_grammar: bool = True) -> SamplingParams:
+        """Validated engine parameters; a grammar is compiled here (cached: `prepare`, in the caller's or a worker
+        thread, compiles it; `submit` finds it in the cache)."""
+        gen_config.validate()
+        grammar = None
+        if with_grammar and gen_config.structured_output is not None:
+            grammar = self.grammars.compile(gen_config.structured_output)
+        return make_sampling_params(gen_config, self.tokenizer, self._eos_token_ids,
+                                    self.engine.model_config.vocab_size, grammar)
 
     def submit(self, request: PreparedRequest, callback) -> int:
         return self.engine.add_request(request.input_ids, self._sampling_params(request.gen_config), callback,
