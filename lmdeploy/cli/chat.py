@@ -13,7 +13,8 @@ HELP = 'Type a message and press enter. Commands: /reset (new conversation), /ex
 
 def add_parser(sub) -> None:
     parser = sub.add_parser('chat', help='interactive chat in the terminal')
-    parser.add_argument('model_path', nargs='?', default=None, help='HF folder (default: the built-in demo model)')
+    parser.add_argument('model_path', nargs='?', default=None,
+                        help='HF folder or Hub id (default: the built-in demo model)')
     parser.add_argument('--max-new-tokens', type=int, default=256)
     parser.add_argument('--temperature', type=float, default=0.0)
     parser.add_argument('--system', default=None, help='system prompt')

@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
     parser = sub.add_parser('serve', help='serve a model over HTTP')
     servers = parser.add_subparsers(dest='server', required=True)
     api = servers.add_parser('api_server', help='OpenAI-compatible HTTP server (/v1/chat/completions, ...)')
-    api.add_argument('model_path', nargs='?', default=None, help='HF folder (default: the built-in demo model)')
+    api.add_argument('model_path', nargs='?', default=None,
+                     help='HF folder or Hub id (default: the built-in demo model)')
     api.add_argument('--server-name', default='127.0.0.1', help='address to bind (0.0.0.0: all interfaces)')
     api.add_argument('--server-port', type=int, default=23333)
     api.add_argument('--model-name', default=None, help='name clients use in `model` (default: the folder name)')
@@ -30,6 +31,8 @@ def add_parser(sub) -> None:
                           "OpenAI defaults), or a folder holding a generation_config.json")
     api.add_argument('--reasoning-parser', default=None, choices=sorted(REASONING_PARSERS),
                      help='separate <think>...</think> into reasoning_content')
+    api.add_argument('--allowed-local-media-path', default=None,
+                     help='folder that file:// image URLs may read from (default: no local files)')
     add_engine_args(api)
     add_server_args(api)
     api.set_defaults(func=run_api_server)
@@ -41,4 +44,5 @@ def run_api_server(args: argparse.Namespace) -> int:
                  server_port=args.server_port, api_keys=args.api_keys, model_name=args.model_name,
                  log_level=args.log_level, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
                  tool_call_parser=args.tool_call_parser, config=server_config_from_args(args),
-                 generation_config=args.generation_config)
+                 generation_config=args.generation_config,
+                 allowed_local_media_path=args.allowed_local_media_path)

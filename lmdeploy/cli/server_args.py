@@ -1,6 +1,7 @@
 """Flags of `lmdeploy serve api_server` for limits, timeouts, admission, liveness and shutdown (`ServerConfig`).
 
-Names follow LMDeploy where it has one, then vLLM (`--max-logprobs`) and TGI (`--payload-limit`,
+Names follow LMDeploy (`--max-concurrent-requests`), then vLLM (`--max-logprobs`), uvicorn (`--timeout-keep-alive`,
+`--timeout-graceful-shutdown`) and TGI (`--payload-limit`,
 `--max-stop-sequences`).
 """
 from __future__ import annotations
@@ -17,8 +18,16 @@ _HELP = {
     'max_stop_sequence_length': 'characters of one stop string',
     'max_logprobs': 'largest top_logprobs / logprobs',
     'max_n': 'largest n (choices per request)',
+    'max_concurrent_requests': 'requests admitted at once (tokenizing, queued or running); 429 beyond '
+                               '(default: 8 x --max-batch-size)',
     'tokenizer_workers': 'threads tokenizing large prompts (small prompts have their own thread)',
+    'timeout_header': 'seconds a connection may take to send its request headers (then it is closed)',
     'timeout_body': 'seconds a request may take to send its body (408 beyond)',
+    'timeout_keep_alive': 'seconds an idle keep-alive connection is kept open',
+    'max_connections': 'open connections (lowered to fit the descriptor limit); the oldest idle one makes room',
+    'timeout_graceful_shutdown': 'seconds SIGTERM waits for in-flight requests before aborting them',
+    'watchdog_timeout': 'seconds an engine step may run before its requests fail and /health turns 503',
+    'enable_metrics_auth': '/metrics needs an API key too (when --api-keys is set)',
 }
 
 
@@ -28,6 +37,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServerConfig):
         flag = '--' + f.name.replace('_', '-')
         default = getattr(defaults, f.name)
+        if f.type == 'bool':
+            group.add_argument(flag, action='store_true', help=_HELP[f.name])
+            continue
         kind = float if f.type == 'float' else int
         group.add_argument(flag, type=kind, default=default,
                            help=f'{_HELP[f.name]} (default: {default})' if default is not None else _HELP[f.name])

@@ -70,6 +70,8 @@ class SamplingParams:
     min_p: float = 0.0
     # (token id, bias) pairs added to the logits before any other processing.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # A compiled grammar (`xgrammar.CompiledGrammar`) every sampled token must follow; None: unconstrained.
+    grammar: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def has_output_penalties(self) -> bool:
@@ -180,6 +182,8 @@ class SchedulerSequence:
     token_epoch: int = field(default=0, init=False, repr=False)
     # Per-request data the prefix cache derives from the tokens (prefix hashes); owned by paging, opaque here.
     prefix_memo: object | None = field(default=None, init=False, repr=False)
+    # The grammar matcher of a constrained request (`engine/guided_decoding.py`); opaque here.
+    grammar_state: object | None = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -224,6 +228,16 @@ class SchedulerSequence:
         """Rotary position minus token index for a text token at `step` (or a resume at `step`): the sum of the
         offsets of the spans that end at or before it. Meaningful only outside spans."""
         return sum(span.position_delta for span in self.mm_spans if span.end <= step)
+
+    def fit_chunk_to_spans(self, start: int, n: int) -> int:
+        """`n` tokens from `start`, adjusted so the chunk never ends strictly inside a multimodal span: it ends at
+        the span's start when that leaves a non-empty chunk, else at the span's end (an image is fed whole, even
+        past the token budget)."""
+        end = start + n
+        for span in self.mm_spans:
+            if span.start < end < span.end:
+                return span.start - start if span.start > start else span.end - start
+        return n
 
     def is_prefix_cache_boundary_safe(self, step: int) -> bool:
         """False when `step` falls strictly inside a multimodal span (no checkpoint or match may end there)."""

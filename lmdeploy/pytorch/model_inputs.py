@@ -171,6 +171,8 @@ class SamplingInputs:
     min_p: torch.Tensor | None = None              # [S] float32, 0 = off
     # Per row: (token ids [n] int64, biases [n] float32), or None.
     logit_bias: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # [S, ceil(V / 32)] int32 bitmask of the tokens each row may sample (grammars); None when no row has one.
+    token_bitmask: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.temperature, self.top_k, self.top_p, self.repetition_penalty]
@@ -178,6 +180,8 @@ class SamplingInputs:
         out += [t for t in (self.presence_penalty, self.frequency_penalty, self.min_p) if t is not None]
         out += [t for t in self.output_ids or () if t is not None]
         out += [t for pair in self.logit_bias or () if pair is not None for t in pair]
+        if self.token_bitmask is not None:
+            out.append(self.token_bitmask)
         return out
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplingInputs:
@@ -192,4 +196,5 @@ class SamplingInputs:
             presence_penalty=move(self.presence_penalty), frequency_penalty=move(self.frequency_penalty),
             min_p=move(self.min_p),
             logit_bias=None if self.logit_bias is None else [
-                None if pair is None else (move(pair[0]), move(pair[1])) for pair in self.logit_bias])
+                None if pair is None else (move(pair[0]), move(pair[1])) for pair in self.logit_bias],
+            token_bitmask=move(self.token_bitmask))

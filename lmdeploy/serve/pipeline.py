@@ -9,6 +9,7 @@ from tqdm import tqdm
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from .async_engine import AsyncEngine, choice_requests
 from .request_builder import ResponseBuilder, is_single_prompt
+from .vision.images import ImageLoadConfig
 
 _TQDM_THRESHOLD = 16
 
@@ -16,10 +17,13 @@ _TQDM_THRESHOLD = 16
 class Pipeline:
 
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None,
-                 generation_config: str = 'auto'):
+                 generation_config: str = 'auto', allowed_local_media_path: str | None = None):
         """`generation_config`: 'auto' takes the model's generation_config.json sampling parameters as the default
-        when no `GenerationConfig` is given; 'none' keeps `GenerationConfig()`'s (greedy)."""
-        self.async_engine = AsyncEngine(model_path, backend_config, generation_config=generation_config)
+        when no `GenerationConfig` is given; 'none' keeps `GenerationConfig()`'s (greedy).
+        `allowed_local_media_path`: the folder images may be read from by path or file:// URL (None: no local
+        files; PIL images, data URLs and http(s) URLs are always accepted)."""
+        self.async_engine = AsyncEngine(model_path, backend_config, generation_config=generation_config,
+                                        image_load_config=ImageLoadConfig(allowed_local_media_path))
         self.tokenizer = self.async_engine.tokenizer
         self.engine = self.async_engine.engine
 
@@ -110,6 +114,7 @@ class Pipeline:
 
 
 def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None,
-             generation_config: str = 'auto') -> Pipeline:
-    """Build a `Pipeline` over a Hugging Face checkpoint folder."""
-    return Pipeline(model_path, backend_config, generation_config)
+             generation_config: str = 'auto', allowed_local_media_path: str | None = None) -> Pipeline:
+    """Build a `Pipeline` over a Hugging Face checkpoint folder. Prompts may carry images (vision-language
+    checkpoints): `(text, image)` / `(text, [images])` tuples, or chat messages with `image_url` / `image` parts."""
+    return Pipeline(model_path, backend_config, generation_config, allowed_local_media_path)

@@ -9,13 +9,15 @@ from ..pytorch.messages import SamplingParams
 from .bounded_encode import encode_within
 from .detokenizer import IncrementalDetokenizer
 from .tokenizer import Tokenizer
+from .vision.prompt import is_image_tuple
 
-Prompt = str | list[int] | list[dict]
+Prompt = str | list[int] | list[dict] | tuple
 
 
 def is_single_prompt(prompts) -> bool:
-    """A str, a list of token ids, or a list of chat messages is one prompt; any other list is a batch."""
-    if isinstance(prompts, str):
+    """A str, a list of token ids, a list of chat messages, or a `(text, images)` tuple is one prompt; any other
+    list is a batch."""
+    if isinstance(prompts, str) or is_image_tuple(prompts):
         return True
     if isinstance(prompts, list | tuple):
         return len(prompts) == 0 or all(isinstance(p, int) for p in prompts) or all(
@@ -75,7 +77,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, do_preprocess: bool = Tr
 
 
 def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
-                         vocab_size: int) -> SamplingParams:
+                         vocab_size: int, grammar: object | None = None) -> SamplingParams:
     """Validated engine parameters: `GenerationConfig.validate` (types and ranges of the user's fields), then
     `SamplingParams.validate` (the ranges the sampling kernels accept, the vocabulary)."""
     gen.validate()
@@ -91,7 +93,7 @@ def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_
         stop_sequences=tuple(s for s in stop_sequences if len(s) > 1), random_seed=gen.random_seed,
         logprobs=gen.logprobs, presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty,
         min_p=gen.min_p, logit_bias=tuple(sorted((gen.logit_bias or {}).items())),
-        return_routed_experts=gen.return_routed_experts)
+        return_routed_experts=gen.return_routed_experts, grammar=grammar)
     params.validate(vocab_size)
     return params
 

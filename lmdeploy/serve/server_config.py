@@ -20,21 +20,39 @@ class ServerConfig:
     max_stop_sequence_length: int = 1024    # characters of one stop string
     max_logprobs: int = 20                  # chat `top_logprobs`, completions `logprobs`
     max_n: int = 16                         # choices per request (`n`)
+    # Admission: requests admitted (tokenizing, queued or running); beyond it 429. None: 8 x max_batch_size.
+    max_concurrent_requests: int | None = None
     # Tokenization: worker threads for large prompts (small ones have their own lane, so they never wait behind).
     tokenizer_workers: int = 2
-    # Connections (seconds).
+    # Connections (seconds; counts).
+    timeout_header: float = 10.0            # from connect (or the end of the last response) to complete headers
     timeout_body: float = 30.0              # from the headers to the end of the body
+    timeout_keep_alive: float = 5.0         # idle keep-alive connection
+    max_connections: int = 4096             # open connections; lowered to fit RLIMIT_NOFILE at start
+    # Liveness: a step running longer than this fails its requests and turns /health to 503.
+    watchdog_timeout: float = 300.0
+    # Shutdown: SIGTERM drains in-flight requests for this long, then aborts the rest.
+    timeout_graceful_shutdown: float = 30.0
+    # /metrics needs an API key (when keys are set).
+    enable_metrics_auth: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == 'int':
+            if f.name == 'enable_metrics_auth':
+                ok = isinstance(value, bool)
+            elif f.name == 'max_concurrent_requests':
+                ok = value is None or (_is_int(value) and value > 0)
+            elif f.type == 'int':
                 ok = _is_int(value) and value > 0
             else:
                 ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
                     and value > 0
             if not ok:
                 raise ValueError(f'{f.name} must be a positive {f.type}, got {value!r}')
+
+    def admission_limit(self, max_batch_size: int) -> int:
+        return self.max_concurrent_requests or 8 * max_batch_size
 
 
 def _is_int(value) -> bool:

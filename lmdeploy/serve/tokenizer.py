@@ -41,6 +41,11 @@ class Tokenizer:
             self._tok.chat_template = load_chat_template(chat_template)
 
     @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer underneath."""
+        return self._tok
+
+    @property
     def backend(self):
         """The `tokenizers.Tokenizer` behind a fast tokenizer (None for a slow one)."""
         return getattr(self._tok, 'backend_tokenizer', None)

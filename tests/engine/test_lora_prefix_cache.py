@@ -112,7 +112,7 @@ def test_same_prompt_under_two_adapters_and_base_gives_three_chains(setup, arch)
     # the second and third requests had every token the trie holds cached under another adapter: all 37 on a
     # hybrid (two blocks + the checkpoint's tail), the two full blocks on a dense model
     other = 37 if engine.model_config.is_hybrid else 32
-    assert engine.stats['miss_reasons'] == {'novel': 3 * 37 - 2 * other, 'adapter_mismatch': 2 * other}
+    assert engine.stats['miss_reasons'] == {'novel': 3 * 37 - 2 * other, 'adapter': 2 * other}
 
     cold = make_engine(setup(arch), cache=False)
     expected_hit = 37 if engine.model_config.is_hybrid else 32

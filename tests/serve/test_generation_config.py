@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lmdeploy.messages import GENERATION_CHECKS, GenerationConfig
+from lmdeploy.messages import GENERATION_CHECKS, GenerationConfig, StructuredOutput
 
 # For each field: values of the wrong type or out of range (bool is not an int, an int is not a bool, floats
 # must be finite), and values that must pass.
@@ -30,6 +30,8 @@ BAD_VALUES = {
     'frequency_penalty': [math.inf, '1', None],
     'min_p': [-0.1, 1.5, math.nan, True],
     'logit_bias': [{'1': 1.0}, {1: 101}, {-1: 0}, {1: math.inf}, {True: 1}, [(1, 1.0)]],
+    'structured_output': ['{"type": "object"}', StructuredOutput('yaml', 'x'), StructuredOutput('regex', ''),
+                          StructuredOutput('json_schema')],
 }
 GOOD_VALUES = {
     'max_new_tokens': [0, 10**9], 'min_new_tokens': [0, 3], 'do_sample': [True, False],
@@ -40,6 +42,8 @@ GOOD_VALUES = {
     'return_routed_experts': [True, False],
     'n': [1, 128], 'presence_penalty': [0, -2, 2, 0.5], 'frequency_penalty': [0.0, -1.5],
     'min_p': [0, 0.05, 1], 'logit_bias': [None, {}, {0: -100, 7: 100.0, 3: 0}],
+    'structured_output': [None, StructuredOutput('json_object'), StructuredOutput('regex', 'a+'),
+                          StructuredOutput('grammar', 'root ::= "x"')],
 }
 
 

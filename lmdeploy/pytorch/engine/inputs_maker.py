@@ -15,6 +15,7 @@ from ..model_inputs import ModelInputs, SamplingInputs, StateCuts
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import SchedulerOutput
 from .cache_inputs import CacheCheckpointInputs
+from .guided_decoding import grammar_bitmask
 from .mm_inputs import sequence_mm_inputs
 
 
@@ -197,7 +198,9 @@ def _stack(rows: list[SamplingRow]) -> SamplingInputs:
 
 
 def _build(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]) -> SamplingInputs:
-    return _stack([sampling_row(seq, generators) for seq in seqs])
+    inputs = _stack([sampling_row(seq, generators) for seq in seqs])
+    inputs.token_bitmask = grammar_bitmask(seqs)
+    return inputs
 
 
 def make_sampling_inputs(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]

@@ -35,8 +35,12 @@ from ..async_engine import AsyncEngine, PreparedRequest, choice_requests
 from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatOutputParser, ParsedDelta
 from ..request_builder import TemplateOptions
 from ..server_config import ServerConfig
+from ..vision.images import ImageLoadConfig
+from ..watchdog import EngineWatchdog
+from .admission import Admission, AdmissionMiddleware
 from .body import BodyLimitMiddleware
 from .errors import APIError
+from .lifecycle import run_app
 from .limits import check_request_limits
 from .metrics import ServerMetrics
 from .protocol import (
@@ -51,7 +55,6 @@ from .protocol import (
     CompletionResponse,
     DeltaMessage,
     DeltaToolCall,
-    ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -83,6 +86,7 @@ class ServerState:
         self.tool_call_parser = tool_call_parser
         self.config = config = config or ServerConfig()
         self.tokenizers = TokenizerPool(config.tokenizer_workers)
+        self.watchdog = EngineWatchdog(async_engine, config.watchdog_timeout)
         self.created = now()
         self.metrics = ServerMetrics(async_engine.engine)
         tokenizer = async_engine.tokenizer
@@ -143,7 +147,9 @@ class ServerState:
                        arrival: float) -> AsyncIterator[EngineResponse]:
         tracker = self.metrics.track(endpoint, arrival)
         try:
-            async with aclosing(self.async_engine.astream(prepared)) as stream:
+            stream = self.async_engine.astream(
+                prepared, on_first_step=lambda step: self.admission.observe_queue_time(arrival, step))
+            async with aclosing(stream) as stream:
                 async for response in stream:
                     tracker.observe(response)
                     yield response
@@ -277,7 +283,7 @@ def _event_stream(streams: list[AsyncIterator[EngineResponse]],
             async for index, response in merged:
                 lasts[index] = response
                 if response.error:
-                    yield _sse(ErrorResponse(error=ErrorInfo(message=response.error, type='internal_error')))
+                    yield _sse(ErrorResponse(error=_engine_error(response).info))
                     break
                 chunk = delta(index, response)
                 if chunk is not None:
@@ -288,6 +294,13 @@ def _event_stream(streams: list[AsyncIterator[EngineResponse]],
 
     return StreamingResponse(events(), media_type='text/event-stream',
                              headers={'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'})
+
+
+def _engine_error(response: EngineResponse) -> APIError:
+    """An engine-side failure: 503 for a request aborted by the shutdown, 500 otherwise."""
+    if response.finish_reason == 'abort':
+        return APIError(503, response.error, type='service_unavailable', code='server_shutting_down')
+    return APIError(500, response.error, type='internal_error')
 
 
 async def _merge(streams: list[AsyncIterator[EngineResponse]]) -> AsyncIterator[tuple[int, EngineResponse]]:
@@ -353,7 +366,7 @@ async def _collect(responses: AsyncIterator[EngineResponse]) -> EngineResponse:
             token_ids += last.token_ids
             logprobs += last.logprobs or []
     if last.error:
-        raise APIError(500, last.error, type='internal_error')
+        raise _engine_error(last)
     return replace(last, text=''.join(texts), token_ids=token_ids,
                    logprobs=logprobs if last.logprobs is not None else None)
 
@@ -382,8 +395,9 @@ class ApiKeyMiddleware:
     """Rejects requests outside `OPEN_PATHS` without `Authorization: Bearer <one of the keys>` (before any body
     is read)."""
 
-    def __init__(self, app, api_keys: list[str], metrics: ServerMetrics):
+    def __init__(self, app, api_keys: list[str], metrics: ServerMetrics, open_paths: tuple[str, ...] = OPEN_PATHS):
         self.app = app
+        self.open_paths = open_paths
         self.keys = [key.encode() for key in api_keys]
         self.metrics = metrics
 
@@ -395,7 +409,7 @@ class ApiKeyMiddleware:
         return scheme.lower() == 'bearer' and any(matches)
 
     async def __call__(self, scope, receive, send):
-        if scope['type'] == 'http' and scope['path'] not in OPEN_PATHS and not self._authorized(scope):
+        if scope['type'] == 'http' and scope['path'] not in self.open_paths and not self._authorized(scope):
             self.metrics.reject(401)
             error = APIError(401, 'Missing or invalid API key: send "Authorization: Bearer <key>".',
                              code='invalid_api_key')
@@ -456,9 +470,14 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
     app.state.server = state
     app.include_router(router)
 
+    state.admission = admission = Admission(config.admission_limit(async_engine.engine.engine_config.max_batch_size),
+                                            lambda: state.watchdog.state, state.metrics.registry)
+
     @app.get('/health')
-    async def health() -> dict:
-        return {'status': 'ok'}
+    async def health() -> JSONResponse:
+        """200 `ok`; 503 `draining`, `engine_dead` or `engine_hung` (a load balancer should go elsewhere)."""
+        status = 'draining' if admission.draining else state.watchdog.state.value
+        return JSONResponse({'status': status}, status_code=200 if status == 'ok' else 503)
 
     @app.get('/metrics')
     def metrics() -> Response:  # sync: FastAPI runs it in a worker thread, since reading the engine's statistics
@@ -466,11 +485,13 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
         return Response(content, media_type=media_type)
 
     _install_error_handlers(app, state.metrics)
-    # Middleware added last runs first: API key (no body read) -> body limits -> handlers.
+    # Middleware added last runs first: API key -> admission (neither reads the body) -> body limits -> handlers.
     app.add_middleware(BodyLimitMiddleware, payload_limit=config.payload_limit, timeout_body=config.timeout_body,
                        metrics=state.metrics)
+    app.add_middleware(AdmissionMiddleware, admission=admission, metrics=state.metrics)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics)
+        open_paths = ('/health',) if config.enable_metrics_auth else OPEN_PATHS
+        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics, open_paths=open_paths)
     return app
 
 
@@ -492,16 +513,16 @@ def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, ser
           server_port: int = 23333, api_keys: list[str] | None = None, model_name: str | None = None,
           log_level: str = 'info', chat_template: str | None = None, reasoning_parser: str | None = None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None,
-          generation_config: str = 'auto') -> int:
-    """Bind the port, load the model and serve it until interrupted; returns the process exit status."""
-    import uvicorn
+          generation_config: str = 'auto', allowed_local_media_path: str | None = None) -> int:
+    """Bind the port, load the model and serve it until interrupted; returns the process exit status.
+    `allowed_local_media_path`: the folder `file://` image URLs may read from (None: no local files)."""
     sock = bind_socket(server_name, server_port)
     try:
-        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template, generation_config)
+        async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template, generation_config,
+                                   image_load_config=ImageLoadConfig(allowed_local_media_path))
         try:
             app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser, config)
-            uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower())).run(sockets=[sock])
-            return 0
+            return int(run_app(app, sock, log_level))
         finally:
             async_engine.close()
     finally:

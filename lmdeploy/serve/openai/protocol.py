@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from ...messages import GenerationConfig, Response
+from ...messages import GenerationConfig, Response, StructuredOutput
 
 SEED_RANGE = (-2**63, 2**64 - 1)
 MAX_N = 128          # choices per prompt
@@ -65,6 +65,29 @@ class StreamOptions(_Record):
 
 
 # ---- requests --------------------------------------------------------------------------------------------------
+class JsonSchemaFormat(_Record):
+    name: Text | None = None
+    description: Text | None = None
+    # The JSON Schema (OpenAI's field name is `schema`, which pydantic reserves: aliased).
+    json_schema: dict[str, Any] = Field(alias='schema')
+    strict: bool | None = None
+
+
+class ResponseFormat(_Record):
+    """OpenAI's `response_format`, plus LMDeploy's `regex_schema` type."""
+    type: Literal['text', 'json_object', 'json_schema', 'regex_schema']
+    json_schema: JsonSchemaFormat | None = None
+    regex_schema: Text | None = None
+
+    @model_validator(mode='after')
+    def _has_its_spec(self) -> ResponseFormat:
+        if self.type == 'json_schema' and self.json_schema is None:
+            raise ValueError('response_format of type json_schema needs json_schema.schema')
+        if self.type == 'regex_schema' and not self.regex_schema:
+            raise ValueError('response_format of type regex_schema needs regex_schema')
+        return self
+
+
 class _SamplingRequest(_Record):
     """Fields shared by chat and text completions; `None` means the OpenAI default."""
     model: Text | None = None
@@ -87,6 +110,36 @@ class _SamplingRequest(_Record):
     ignore_eos: bool = False
     # The experts each MoE layer routed every position to, in the final chunk / response (LMDeploy's name).
     return_routed_experts: bool = False
+    # Structured output: OpenAI's `response_format`, or vLLM's `guided_json` / `guided_regex` / `guided_grammar`.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: Text | None = Field(None, min_length=1)
+    guided_grammar: Text | None = Field(None, min_length=1)
+
+    @model_validator(mode='after')
+    def _one_constraint(self) -> _SamplingRequest:
+        given = [name for name in ('guided_json', 'guided_regex', 'guided_grammar') if getattr(self, name)]
+        if self.response_format is not None and self.response_format.type != 'text':
+            given.append('response_format')
+        if len(given) > 1:
+            raise ValueError(f'give at most one structured-output constraint, got {given}')
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type == 'json_object':
+            return StructuredOutput('json_object')
+        if fmt is not None and fmt.type == 'json_schema':
+            return StructuredOutput('json_schema', json.dumps(fmt.json_schema.json_schema))
+        if fmt is not None and fmt.type == 'regex_schema':
+            return StructuredOutput('regex', fmt.regex_schema)
+        if self.guided_json is not None:
+            return StructuredOutput('json_schema', json.dumps(self.guided_json))
+        if self.guided_regex:
+            return StructuredOutput('regex', self.guided_regex)
+        if self.guided_grammar:
+            return StructuredOutput('grammar', self.guided_grammar)
+        return None
 
     @field_validator('logit_bias')
     @classmethod
@@ -125,12 +178,31 @@ class _SamplingRequest(_Record):
             random_seed=self.seed, logprobs=logprobs, n=self.num_choices,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             min_p=self.min_p, logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            return_routed_experts=self.return_routed_experts)
+            return_routed_experts=self.return_routed_experts, structured_output=self.structured_output())
 
 
 class TextContentPart(_Record):
     type: Literal['text']
     text: Text
+
+
+class ImageURL(_Record):
+    url: Text  # http(s), data:image/...;base64, or (allow-listed) file:// URL
+    detail: Literal['auto', 'low', 'high'] | None = None
+
+
+class ImageContentPart(_Record):
+    type: Literal['image_url']
+    image_url: ImageURL
+
+
+class VideoContentPart(_Record):
+    """Accepted by the schema so the request gets a clear 'not supported' error instead of a schema error."""
+    type: Literal['video_url', 'input_video']
+    video_url: dict[str, Any] | None = None
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart | VideoContentPart, Field(discriminator='type')]
 
 
 class FunctionCall(_Record):
@@ -157,15 +229,22 @@ class ToolCallMessage(_Record):
 
 class ChatMessage(_Record):
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
-    content: Text | list[TextContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: Text | None = None
     reasoning_content: Text | None = None
 
     def as_template_message(self) -> dict:
-        """The message as Hugging Face chat templates take it (`content` always a string)."""
-        content = self.content if isinstance(self.content, str) else ''.join(p.text for p in self.content or ())
+        """The message as Hugging Face chat templates take it: `content` a string, or a list of text and image
+        parts when the message has images (the template writes one image placeholder per image part)."""
+        content = self.content
+        if not isinstance(content, str):
+            parts = content or ()
+            if all(isinstance(p, TextContentPart) for p in parts):
+                content = ''.join(p.text for p in parts)
+            else:
+                content = [p.model_dump(exclude_none=True) for p in parts]
         message: dict[str, Any] = {'role': 'system' if self.role == 'developer' else self.role, 'content': content}
         if self.tool_calls:
             message['tool_calls'] = [call.as_template_call() for call in self.tool_calls]

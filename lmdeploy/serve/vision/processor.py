@@ -20,12 +20,13 @@ from ...pytorch.model_inputs import ImagePixels
 
 
 def image_content_hash(pixels: ImagePixels) -> int:
-    """128-bit xxh3 over the pixel bytes, their dtype and shape, and the patch grid."""
+    """xxh3 over the pixel bytes, their dtype and shape, and the patch grid, as a non-negative int64 (the prefix
+    cache packs identities into int64 arrays)."""
     values = pixels.pixel_values.detach().cpu().contiguous()
-    digest = xxhash.xxh3_128()
+    digest = xxhash.xxh3_64()
     digest.update(f'{values.dtype}|{tuple(values.shape)}|{tuple(pixels.grid_thw)}|'.encode())
     digest.update(values.view(torch.uint8).numpy().tobytes() if values.numel() else b'')
-    return digest.intdigest()
+    return digest.intdigest() & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class ImageProcessor:

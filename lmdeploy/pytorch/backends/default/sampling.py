@@ -1,5 +1,5 @@
-"""Token sampling, in this order: logit bias, repetition / presence / frequency penalties, stop-id masking,
-temperature, min-p, top-k, top-p, seeded draws; logprobs are of the raw distribution."""
+"""Token sampling, in this order: logit bias, presence / frequency penalties, grammar mask, repetition penalty,
+stop-id masking, temperature, min-p, top-k, top-p, seeded draws; logprobs are of the raw distribution."""
 from __future__ import annotations
 
 import torch
@@ -28,8 +28,17 @@ def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float('-inf'))
 
 
+def _apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf for every token whose bit is 0 in its row of the int32 `bitmask` [S, ceil(V / 32)] (in place)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.size(-1)]
+    logits.masked_fill_(~allowed, float('-inf'))
+
+
 def _apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     _apply_openai_penalties(logits, inputs)
+    if inputs.token_bitmask is not None:
+        _apply_token_bitmask(logits, inputs.token_bitmask)
     for row, (ids, banned) in enumerate(zip(inputs.penalty_ids, inputs.banned_ids)):
         if ids is not None and ids.numel():
             penalty = inputs.repetition_penalty[row]
