@@ -96,6 +96,10 @@ class PytorchEngineConfig:
     download_dir: str | None = None
     # The tokenizer's folder or hub id, when not the model's (e.g. a config-only folder with load_format='dummy').
     tokenizer: str | None = None
+    # Tensor parallelism (LMDeploy's `--tp`): ranks one model is split over, one process per GPU. The model's head
+    # counts are checked at engine start (`models/tp_geometry.py`); the multi-rank runtime is not built yet, so any
+    # value above 1 is refused there.
+    tp: int = 1
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -147,6 +151,8 @@ class PytorchEngineConfig:
                  f'max_lora_rank must be a positive int, got {self.max_lora_rank!r}')
         _require(len(self.adapters or {}) <= self.max_loras,
                  f'{len(self.adapters or {})} adapters given but max_loras is {self.max_loras}')
+        _require(isinstance(self.tp, int) and not isinstance(self.tp, bool) and self.tp >= 1,
+                 f'tp must be a positive int, got {self.tp!r}')
         _require(self.load_format in _LOAD_FORMATS,
                  f'load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}')
 

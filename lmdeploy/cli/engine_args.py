@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='a Hugging Face Hub model id: where to cache it (default: huggingface_hub cache)')
     group.add_argument('--tokenizer', default=None,
                        help="the tokenizer's folder or hub id, when not the model's (e.g. with --load-format dummy)")
+    group.add_argument('--tp', type=int, default=1,
+                       help='tensor parallelism: GPUs one model is split over (only 1 is supported yet)')
     group.add_argument('--vision-encoder-cache-mb', type=int, default=PytorchEngineConfig.vision_encoder_cache_mb,
                        help='vision-language models: MiB of encoded images kept by content hash (0: off)')
 
@@ -102,6 +104,7 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   enable_return_routed_experts=getattr(args, 'enable_return_routed_experts', False),
                   load_format=getattr(args, 'load_format', 'auto'), revision=getattr(args, 'revision', None),
                   download_dir=getattr(args, 'download_dir', None), tokenizer=getattr(args, 'tokenizer', None),
+                  tp=getattr(args, 'tp', 1),
                   vision_encoder_cache_mb=getattr(args, 'vision_encoder_cache_mb',
                                                   PytorchEngineConfig.vision_encoder_cache_mb))
     if args.device is not None:

@@ -37,11 +37,12 @@ def _configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from ..pytorch.models.model_source import ModelNotFoundError
+    from ..pytorch.models.tp_geometry import TensorParallelError
     args = build_parser().parse_args(argv)
     _configure_logging()
     try:
         return int(args.func(args) or 0)
-    except ModelNotFoundError as err:  # one line, not a traceback
+    except (ModelNotFoundError, TensorParallelError) as err:  # one line, not a traceback
         print(f'lmdeploy: error: {err}', file=sys.stderr)
         return 2
 

@@ -22,6 +22,7 @@ from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, Sequen
 from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..models.model_source import resolve_model_path
+from ..models.tp_geometry import check_tp_supported
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .cache_engine import CacheEngine
@@ -52,6 +53,7 @@ class Engine:
         # a local folder, or a hub id resolved through huggingface_hub (`ModelNotFoundError`: one line to print)
         self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
                                              with_weights=engine_config.load_format != 'dummy')
+        check_tp_supported(self.model_path, engine_config.tp)  # before any weight is read
         dtype = resolve_dtype(engine_config)
         self.model, self.model_config = build_model(self.model_path, self.device, dtype, engine_config.device_type,
                                                     engine_config.state_dtype, load_format=engine_config.load_format)
