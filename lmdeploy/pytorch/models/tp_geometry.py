@@ -63,8 +63,8 @@ def tp_geometry(hf_config, tp: int) -> TPGeometry:
     if heads % tp:
         raise TensorParallelError(f'tp={tp} does not divide the attention heads (num_attention_heads={heads})')
     if kv % tp and tp % kv:
-        raise TensorParallelError(f'tp={tp} neither divides the KV heads (num_key_value_heads={kv}) nor is a multiple of '
-                         'them (KV heads are replicated only when their count divides tp)')
+        raise TensorParallelError(f'tp={tp} neither divides the KV heads (num_key_value_heads={kv}) nor is a '
+                                  'multiple of them (KV heads are replicated only when their count divides tp)')
     if lin_k % tp:
         raise TensorParallelError(f'tp={tp} does not divide the gated-delta key heads (linear_num_key_heads={lin_k})')
     return TPGeometry(tp=tp, num_heads=heads, num_kv_heads=kv, linear_num_key_heads=lin_k,
