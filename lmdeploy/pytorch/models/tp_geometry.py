@@ -82,3 +82,20 @@ def check_tp_supported(model_path: str, tp: int) -> None:
     raise TensorParallelError(
         f'tp={tp}: tensor parallelism is not supported yet (the model divides over {tp} ranks, but the multi-rank '
         'runtime is not built); run with tp=1')
+
+
+def rank_hf_config(hf_config, tp: int):
+    """A copy of `hf_config` describing one rank's model: a model class built from it has exactly the shapes of
+    one rank's shards (`tp_plan.py`), and its `build_model_config` gives the per-rank KV heads and state shapes
+    (conv `[conv_dim / tp, K - 1]`, recurrent `[n_v / tp, d_k, d_v]`)."""
+    import copy
+    tp_geometry(hf_config, tp)
+    cfg = copy.deepcopy(hf_config)
+    text = text_config_of(cfg)
+    text.num_attention_heads //= tp
+    text.num_key_value_heads = max(1, text.num_key_value_heads // tp)
+    for name in ('linear_num_key_heads', 'linear_num_value_heads', 'intermediate_size', 'moe_intermediate_size',
+                 'shared_expert_intermediate_size'):
+        if getattr(text, name, None):
+            setattr(text, name, getattr(text, name) // tp)
+    return cfg
