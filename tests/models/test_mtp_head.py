@@ -118,3 +118,20 @@ def test_mtp_refuses_checkpoint_without_mtp_weights(mtp_checkpoints, tmp_path):
 def test_mtp_refuses_model_without_head_support(tiny_model_factory):
     with pytest.raises(ValueError, match='needs a model with an MTP head'):
         build_model(tiny_model_factory('qwen3'), torch.device('cpu'), 'float32', 'cpu', mtp=True)
+
+
+def _engine(path: str):
+    from lmdeploy import PytorchEngineConfig, SpeculativeConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    return Engine(path, PytorchEngineConfig(device_type='cpu', block_size=BLOCK, num_gpu_blocks=8,
+                                            speculative_config=SpeculativeConfig('mtp', 2)))
+
+
+def test_engine_refuses_speculation_on_a_model_without_mtp_head(tiny_model_factory):
+    with pytest.raises(ValueError, match='declares no MTP head'):
+        _engine(tiny_model_factory('qwen3_5', num_hidden_layers=2, layer_types=[LIN, FULL]))
+
+
+def test_engine_says_drafting_is_not_supported_yet(mtp_checkpoints):
+    with pytest.raises(NotImplementedError, match='not supported yet'):
+        _engine(mtp_checkpoints('qwen3_5'))

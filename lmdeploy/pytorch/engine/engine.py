@@ -53,8 +53,13 @@ class Engine:
         self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
                                              with_weights=engine_config.load_format != 'dummy')
         dtype = resolve_dtype(engine_config)
+        speculative = engine_config.speculative_config
         self.model, self.model_config = build_model(self.model_path, self.device, dtype, engine_config.device_type,
-                                                    engine_config.state_dtype, load_format=engine_config.load_format)
+                                                    engine_config.state_dtype, load_format=engine_config.load_format,
+                                                    mtp=speculative is not None)
+        if speculative is not None:  # the model and its head load and are checked; drafting is the missing part
+            raise NotImplementedError(f'speculative decoding (method {speculative.method!r}) is not supported yet: '
+                                      'the MTP head loads, but the engine does not draft and verify with it')
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
