@@ -135,3 +135,16 @@ def test_engine_refuses_speculation_on_a_model_without_mtp_head(tiny_model_facto
 def test_engine_says_drafting_is_not_supported_yet(mtp_checkpoints):
     with pytest.raises(NotImplementedError, match='not supported yet'):
         _engine(mtp_checkpoints('qwen3_5'))
+
+
+def test_block_copies_cover_the_mtp_head_kv(mtp_checkpoints):
+    """A logical block copy (a prefix-cache restore of a frozen partial block, a save) moves the head's KV too."""
+    _, config = build_model(mtp_checkpoints('qwen3_5'), torch.device('cpu'), 'float32', 'cpu', mtp=True)
+    cache = CacheEngine(config, CacheConfig(block_size=BLOCK, kernel_block_size=BLOCK // 2, num_blocks=4,
+                                            num_state_slots=2), torch.device('cpu'))
+    assert cache.kv_pool.shape[0] == config.num_attn_layers + config.num_mtp_layers
+    cache.kv_pool.copy_(torch.randint(0, 255, cache.kv_pool.shape, dtype=torch.uint8))
+    head_k = cache.kv_caches[-1][0]  # [pages, kbs, heads, dim]; block b = pages 2b, 2b + 1
+    before = head_k[2:4].clone()
+    cache.copy_logical_blocks(torch.tensor([[1], [3]]))
+    torch.testing.assert_close(head_k[6:8], before)
