@@ -40,12 +40,14 @@ def _states(cache: CacheEngine, slot: int) -> list[torch.Tensor]:
     return [view[slot].clone() for layer in cache.state_caches for view in layer.values()]
 
 
-@pytest.fixture(scope='module')
-def model_and_cache(tiny_model_factory):
+@pytest.fixture(scope='module', params=['cpu', pytest.param('cuda', marks=pytest.mark.gpu)])
+def model_and_cache(tiny_model_factory, request):
+    """float32 on the default backend (CPU) and on the cuda backend (GPU)."""
+    device = request.param
     path = tiny_model_factory('qwen3_5', num_hidden_layers=3, layer_types=[LIN, FULL, LIN])
-    model, config = build_model(path, torch.device('cpu'), 'float32', 'cpu')
+    model, config = build_model(path, torch.device(device), 'float32', device)
     cache = CacheEngine(config, CacheConfig(block_size=BLOCK, kernel_block_size=BLOCK, num_blocks=PAGES,
-                                            num_state_slots=K + 3), torch.device('cpu'))
+                                            num_state_slots=K + 3), torch.device(device))
     return model, config, cache
 
 
@@ -54,7 +56,7 @@ def test_every_acceptance_count_leaves_the_plain_decode_state(model_and_cache):
     model, config, cache = model_and_cache
 
     def run(inputs: ModelInputs) -> torch.Tensor:
-        ctx = StepContext(inputs=inputs, kv_caches=cache.kv_caches, state_caches=cache.state_caches,
+        ctx = StepContext(inputs=inputs.to(cache.device), kv_caches=cache.kv_caches, state_caches=cache.state_caches,
                           kernel_block_size=BLOCK)
         return model.compute_logits(model(ctx))
 
@@ -78,7 +80,7 @@ def test_every_acceptance_count_leaves_the_plain_decode_state(model_and_cache):
             drafts[j] = (drafts[j] + 1) % config.vocab_size  # the replayed continuation, wrong at draft j + 1
         cut_slots = list(range(SLOT + 1, SLOT + 1 + K))
         logits = run(_inputs([tokens[0], *drafts], n, False, cut_slots))
-        accepted = greedy_accept(torch.tensor([drafts]), logits[None])
+        accepted = greedy_accept(torch.tensor([drafts], device=logits.device), logits[None])
         assert int(accepted.num_accepted) == j
         seen.add(j)
         for i in range(j + 1):
@@ -86,7 +88,7 @@ def test_every_acceptance_count_leaves_the_plain_decode_state(model_and_cache):
         assert accepted.tokens[0, :j + 1].tolist() == tokens[1:j + 2]
         # committed: x, d_1 .. d_j; the state after them is cut j + 1 (or the runtime row itself when all passed)
         if j < K:
-            cache.copy_state_slots(torch.tensor([[cut_slots[j]], [SLOT]]))
+            cache.copy_state_slots(torch.tensor([[cut_slots[j]], [SLOT]], device=cache.device))
         for got, want in zip(_states(cache, SLOT), plain_states[j]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # the next step feeds the emitted token over the stale KV of rejected drafts (masked by kv_len)
