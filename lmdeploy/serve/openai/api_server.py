@@ -44,6 +44,7 @@ from .errors import APIError
 from .lifecycle import run_app
 from .limits import check_request_limits
 from .metrics import ServerMetrics
+from .openapi_doc import document_responses
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -195,7 +196,7 @@ def _chat_finish_reason(reason: str | None, parser: ChatOutputParser) -> str | N
     return 'tool_calls' if reason == 'stop' and parser.num_tool_calls else reason
 
 
-@router.post('/chat/completions')
+@router.post('/chat/completions', response_model=ChatCompletionResponse)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     arrival, state = time.perf_counter(), _state(request)
     state.check_model(body.model)
@@ -242,7 +243,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                   usage=UsageInfo.total(finals, n))
 
 
-@router.post('/completions')
+@router.post('/completions', response_model=CompletionResponse)
 async def completions(body: CompletionRequest, request: Request):
     arrival, state = time.perf_counter(), _state(request)
     state.check_model(body.model)
@@ -506,6 +507,7 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
         open_paths = ('/health',) if config.enable_metrics_auth else OPEN_PATHS
         app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics, open_paths=open_paths)
     (cors or CorsConfig()).install(app)  # outermost: preflights are answered before the key check
+    document_responses(app)
     return app
 
 
