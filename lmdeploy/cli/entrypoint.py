@@ -38,9 +38,14 @@ def _configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..pytorch.models.model_source import ModelNotFoundError
     args = build_parser().parse_args(argv)
     _configure_logging()
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModelNotFoundError as err:  # one line, not a traceback
+        print(f'lmdeploy: error: {err}', file=sys.stderr)
+        return 2
 
 
 if __name__ == '__main__':

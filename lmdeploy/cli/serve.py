@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
     parser = sub.add_parser('serve', help='serve a model over HTTP')
     servers = parser.add_subparsers(dest='server', required=True)
     api = servers.add_parser('api_server', help='OpenAI-compatible HTTP server (/v1/chat/completions, ...)')
-    api.add_argument('model_path', nargs='?', default=None, help='HF folder (default: the built-in demo model)')
+    api.add_argument('model_path', nargs='?', default=None,
+                     help='HF folder or Hub id (default: the built-in demo model)')
     api.add_argument('--server-name', default='127.0.0.1', help='address to bind (0.0.0.0: all interfaces)')
     api.add_argument('--server-port', type=int, default=23333)
     api.add_argument('--model-name', default=None, help='name clients use in `model` (default: the folder name)')

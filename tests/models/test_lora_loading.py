@@ -5,6 +5,7 @@ refusal can be provoked; the numerical match with peft is in `test_lora_models.p
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -110,6 +111,16 @@ def test_a_module_the_engine_cannot_place_fails_start_up(qwen3_next, tmp_path, m
     path = write_adapter(tmp_path / 'x', {module: shape})
     with pytest.raises(ValueError, match=message):
         engine(qwen3_next, {'x': path})
+
+
+def test_vision_tower_modules_fail_start_up(tiny_model_factory, tmp_path):
+    # the vision-language class loads the vision tower, whose Linear layers see image patches, not tokens
+    path = str(tiny_model_factory('qwen3_5_vl', num_hidden_layers=2, layer_types=[FULL, LIN]))
+    with open(os.path.join(path, 'config.json')) as f:
+        width = json.load(f)['vision_config']['hidden_size']
+    adapter = write_adapter(tmp_path / 'v', {'model.visual.blocks.0.mlp.linear_fc1': (width, 4 * width)})
+    with pytest.raises(ValueError, match='outside the decoder layers'):
+        engine(path, {'v': adapter})
 
 
 def test_limits_on_resident_adapters_and_rank_fail_start_up(qwen3_5, tmp_path):

@@ -205,3 +205,23 @@ def test_second_signal_aborts_at_once(model_path):
         assert plain[0].status_code == 503 and plain[0].json()['error']['code'] == 'server_shutting_down'
     finally:
         stop(process)
+
+
+def test_exit_code_says_the_engine_died():
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from lmdeploy.serve.openai.lifecycle import ExitCode, GracefulServer
+    from lmdeploy.serve.watchdog import Liveness
+    watchdog = SimpleNamespace(state=Liveness.OK)
+    server = GracefulServer(uvicorn.Config(app=None), None, SimpleNamespace(draining=False, in_flight=0), watchdog,
+                            grace=1.0)
+    assert server.exit_code() is ExitCode.OK
+    watchdog.state = Liveness.DEAD
+    assert server.exit_code() is ExitCode.ENGINE_DEAD and int(ExitCode.ENGINE_DEAD) == 1
+    server.handle_exit(15, None)   # the first signal starts the drain, a second one moves the deadline to now
+    first = server.deadline
+    assert server.admission.draining and first is not None
+    server.handle_exit(2, None)
+    assert server.deadline <= first

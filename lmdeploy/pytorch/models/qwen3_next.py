@@ -12,7 +12,7 @@ Qwen3-Next checkpoints interleave those per key head; `Qwen3NextForCausalLM` reo
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -241,8 +241,8 @@ class HybridForCausalLM(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def rename_weight(self, name: str) -> str | None:
-        """Checkpoint name -> model name, or None to drop it (multi-token-prediction heads, tied lm_head)."""
-        if name.startswith('mtp.') or (self.tie_word_embeddings and name.startswith('lm_head.')):
+        """Checkpoint name -> model name, or None to drop it (a tied `lm_head` duplicates the embedding)."""
+        if self.tie_word_embeddings and name.startswith('lm_head.'):
             return None
         return name
 
@@ -250,17 +250,9 @@ class HybridForCausalLM(nn.Module):
         """Hook for checkpoint tensors whose layout differs from ours (identity here)."""
         return tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loaded = load_weights(self, self._renamed(weights), self.stacked_params)
-        missing = set(dict(self.named_parameters())) - loaded
-        if missing:
-            raise ValueError(f'checkpoint is missing weights: {sorted(missing)[:8]}')
-
-    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            name = self.rename_weight(name)
-            if name is not None:
-                yield name, self.convert_weight(name, tensor)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **fp8) -> None:
+        """All checkpoint tensors; `fp8` as `weight_loading.load_weights` takes it."""
+        load_weights(self, weights, self.stacked_params, self.rename_weight, self.convert_weight, **fp8)
 
 
 # ---- Qwen3-Next ---------------------------------------------------------------------------------------------------
@@ -303,6 +295,16 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
 
     def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        if name.endswith('linear_attn.in_proj_qkvz.weight_scale_inv'):
+            # FP8 kept: reorder the scale grid like the rows, which needs each head's rows to be whole blocks
+            block_rows = self.get_submodule(name.rpartition('.')[0]).weight_block_size[0]
+            if cfg.linear_key_head_dim % block_rows or cfg.linear_value_head_dim % block_rows:
+                raise ValueError(f'{name}: FP8 blocks of {block_rows} rows straddle the per-head groups of '
+                                 f'in_proj_qkvz (head dims {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim})')
+            return interleaved_qkvz_to_blocked(tensor, cfg.linear_num_key_heads, cfg.linear_key_head_dim // block_rows,
+                                               cfg.linear_num_value_heads, cfg.linear_value_head_dim // block_rows)
+        if name.endswith('linear_attn.in_proj_ba.weight_scale_inv'):
+            raise ValueError(f'{name}: FP8 in_proj_ba is not supported (its per-head groups are narrower than a block)')
         if name.endswith('linear_attn.in_proj_qkvz.weight'):
             return interleaved_qkvz_to_blocked(tensor, cfg.linear_num_key_heads, cfg.linear_key_head_dim,
                                                cfg.linear_num_value_heads, cfg.linear_value_head_dim)

@@ -82,7 +82,8 @@ class Scheduler:
         Running sequences come first in arrival order (a decode feeds 1 token, a prefill in progress its next
         chunk). When KV runs short, cached prefixes are evicted first, then the latest-arrived running sequence is
         preempted (recomputed later). Then waiting sequences are admitted in order while the token budget, the
-        batch size, KV blocks and state slots allow; admission matches the prefix cache first. With branch points
+        batch size, KV blocks and state slots allow; admission matches the prefix cache first. A chunk never ends
+        inside an image (it stops before the image, or takes it whole). With branch points
         on, a waiting sequence that a prefill piece already in this batch will checkpoint deeper into its prompt
         than its hit skips this step and keeps its place in the queue. Only the first prefill of a batch may be
         cut into a chunk. Finally the prefix cache reserves the checkpoints this forward saves.
@@ -93,7 +94,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= self.config.max_batch_size:
                 continue
             n = 1 if seq.num_remaining == 1 else min(seq.num_remaining, budget)
-            n = self.prefix_cache.chunk(seq, n)
+            n = seq.fit_chunk_to_spans(seq.num_computed, self.prefix_cache.chunk(seq, n))
             if n == 0 or not self._reserve_blocks(seq, n, scheduled=out.seqs):
                 continue
             out.seqs.append(seq)
@@ -197,6 +198,8 @@ class Scheduler:
         n = remaining if remaining <= budget else (budget if chunk_ok else 0)
         if not logits_hit:
             n = cache.admission_chunk(seq, match, n)
+            if n:
+                n = seq.fit_chunk_to_spans(match.num_tokens, n)  # chunks never split an image
             if n == 0:
                 return None
         shared = cache.acquire(seq, match)

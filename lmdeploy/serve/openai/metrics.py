@@ -3,13 +3,13 @@
 Two sources:
 - request metrics (counts by finish reason, token counts, TTFT, latency) are recorded by the server as responses
   stream out, through one `RequestTracker` per request;
-- engine metrics (queue lengths, pool usage, prefix-cache counters) are read from the engine at scrape time by
-  `EngineCollector`. It only reads: list lengths and counters, which are safe to read from another thread.
+- engine metrics (queue lengths, pool usage, prefix-cache counters) come from the engine's per-step statistics
+  record (`Engine.stats_snapshot`, frozen), read at scrape time by `EngineCollector`.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,67 +23,45 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
-def _read(stats, key: str, default=0):
-    try:
-        value = stats[key] if isinstance(stats, Mapping) else getattr(stats, key)
-    except (KeyError, AttributeError, TypeError):
-        return default
-    return default if value is None else value
-
-
 class EngineCollector:
-    """Scrape-time view of the engine's scheduler, pools and prefix-cache statistics (`engine.stats`)."""
+    """Scrape-time view of the engine's queues, pools and prefix-cache counters: `engine.stats_snapshot`, the frozen
+    record the engine publishes once per step (the scheduler is never read from this thread)."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        scheduler = self.engine.scheduler
-        yield _gauge('lmdeploy:num_requests_running', 'Requests in the running batch', len(scheduler.running))
-        yield _gauge('lmdeploy:num_requests_waiting', 'Requests waiting to be scheduled', len(scheduler.waiting))
-        blocks = scheduler.block_manager
-        yield _gauge('lmdeploy:kv_cache_blocks_total', 'KV blocks in the pool', blocks.num_blocks)
-        yield _gauge('lmdeploy:kv_cache_blocks_free', 'KV blocks on the free list', blocks.num_free)
-        yield _gauge('lmdeploy:kv_cache_usage_ratio', 'Fraction of KV blocks not on the free list',
-                     1.0 - blocks.num_free / blocks.num_blocks)
-        states = scheduler.state_manager  # None for dense models
-        usage = 0.0 if states is None else 1.0 - states.num_free / max(states.num_usable, 1)
+        stats = self.engine.stats_snapshot
+        yield _gauge('lmdeploy:num_requests_running', 'Requests in the running batch', stats.num_running)
+        yield _gauge('lmdeploy:num_requests_waiting', 'Requests waiting to be scheduled', stats.num_waiting)
+        yield _gauge('lmdeploy:kv_cache_blocks_total', 'KV blocks in the pool', stats.num_kv_blocks)
+        yield _gauge('lmdeploy:kv_cache_blocks_free', 'KV blocks on the free list', stats.num_free_kv_blocks)
+        yield _gauge('lmdeploy:kv_cache_usage_ratio', 'Fraction of KV blocks not on the free list', stats.kv_usage)
         yield _gauge('lmdeploy:state_cache_usage_ratio', 'Fraction of recurrent-state slots in use (hybrid models)',
-                     usage)
-        stats = getattr(self.engine, 'stats', None)  # one read: it waits for the running step
-        yield from self._prefix_cache(stats)
-        yield from self._vision_cache(stats)
-
-    @staticmethod
-    def _vision_cache(stats) -> Iterator[Metric]:
-        if stats is None or _read(stats, 'vision_cache_entries', None) is None:
-            return  # no vision tower, or its encoder cache is off
-        yield CounterMetricFamily('lmdeploy:vision_cache_hits', 'Images whose embeddings came from the encoder cache',
-                                  value=_read(stats, 'vision_cache_hits'))
-        yield CounterMetricFamily('lmdeploy:vision_cache_misses', 'Images run through the vision tower',
-                                  value=_read(stats, 'vision_cache_misses'))
-        yield _gauge('lmdeploy:vision_cache_entries', 'Encoded images held by the encoder cache',
-                     _read(stats, 'vision_cache_entries'))
-        yield _gauge('lmdeploy:vision_cache_bytes', 'Device bytes held by the encoder cache',
-                     _read(stats, 'vision_cache_bytes'))
-
-    def _prefix_cache(self, stats) -> Iterator[Metric]:
-        query = hit = 0
-        reasons: dict = {}
-        if stats is not None:
-            query, hit = _read(stats, 'query_tokens'), _read(stats, 'hit_tokens')
-            reasons = dict(_read(stats, 'miss_reasons', {}) or {})
+                     stats.state_usage)
+        yield from _vision_cache_metrics(stats.vision_cache)
+        cache = stats.prefix_cache
         yield CounterMetricFamily('lmdeploy:prefix_cache_query_tokens', 'Prompt tokens looked up in the prefix cache',
-                                  value=query)
+                                  value=cache.query_tokens)
         yield CounterMetricFamily('lmdeploy:prefix_cache_hit_tokens', 'Prompt tokens served from the prefix cache',
-                                  value=hit)
-        yield _gauge('lmdeploy:prefix_cache_hit_rate', 'hit_tokens / query_tokens since start',
-                     hit / query if query else 0.0)
+                                  value=cache.hit_tokens)
+        yield _gauge('lmdeploy:prefix_cache_hit_rate', 'hit_tokens / query_tokens since start', cache.hit_rate)
         misses = CounterMetricFamily('lmdeploy:prefix_cache_misses', 'Prefix-cache misses by reason',
                                      labels=['reason'])
-        for reason, count in sorted(reasons.items()):
+        for reason, count in sorted(cache.miss_reasons.items()):
             misses.add_metric([str(reason)], count)
         yield misses
+
+
+def _vision_cache_metrics(cache) -> Iterator[Metric]:
+    if cache is None:
+        return  # no vision tower, or its encoder cache is off
+    yield CounterMetricFamily('lmdeploy:vision_cache_hits', 'Images whose embeddings came from the encoder cache',
+                              value=cache.hits)
+    yield CounterMetricFamily('lmdeploy:vision_cache_misses', 'Images run through the vision tower',
+                              value=cache.misses)
+    yield _gauge('lmdeploy:vision_cache_entries', 'Encoded images held by the encoder cache', cache.entries)
+    yield _gauge('lmdeploy:vision_cache_bytes', 'Device bytes held by the encoder cache', cache.bytes)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
