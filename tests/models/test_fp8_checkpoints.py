@@ -396,3 +396,21 @@ def test_dummy_fp8_weights_start_on_cuda_and_generate(tiny_model_factory, tmp_pa
     assert any(p.dtype == FP8_DTYPE for p in engine.model.parameters())
     tokens, logits = engine_logits(engine, PROMPT, max_new_tokens=4)
     assert len(tokens) == len(PROMPT) + 4 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize('keep', [False, True], ids=['dequantized', 'kept'])
+def test_weights_and_scales_in_different_shards_pair_up(fp8_checkpoints, tmp_path, keep):
+    from test_checkpoint_loading import shard
+    path = fp8_checkpoints('qwen3_next')
+    sharded = shard(path, str(tmp_path / 'sharded'), 3)
+    names = json.load(open(os.path.join(sharded, 'model.safetensors.index.json')))['weight_map']
+    split = [n for n in names if n.endswith('.weight_scale_inv')
+             and names[n] != names[n[:-len('weight_scale_inv')] + 'weight']]
+    assert split, 'no weight / scale pair was split across shards'
+
+    def build(folder: str):
+        return loader.build_model(folder, torch.device('cpu'), 'float32', 'cpu', fp8_weights=keep)[0]
+    whole, parts = dict(build(path).named_parameters()), dict(build(sharded).named_parameters())
+    assert whole.keys() == parts.keys()
+    assert all(torch.equal(whole[n].float(), parts[n].float()) for n in whole)
+    assert any(p.dtype == FP8_DTYPE for p in parts.values()) == keep
