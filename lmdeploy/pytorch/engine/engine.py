@@ -238,6 +238,11 @@ class Engine:
         for out in outputs:
             self._deliver(out)
         sched = self.scheduler.schedule()
+        for seq, error in sched.rejected:  # faults while scheduling fail their own requests
+            logger.error('request %d: %s', seq.seq_id, error)
+            out = self._error_output(seq, error)
+            self._deliver(out)
+            outputs.append(out)
         # True when this step ran nothing on the device (the loop thread then backs off instead of spinning).
         self.last_step_idle = sched.is_empty and not sched.has_copies
         if not self.last_step_idle:
