@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..messages import GenerationConfig, PrefixCacheConfig, PytorchEngineConfig
+from .images import with_images
 from .oracle import RequestTiming, attribute_misses, oracle_hits
 from .pressure import (
     PRESSURE_MODES,
@@ -34,7 +35,7 @@ from .pressure import (
     working_set,
 )
 from .report import RunResult, compare_outputs, format_table, format_verdicts, has_pressure, summary_json, write_outputs
-from .workloads import WORKLOADS, Workload, WorkloadSizing, build_workload, conversation_messages
+from .workloads import MULTIMODAL_WORKLOADS, WORKLOADS, Workload, WorkloadSizing, build_workload, conversation_messages
 
 # off: no cache. aligned / exact: state checkpoints at block multiples / at exact prefill and chunk ends, with the
 # checkpoint policies off. exact+<policy>: one policy on (its contribution). full: every policy on (the engine's
@@ -44,6 +45,7 @@ MODES = ('off', 'aligned', 'exact', 'exact+reply', 'exact+logits', 'exact+branch
          'full-lru', 'full-aligned')
 _POLICIES = ('reply', 'logits', 'branch', 'prefill', 'value')
 DEMO_ARCH = 'qwen3_5'
+DEMO_VL_ARCH = 'qwen3_5_vl'  # the default model of the multimodal workloads
 # The traces need far less KV than the engine's defaults take (GiBs of zeros on CPU; 80% of the free memory on
 # CUDA, which leaves no room for the next mode's engine), so every device gets this many blocks unless told.
 _NUM_BLOCKS = 4096
@@ -70,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--model', default=None, help=f'HF folder (default: the {DEMO_ARCH} hybrid demo model)')
     parser.add_argument('--device', default=None, choices=['cpu', 'cuda'], help='default: cuda if available')
     parser.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
-    parser.add_argument('--workload', default='multi_turn', choices=WORKLOADS + ('all',))
+    parser.add_argument('--workload', default='multi_turn', choices=WORKLOADS + MULTIMODAL_WORKLOADS + (
+        'all', 'multimodal'), help="'all': the text workloads; 'multimodal': the image workloads (a VL model)")
     parser.add_argument('--mode', default='all', type=_modes,
                         help=f"'all', or one or more (comma-separated) of {', '.join(MODES)}")
     parser.add_argument('--requests', type=int, default=16, help='requests per workload')
@@ -126,8 +129,10 @@ class BenchConfig:
         from ..demo_model import get_demo_model_path
         device = args.device or ('cuda' if _has_cuda() else 'cpu')
         num_blocks = args.num_blocks if args.num_blocks is not None else _NUM_BLOCKS
-        return cls(model_path=args.model or get_demo_model_path(DEMO_ARCH), device=device, dtype=args.dtype,
-                   workloads=WORKLOADS if args.workload == 'all' else (args.workload,),
+        workloads = {'all': WORKLOADS, 'multimodal': MULTIMODAL_WORKLOADS}.get(args.workload, (args.workload,))
+        demo = DEMO_VL_ARCH if set(workloads) & set(MULTIMODAL_WORKLOADS) else DEMO_ARCH
+        return cls(model_path=args.model or get_demo_model_path(demo), device=device, dtype=args.dtype,
+                   workloads=workloads,
                    modes=args.mode if isinstance(args.mode, tuple) else _modes(args.mode), num_requests=args.requests,
                    seed=args.seed,
                    max_new_tokens=args.max_new_tokens, block_size=args.block_size,
@@ -203,6 +208,7 @@ class EngineProbe:
         """Start counting from here (after the warm-up; the engine must be idle)."""
         self.peak_bytes = 0
         self.peak_blocks = self.peak_checkpoints = 0
+        self.engine.mark_stats()
         self.base = self.engine.stats_snapshot.prefix_cache
 
     @property
@@ -219,12 +225,11 @@ class EngineProbe:
 
     def live_checkpoints(self, snapshot=None) -> int:
         """Checkpoints published since `reset()` and still live (the warm-up's are left out)."""
-        return (snapshot or self.now).live_checkpoints - self.base.live_checkpoints
+        return (snapshot or self.now).live_since_mark
 
     def checkpoint_bytes(self, snapshot=None) -> int:
         snapshot = snapshot or self.now
-        partial = snapshot.partial_checkpoints - self.base.partial_checkpoints
-        return self.live_checkpoints(snapshot) * self.row_bytes + partial * self.block_bytes
+        return snapshot.live_since_mark * self.row_bytes + snapshot.partial_since_mark * self.block_bytes
 
     def _sample(self, snapshot) -> None:
         self.peak_bytes = max(self.peak_bytes, self.checkpoint_bytes(snapshot))
@@ -296,7 +301,7 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
     while pending or active:
         while pending and len(active) < concurrency:
             active.append((pending.popleft(), [], {}))
-        batch = [(conv, replies, history, engine.prepare(_prompt_ids(tokenizer, conv, replies, history), gen))
+        batch = [(conv, replies, history, engine.prepare(_prompt(tokenizer, conv, replies, history), gen))
                  for conv, replies, history in active]
         flights = []
         for _, _, _, request in batch:
@@ -309,7 +314,7 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
                 raise RuntimeError(f'{workload.name} conversation {conv.conv_id}: no result in {_REQUEST_TIMEOUT_S} s')
             if flight.error:
                 raise RuntimeError(f'{workload.name} conversation {conv.conv_id}: {flight.error}')
-            records.append(RequestRecord(conv.conv_id, len(replies), request.input_ids, flight.token_ids,
+            records.append(RequestRecord(conv.conv_id, len(replies), _identity_ids(request), flight.token_ids,
                                          flight.cached_tokens, RequestTiming(flight.submit_s, flight.first_token_s,
                                                                              flight.evictions_at_first_token),
                                          flight.finish_s, flight.margins))
@@ -317,6 +322,24 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
             history['ids'], history['reply_ids'] = list(request.input_ids), list(flight.token_ids)
         active = [entry for entry in active if len(entry[1]) < len(entry[0].user_turns)]
     return records
+
+
+def _prompt(tokenizer, conv, replies: list[str], history: dict):
+    """The next request of `conv`: chat messages with drawn images for a multimodal conversation (the engine
+    templates and preprocesses them), token ids otherwise."""
+    if conv.images:
+        return with_images(conversation_messages(conv, len(replies), replies))
+    return _prompt_ids(tokenizer, conv, replies, history)
+
+
+def _identity_ids(request) -> list[int]:
+    """The prompt's ids for the oracle, with each image's placeholders replaced by an id derived from its content
+    hash (negative, outside the vocabulary): identical placeholders of different images must not count as a
+    shared prefix."""
+    ids = list(request.input_ids)
+    for span in request.mm_spans:
+        ids[span.start:span.end] = [-1 - span.content_hash % (1 << 62)] * (span.end - span.start)
+    return ids
 
 
 def _prompt_ids(tokenizer, conv, replies: list[str], history: dict) -> list[int]:

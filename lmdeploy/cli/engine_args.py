@@ -9,6 +9,8 @@ from ..prefix_cache_config import CHECKPOINT_MODES
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group('engine')
+    group.add_argument('--backend', default='pytorch', choices=['pytorch'],
+                       help="inference backend (LMDeploy's flag; this engine is the PyTorch one)")
     group.add_argument('--device', default=None, choices=['cuda', 'cpu'],
                        help='device type (default: cuda if available)')
     group.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])

@@ -31,7 +31,7 @@ def test_miss_reasons_sum_to_missed_tokens():
     assert reasons['no_checkpoint'] == 2 and reasons['in_flight'] == 5 and reasons['novel'] == 4 + 1 + 1
 
 
-@pytest.mark.parametrize('name', workloads.WORKLOADS)
+@pytest.mark.parametrize('name', workloads.WORKLOADS + workloads.MULTIMODAL_WORKLOADS)
 def test_workload_is_seeded_and_has_exact_request_count(name):
     sizing = workloads.WorkloadSizing(max_prefill_token_num=64, max_prompt_tokens=1000)
     count = lambda text: len(text.split())  # noqa: E731
@@ -137,3 +137,20 @@ def test_pressure_smoke_writes_the_table_verdicts_and_plot(tmp_path, capsys):
     assert at_25['checkpoint_rows'] < unbounded['checkpoint_rows'] and at_25['num_blocks'] < unbounded['num_blocks']
     assert '## Under pressure' in (out_dir / 'report.md').read_text()
     assert (out_dir / 'pressure.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_multimodal_workloads_resume_after_the_shared_images_with_identical_outputs(tmp_path, capsys, monkeypatch):
+    """Shared images + different questions, and multi-turn over one image, on the tiny VL demo model: the cache
+    serves most of the oracle's tokens (the last image's end is checkpointed; different images never alias in
+    the oracle either: their placeholders become content-hash ids), and every mode generates the same tokens."""
+    from lmdeploy.bench.__main__ import main
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path))
+    assert main(['--device', 'cpu', '--workload', 'multimodal', '--mode', 'off,full', '--requests', '6',
+                 '--max-new-tokens', '4', '--state-budget', '32', '--json']) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = {(run['workload'], run['mode']): run for run in summary['runs']}
+    assert summary['outputs_match'] == {'mm_shared_images': True, 'mm_multi_turn': True}
+    for name in ('mm_shared_images', 'mm_multi_turn'):
+        assert runs[(name, 'off')]['hit_rate'] == 0.0
+        full = runs[(name, 'full')]
+        assert 0.5 * full['oracle_hit_rate'] < full['hit_rate'] <= full['oracle_hit_rate']

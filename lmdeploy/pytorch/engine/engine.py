@@ -442,6 +442,13 @@ class Engine:
         for listener in self._step_listeners:
             listener(snapshot)
 
+    def mark_stats(self) -> None:
+        """Between steps (the engine idle): count live checkpoints from here on (`live_since_mark`), for a benchmark
+        that leaves its warm-up's checkpoints out of its figures."""
+        with self._step_lock:
+            self.scheduler.prefix_cache.mark()
+            self._publish(self._make_stats(self._snapshot.step))
+
     def add_step_listener(self, listener: Callable[[EngineStats], None]) -> None:
         """Call `listener` with every published record, on the engine thread right after its step (keep it short)."""
         self._step_listeners.append(listener)
