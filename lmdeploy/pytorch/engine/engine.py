@@ -243,6 +243,11 @@ class Engine:
         for out in outputs:
             self._deliver(out)
         sched = self.scheduler.schedule()
+        for seq, error in sched.rejected:  # faults while scheduling fail their own requests
+            logger.error('request %d: %s', seq.seq_id, error)
+            out = self._error_output(seq, error)
+            self._deliver(out)
+            outputs.append(out)
         # True when this step ran nothing on the device (the loop thread then backs off instead of spinning).
         self.last_step_idle = sched.is_empty and not sched.has_copies
         if not self.last_step_idle:
@@ -446,6 +451,13 @@ class Engine:
             self._published.notify_all()
         for listener in self._step_listeners:
             listener(snapshot)
+
+    def mark_stats(self) -> None:
+        """Between steps (the engine idle): count live checkpoints from here on (`live_since_mark`), for a benchmark
+        that leaves its warm-up's checkpoints out of its figures."""
+        with self._step_lock:
+            self.scheduler.prefix_cache.mark()
+            self._publish(self._make_stats(self._snapshot.step))
 
     def add_step_listener(self, listener: Callable[[EngineStats], None]) -> None:
         """Call `listener` with every published record, on the engine thread right after its step (keep it short)."""
