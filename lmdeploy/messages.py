@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from .prefix_cache_config import FLAT_NAMES, PrefixCacheConfig
+from .speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import numpy as np
@@ -96,6 +97,8 @@ class PytorchEngineConfig:
     download_dir: str | None = None
     # The tokenizer's folder or hub id, when not the model's (e.g. a config-only folder with load_format='dummy').
     tokenizer: str | None = None
+    # Speculative decoding (`SpeculativeConfig`, lmdeploy/speculative_config.py); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -149,6 +152,8 @@ class PytorchEngineConfig:
                  f'{len(self.adapters or {})} adapters given but max_loras is {self.max_loras}')
         _require(self.load_format in _LOAD_FORMATS,
                  f'load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}')
+        _require(self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig),
+                 f'speculative_config must be a SpeculativeConfig or None, got {self.speculative_config!r}')
 
     def _resolve_prefix_cache(self) -> None:
         """One source of truth for the prefix-cache knobs: `prefix_cache`, kept equal to the flat fields."""
