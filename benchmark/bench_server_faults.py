@@ -201,11 +201,11 @@ def half_open(server: Server) -> None:
         for sock in held:
             sock.close()
     metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-               if line.startswith('lmdeploy_http_')}
+               if line.startswith('lmdeploy:http_')}
     report('1,100 half-open connections', fd_limit=FD_LIMIT, normal_ok=f'{ok}/50',
            p50_ms=round(statistics.median(latencies) * 1000), max_ms=round(max(latencies) * 1000),
-           cap=int(metrics['lmdeploy_http_connections_max']),
-           evicted=int(metrics['lmdeploy_http_connections_evicted_total']))
+           cap=int(metrics['lmdeploy:http_connections_max']),
+           evicted=int(metrics['lmdeploy:http_connections_evicted_total']))
 
 
 def burst(server: Server, n: int) -> None:
