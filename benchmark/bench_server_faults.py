@@ -6,7 +6,7 @@ oversized bodies, a far too long prompt, 100,000 stop strings, a lone surrogate 
 latency beside large prompts, 1,100 half-open connections, a burst beyond the admission limit, SIGTERM with long
 streams in flight, and SIGTERM followed by SIGINT. Every loop is bounded in count and every wait in time.
 
-    python benchmark/bench_server_faults.py [--burst 600] [--streams 16]
+    python benchmark/bench_server_faults.py [--burst 600] [--streams 16] [--device cuda]
 """
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ LONG = {'model': MODEL, 'prompt': [5, 6, 7, 8], 'max_tokens': 100_000, 'ignore_e
 
 # ---- the server process --------------------------------------------------------------------------------------
 class Server:
+    device = 'cpu'
+
     def __init__(self, model_path: str, *flags: str):
         with socket.socket() as sock:
             sock.bind(('127.0.0.1', 0))
             port = sock.getsockname()[1]
-        cmd = [sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'serve', 'api_server', model_path, '--device', 'cpu',
-               '--server-port', str(port), '--model-name', MODEL, '--num-gpu-blocks', '1024',
+        cmd = [sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'serve', 'api_server', model_path,
+               '--device', self.device, '--server-port', str(port), '--model-name', MODEL, '--num-gpu-blocks', '1024',
                '--cache-block-seq-len', '16', '--max-batch-size', '8', '--enable-prefix-caching',
                '--prefix-cache-state-budget', '4', '--log-level', 'error', *flags]
         env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
@@ -280,7 +282,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--burst', type=int, default=600)
     parser.add_argument('--streams', type=int, default=16)
+    parser.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
     args = parser.parse_args()
+    Server.device = args.device
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 4096), hard), hard))   # the client's own sockets
     from lmdeploy.demo_model import save_tiny_model
