@@ -6,7 +6,7 @@ oversized bodies, a far too long prompt, 100,000 stop strings, a lone surrogate 
 latency beside large prompts, 1,100 half-open connections, a burst beyond the admission limit, SIGTERM with long
 streams in flight, and SIGTERM followed by SIGINT. Every loop is bounded in count and every wait in time.
 
-    python benchmark/bench_server_faults.py [--burst 600] [--streams 16]
+    python benchmark/bench_server_faults.py [--burst 600] [--streams 16] [--device cuda]
 """
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ LONG = {'model': MODEL, 'prompt': [5, 6, 7, 8], 'max_tokens': 100_000, 'ignore_e
 
 # ---- the server process --------------------------------------------------------------------------------------
 class Server:
+    device = 'cpu'
+
     def __init__(self, model_path: str, *flags: str):
         with socket.socket() as sock:
             sock.bind(('127.0.0.1', 0))
             port = sock.getsockname()[1]
-        cmd = [sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'serve', 'api_server', model_path, '--device', 'cpu',
-               '--server-port', str(port), '--model-name', MODEL, '--num-gpu-blocks', '1024',
+        cmd = [sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'serve', 'api_server', model_path,
+               '--device', self.device, '--server-port', str(port), '--model-name', MODEL, '--num-gpu-blocks', '1024',
                '--cache-block-seq-len', '16', '--max-batch-size', '8', '--enable-prefix-caching',
                '--prefix-cache-state-budget', '4', '--log-level', 'error', *flags]
         env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
@@ -199,11 +201,11 @@ def half_open(server: Server) -> None:
         for sock in held:
             sock.close()
     metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-               if line.startswith('lmdeploy_http_')}
+               if line.startswith('lmdeploy:http_')}
     report('1,100 half-open connections', fd_limit=FD_LIMIT, normal_ok=f'{ok}/50',
            p50_ms=round(statistics.median(latencies) * 1000), max_ms=round(max(latencies) * 1000),
-           cap=int(metrics['lmdeploy_http_connections_max']),
-           evicted=int(metrics['lmdeploy_http_connections_evicted_total']))
+           cap=int(metrics['lmdeploy:http_connections_max']),
+           evicted=int(metrics['lmdeploy:http_connections_evicted_total']))
 
 
 def burst(server: Server, n: int) -> None:
@@ -280,7 +282,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--burst', type=int, default=600)
     parser.add_argument('--streams', type=int, default=16)
+    parser.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
     args = parser.parse_args()
+    Server.device = args.device
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 4096), hard), hard))   # the client's own sockets
     from lmdeploy.demo_model import save_tiny_model

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from .prefix_cache_config import FLAT_NAMES, PrefixCacheConfig
+from .speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import numpy as np
@@ -100,6 +101,8 @@ class PytorchEngineConfig:
     # counts are checked at engine start (`models/tp_geometry.py`); the multi-rank runtime is not built yet, so any
     # value above 1 is refused there.
     tp: int = 1
+    # Speculative decoding (`SpeculativeConfig`, lmdeploy/speculative_config.py); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -155,6 +158,8 @@ class PytorchEngineConfig:
                  f'tp must be a positive int, got {self.tp!r}')
         _require(self.load_format in _LOAD_FORMATS,
                  f'load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}')
+        _require(self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig),
+                 f'speculative_config must be a SpeculativeConfig or None, got {self.speculative_config!r}')
 
     def _resolve_prefix_cache(self) -> None:
         """One source of truth for the prefix-cache knobs: `prefix_cache`, kept equal to the flat fields."""

@@ -62,3 +62,15 @@ def test_the_cli_exposes_every_knob():
     assert engine_config_from_args(parser.parse_args(['--device', 'cpu'])).prefix_cache == PrefixCacheConfig()
     flags = {action.dest for action in parser._actions}
     assert {f'prefix_cache_{f.name}' for f in dataclasses.fields(PrefixCacheConfig)} <= flags
+
+
+def test_the_record_reaches_the_prefix_cache_resolved(make_engine, tiny_model_factory):
+    knobs = PrefixCacheConfig(state_budget=3, prefill_state_interval=20, reply_checkpoints=False,
+                              checkpoint_mode='aligned', value_eviction=False)
+    engine = make_engine(tiny_model_factory('qwen3_5'), cache=True, prefix_cache=knobs)
+    trie = engine.scheduler.trie
+    assert engine.cache_config.prefix_cache == dataclasses.replace(knobs, prefill_state_interval=32)
+    assert trie.config is engine.cache_config.prefix_cache and not trie.exact_steps
+    assert (trie.policy.prefill_state_interval, trie.policy.reply_checkpoints) == (32, False)
+    off = make_engine(tiny_model_factory('qwen3_5'), prefix_cache=knobs)
+    assert off.cache_config.prefix_cache is None and off.scheduler.trie is None

@@ -208,6 +208,7 @@ class EngineProbe:
         """Start counting from here (after the warm-up; the engine must be idle)."""
         self.peak_bytes = 0
         self.peak_blocks = self.peak_checkpoints = 0
+        self.engine.mark_stats()
         self.base = self.engine.stats_snapshot.prefix_cache
 
     @property
@@ -224,12 +225,11 @@ class EngineProbe:
 
     def live_checkpoints(self, snapshot=None) -> int:
         """Checkpoints published since `reset()` and still live (the warm-up's are left out)."""
-        return (snapshot or self.now).live_checkpoints - self.base.live_checkpoints
+        return (snapshot or self.now).live_since_mark
 
     def checkpoint_bytes(self, snapshot=None) -> int:
         snapshot = snapshot or self.now
-        partial = snapshot.partial_checkpoints - self.base.partial_checkpoints
-        return self.live_checkpoints(snapshot) * self.row_bytes + partial * self.block_bytes
+        return snapshot.live_since_mark * self.row_bytes + snapshot.partial_since_mark * self.block_bytes
 
     def _sample(self, snapshot) -> None:
         self.peak_bytes = max(self.peak_bytes, self.checkpoint_bytes(snapshot))

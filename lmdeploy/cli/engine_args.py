@@ -5,10 +5,13 @@ import argparse
 
 from ..messages import PrefixCacheConfig, PytorchEngineConfig
 from ..prefix_cache_config import CHECKPOINT_MODES
+from ..speculative_config import MAX_DRAFT_TOKENS, SPECULATIVE_METHODS, SpeculativeConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group('engine')
+    group.add_argument('--backend', default='pytorch', choices=['pytorch'],
+                       help="inference backend (LMDeploy's flag; this engine is the PyTorch one)")
     group.add_argument('--device', default=None, choices=['cuda', 'cpu'],
                        help='device type (default: cuda if available)')
     group.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
@@ -41,6 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="the tokenizer's folder or hub id, when not the model's (e.g. with --load-format dummy)")
     group.add_argument('--tp', type=int, default=1,
                        help='tensor parallelism: GPUs one model is split over (only 1 is supported yet)')
+    group.add_argument('--speculative-algorithm', default=None, choices=list(SPECULATIVE_METHODS),
+                       help="speculative decoding: 'mtp' drafts with the checkpoint's multi-token-prediction head")
+    group.add_argument('--speculative-num-draft-tokens', type=int, default=1,
+                       help=f'draft tokens per step, verified by one forward (1..{MAX_DRAFT_TOKENS}; needs '
+                            '--speculative-algorithm)')
     group.add_argument('--vision-encoder-cache-mb', type=int, default=PytorchEngineConfig.vision_encoder_cache_mb,
                        help='vision-language models: MiB of encoded images kept by content hash (0: off)')
 
@@ -106,10 +114,21 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   download_dir=getattr(args, 'download_dir', None), tokenizer=getattr(args, 'tokenizer', None),
                   tp=getattr(args, 'tp', 1),
                   vision_encoder_cache_mb=getattr(args, 'vision_encoder_cache_mb',
-                                                  PytorchEngineConfig.vision_encoder_cache_mb))
+                                                  PytorchEngineConfig.vision_encoder_cache_mb),
+                  speculative_config=speculative_config_from_args(args))
     if args.device is not None:
         kwargs['device_type'] = args.device
     return PytorchEngineConfig(**kwargs)
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    method = getattr(args, 'speculative_algorithm', None)
+    num_tokens = getattr(args, 'speculative_num_draft_tokens', 1)
+    if method is None:
+        if num_tokens != 1:
+            raise ValueError('--speculative-num-draft-tokens needs --speculative-algorithm')
+        return None
+    return SpeculativeConfig(method=method, num_speculative_tokens=num_tokens)
 
 
 def resolve_model_path(model_path: str | None) -> str:

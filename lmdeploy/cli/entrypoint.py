@@ -5,11 +5,13 @@ import argparse
 import logging
 import sys
 
+from ..version import __version__
 from . import chat, demo
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='lmdeploy', description='Inference and serving engine for hybrid LLMs')
+    parser.add_argument('-v', '--version', action='version', version=f'lmdeploy {__version__}')
     sub = parser.add_subparsers(dest='command', required=True)
     demo.add_parser(sub)
     chat.add_parser(sub)

@@ -41,6 +41,9 @@ class ModelConfig:
     # record of a token is `[len(moe_layer_ids), moe_top_k]` expert ids in this layer order. Empty for dense models.
     moe_layer_ids: tuple[int, ...] = ()
     moe_top_k: int = 0
+    # MTP head layers built for speculative decoding (0: none). Their attention keeps KV in extra KV-pool layers
+    # after the target's, at cache indices `num_attn_layers + i`, under the same logical block ids.
+    num_mtp_layers: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -49,6 +52,11 @@ class ModelConfig:
     @property
     def num_attn_layers(self) -> int:
         return len(self.attn_layer_ids)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """KV-pool layers: the target's attention layers, then the MTP head's."""
+        return len(self.attn_layer_ids) + self.num_mtp_layers
 
     @property
     def num_moe_layers(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from engines import engine_factory
 from numeric import assert_close
 
 import lmdeploy
@@ -55,11 +56,8 @@ def model_path(tiny_model_factory):
     return lambda arch: tiny_model_factory(arch)
 
 
-def make_engine(path: str, cache: bool = True, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
-                  max_prefill_token_num=512, enable_prefix_caching=cache)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
+                             max_prefill_token_num=512, enable_prefix_caching=True)
 
 
 def ids(length: int, seed: int) -> list[int]:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'models'))
+from engines import engine_factory
 from numeric import assert_close  # noqa: E402
 from vl_helpers import draw_image, reference_logits, user_message  # noqa: E402
 
-from lmdeploy.messages import PytorchEngineConfig  # noqa: E402
 from lmdeploy.pytorch.engine.engine import Engine  # noqa: E402
 from lmdeploy.pytorch.messages import SamplingParams  # noqa: E402
 from lmdeploy.serve.tokenizer import Tokenizer  # noqa: E402
@@ -36,11 +36,8 @@ def encode(vl, *parts):
     return processor.expand(ids, [p for p in parts if not isinstance(p, str)])
 
 
-def make_engine(path: str, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=4,
-                  enable_prefix_caching=True, prefix_cache_state_budget=24, max_prefill_token_num=512)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=4,
+                             enable_prefix_caching=True, prefix_cache_state_budget=24, max_prefill_token_num=512)
 
 
 def run(engine: Engine, ids, spans, max_new_tokens: int = 1) -> tuple[int, torch.Tensor]:

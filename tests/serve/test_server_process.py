@@ -140,11 +140,11 @@ def _half_open_connections(process: Process) -> None:
                 assert response.status_code == 200, response.text
         assert httpx.get(f'{process.url}/health', timeout=10).status_code == 200
         m = process.metrics()
-        assert m['lmdeploy_http_connections_max'] < FD_LIMIT
-        assert m['lmdeploy_http_connections_evicted_total'] >= 1100 - m['lmdeploy_http_connections_max']
+        assert m['lmdeploy:http_connections_max'] < FD_LIMIT
+        assert m['lmdeploy:http_connections_evicted_total'] >= 1100 - m['lmdeploy:http_connections_max']
         print(f'\n1,100 half-open connections (opened in {opened:.2f} s) at a {FD_LIMIT}-descriptor limit: '
               f'20/20 normal requests served, max latency {max(latencies) * 1000:.0f} ms; connection cap '
-              f'{m["lmdeploy_http_connections_max"]:.0f}, {m["lmdeploy_http_connections_evicted_total"]:.0f} evicted')
+              f'{m["lmdeploy:http_connections_max"]:.0f}, {m["lmdeploy:http_connections_evicted_total"]:.0f} evicted')
     finally:
         for sock in held:
             sock.close()

@@ -55,8 +55,13 @@ class Engine:
                                              with_weights=engine_config.load_format != 'dummy')
         check_tp_supported(self.model_path, engine_config.tp)  # before any weight is read
         dtype = resolve_dtype(engine_config)
+        speculative = engine_config.speculative_config
         self.model, self.model_config = build_model(self.model_path, self.device, dtype, engine_config.device_type,
-                                                    engine_config.state_dtype, load_format=engine_config.load_format)
+                                                    engine_config.state_dtype, load_format=engine_config.load_format,
+                                                    mtp=speculative is not None)
+        if speculative is not None:  # the model and its head load and are checked; drafting is the missing part
+            raise NotImplementedError(f'speculative decoding (method {speculative.method!r}) is not supported yet: '
+                                      'the MTP head loads, but the engine does not draft and verify with it')
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
@@ -240,6 +245,11 @@ class Engine:
         for out in outputs:
             self._deliver(out)
         sched = self.scheduler.schedule()
+        for seq, error in sched.rejected:  # faults while scheduling fail their own requests
+            logger.error('request %d: %s', seq.seq_id, error)
+            out = self._error_output(seq, error)
+            self._deliver(out)
+            outputs.append(out)
         # True when this step ran nothing on the device (the loop thread then backs off instead of spinning).
         self.last_step_idle = sched.is_empty and not sched.has_copies
         if not self.last_step_idle:
@@ -443,6 +453,13 @@ class Engine:
             self._published.notify_all()
         for listener in self._step_listeners:
             listener(snapshot)
+
+    def mark_stats(self) -> None:
+        """Between steps (the engine idle): count live checkpoints from here on (`live_since_mark`), for a benchmark
+        that leaves its warm-up's checkpoints out of its figures."""
+        with self._step_lock:
+            self.scheduler.prefix_cache.mark()
+            self._publish(self._make_stats(self._snapshot.step))
 
     def add_step_listener(self, listener: Callable[[EngineStats], None]) -> None:
         """Call `listener` with every published record, on the engine thread right after its step (keep it short)."""

@@ -70,5 +70,8 @@ class NullPrefixCache(PrefixCache):
     def owners(self) -> tuple[Counter, Counter]:
         return Counter(), Counter()
 
+    def mark(self) -> None:
+        pass
+
     def snapshot(self) -> PrefixCacheSnapshot:
         return PrefixCacheSnapshot()

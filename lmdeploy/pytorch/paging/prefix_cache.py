@@ -91,6 +91,8 @@ class PrefixCacheSnapshot:
     miss_reasons: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     live_checkpoints: int = 0                # published state checkpoints now
     partial_checkpoints: int = 0             # of those, with a frozen partial block
+    live_since_mark: int = 0                 # of those, published after the last `mark()` (a benchmark's window)
+    partial_since_mark: int = 0
     checkpoint_bytes: int = 0                # bytes they hold: state rows, frozen blocks, kept logits
     checkpoints_saved: int = 0               # checkpoints ever published
     evicted_checkpoints: int = 0
@@ -193,6 +195,10 @@ class PrefixCache(ABC):
     @abstractmethod
     def owners(self) -> tuple[Counter, Counter]:
         """(KV block id -> references the cache holds, state slot -> references the cache holds)."""
+
+    @abstractmethod
+    def mark(self) -> None:
+        """Start the window of `PrefixCacheSnapshot.live_since_mark` (between steps; no-op without checkpoints)."""
 
     @abstractmethod
     def snapshot(self) -> PrefixCacheSnapshot:

@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: list[SchedulerSequence] = []
         self.running: list[SchedulerSequence] = []
         self._arrivals = 0
+        self._admitting: SchedulerSequence | None = None  # the waiting sequence `schedule()` is admitting
 
     @property
     def trie(self):
@@ -89,6 +90,20 @@ class Scheduler:
         cut into a chunk. Finally the prefix cache reserves the checkpoints this forward saves.
         """
         out = SchedulerOutput()
+        try:
+            self._schedule(out)
+        except Exception as exc:  # a fault must fail requests, never stall the engine (the step would repeat it)
+            failed = self.cancel(out)  # drops this call's pins and reservations, fails what it scheduled
+            culprit = self._admitting
+            if culprit is not None and not culprit.is_finished:  # the waiting sequence whose admission raised
+                self.finish(culprit, SequenceStatus.ABORTED, 'error')
+                failed.append(culprit)
+            return SchedulerOutput(rejected=out.rejected + [(seq, f'scheduling failed: {exc!r}') for seq in failed])
+        finally:
+            self._admitting = None
+        return out
+
+    def _schedule(self, out: SchedulerOutput) -> None:
         budget = self.config.max_prefill_token_num
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= self.config.max_batch_size:
@@ -104,8 +119,13 @@ class Scheduler:
         index = 0
         while (index < len(self.waiting) and budget > 0
                and len(out.seqs) + len(out.logits_hits) < self.config.max_batch_size):
-            seq = self.waiting[index]
-            match = self._match(seq)
+            seq = self._admitting = self.waiting[index]
+            try:
+                match = self._match(seq)
+            except Exception as exc:  # bad input (e.g. an unhashable span) fails its own request only
+                self.finish(seq, SequenceStatus.ABORTED, 'error')
+                out.rejected.append((seq, f'prefix-cache match failed: {exc!r}'))
+                continue
             if self.prefix_cache.waits_for_peer(seq, match, out):
                 index += 1  # stays queued (in order) and resumes from the peer's checkpoint next step
                 continue
@@ -120,8 +140,8 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
             has_prefill = True
+        self._admitting = None
         self.prefix_cache.plan_checkpoints(out)
-        return out
 
     # ---- applying a forward's result --------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SequenceUpdate]:

@@ -89,6 +89,9 @@ class BlockTrie(PrefixCache):
         # publication, kept logits and eviction (the only way a published checkpoint dies) so that `snapshot` is O(1).
         self._held_bytes = 0
         self._num_partial = 0
+        # Published checkpoints still live that were published after the last `mark()` (a benchmark's window).
+        self._since_mark: set[NodeStateCheckpoint] = set()
+        self._partial_since_mark = 0
         self._paths: dict[int, list[Node]] = {}
         # Branch point of each admitted sequence: a checkpoint reserved there starts with one observed reuse (the
         # cached prompt it was found in shares it).
@@ -479,6 +482,8 @@ class BlockTrie(PrefixCache):
         self.stats.checkpoints_saved += 1
         self._held_bytes += self.checkpoints.bytes_held(ck)
         self._num_partial += ck.is_partial
+        self._since_mark.add(ck)
+        self._partial_since_mark += ck.is_partial
 
     def keep_logits(self, ck: NodeStateCheckpoint, logits) -> None:
         """Keep a published prompt-end checkpoint's last-position logits (identical prompts sample from them)."""
@@ -490,6 +495,12 @@ class BlockTrie(PrefixCache):
         self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
         self._held_bytes -= self.checkpoints.bytes_held(ck)
         self._num_partial -= ck.is_partial
+        if ck in self._since_mark:
+            self._since_mark.discard(ck)
+            self._partial_since_mark -= ck.is_partial
+
+    def mark(self) -> None:
+        self._since_mark, self._partial_since_mark = set(), 0
 
     def routes_bytes(self) -> int:
         """Host bytes of the routed experts kept by blocks and checkpoint tails (walks the trie; for statistics)."""
@@ -574,6 +585,8 @@ class BlockTrie(PrefixCache):
             held = sum(self.checkpoints.bytes_held(ck) for ck in published)
             partial = sum(ck.is_partial for ck in published)
             assert (self._held_bytes, self._num_partial) == (held, partial), 'checkpoint byte accounting drifted'
+            assert self._since_mark <= set(published), 'an evicted checkpoint is still counted since the mark'
+            assert self._partial_since_mark == sum(ck.is_partial for ck in self._since_mark)
 
     def owners(self) -> tuple[Counter, Counter]:
         blocks = self.kv.owners()
@@ -590,6 +603,7 @@ class BlockTrie(PrefixCache):
             logits_hits=s.logits_hits, branch_points=s.branch_points,
             miss_reasons=MappingProxyType(dict(s.miss_reasons)),
             live_checkpoints=self.num_checkpoints, partial_checkpoints=self._num_partial,
+            live_since_mark=len(self._since_mark), partial_since_mark=self._partial_since_mark,
             checkpoint_bytes=self._held_bytes, checkpoints_saved=s.checkpoints_saved,
             evicted_checkpoints=cks.num_evicted if cks is not None else 0, evicted_blocks=self.kv.num_evicted,
             evictions_by_cause=MappingProxyType(dict(cks.evictions_by_cause) if cks is not None else {}),

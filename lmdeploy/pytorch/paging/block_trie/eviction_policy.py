@@ -6,15 +6,16 @@ Owns the priorities only (no resources): `StateCheckpointLifecycle` and `TrieKVL
 By value (the default), GreedyDual-Size-Frequency (Cherkasova 1998) with a sublinear saving, per byte of device
 memory held:
 
-    priority = L + max(1, hits) * log2(1 + tokens) / bytes
+    priority = L + max(1, hits) * floor(log2(1 + tokens)) / bytes
 
 - `hits`: requests admitted on the item so far (restores of a checkpoint; matches through a dense-model block;
   a branch point starts with one). An item no request has used yet gets the credit of one use, and so does an
   item used once: one reuse is what every chat reply or repeated prompt gets, and it predicts nothing more. From
   the second hit on each hit adds credit.
 - `tokens`: the prefill a hit skips (a checkpoint's step; for a dense block the `block_size` tokens it adds to its
-  parent's prefix). Logarithmic: a deeper prefix saves more per hit but is shared by fewer later prompts, so a
-  4000-token one-off must not outrank a 200-token system prompt that serves every request.
+  parent's prefix). Counted in bits (`floor(log2(1 + tokens))`): a deeper prefix saves more per hit but is shared
+  by fewer later prompts, so a 4000-token one-off must not outrank a 200-token system prompt that serves every
+  request; and items of the same magnitude tie, which leaves them to recency (the heap pops ties oldest first).
 - `bytes`: the device memory the item frees (a checkpoint: state row, plus its frozen block if partial; kept logits
   live on the host; a block: one block).
 - `L` (the clock): the priority of the last evicted item. It only grows, so credit earned long ago is worth less
@@ -98,7 +99,7 @@ class ReusePolicy:
     def priority(self, hits: int, tokens: int, nbytes: int, last_access: int) -> float:
         if self.lru:
             return float(last_access)
-        return self.clock + max(1, hits) * math.log2(1 + tokens) / max(nbytes, 1)
+        return self.clock + max(1, hits) * math.floor(math.log2(1 + tokens)) / max(nbytes, 1)
 
     def on_evicted(self, priority: float) -> None:
         if not self.lru and priority > self.clock:
