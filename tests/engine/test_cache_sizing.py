@@ -43,7 +43,7 @@ def test_engine_logs_and_reports_how_many_checkpoints_fit(tiny_model_factory, ca
     if arch == 'qwen3':
         assert cfg.num_state_slots == 0 and stats['checkpoint_rows'] == 0
         return
-    rows = cfg.prefix_cache_state_budget
+    rows = cfg.prefix_cache.state_budget
     assert rows > 0 and cfg.num_state_slots == 6 + rows
     # Rows cost about a tenth of the cache share (rounded down to whole rows).
     share = rows * cfg.state_row_bytes / (rows * cfg.state_row_bytes + cfg.num_blocks * cfg.kv_block_bytes)

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engines import engine_factory
 from routes_reference import assert_routes_match, build_qwen3_next, prompt, reference_routes
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 
 B = 16
 
 
-def make_engine(path: str, cache: bool, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
-                  max_prefill_token_num=256, enable_prefix_caching=cache, enable_return_routed_experts=True)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
+                             max_prefill_token_num=256, enable_return_routed_experts=True)
 
 
 @pytest.fixture(scope='module')

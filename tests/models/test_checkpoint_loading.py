@@ -228,3 +228,20 @@ def test_engine_flags_reach_the_config():
     from lmdeploy.messages import PytorchEngineConfig
     with pytest.raises(ValueError, match='load_format must be one of'):
         PytorchEngineConfig(device_type='cpu', load_format='pt')
+
+
+def test_reader_stops_its_threads_when_closed_early_and_reports_a_corrupt_shard(qwen3_5, tmp_path):
+    import threading
+    path = shard(qwen3_5, str(tmp_path / 's'), 3)
+    tensors = Checkpoint(path).iter_tensors(num_workers=3, budget_bytes=1, progress=False)
+    next(tensors)
+    tensors.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith('lmdeploy-load')]
+    victim = os.path.join(path, 'model-00002-of-00003.safetensors')
+    with open(victim, 'r+b') as f:  # keep the header, cut the data
+        length = int.from_bytes(f.read(8), 'little')
+        f.truncate(8 + length + 16)
+    with pytest.raises(Exception, match='(?i)incomplete|invalid|out of bounds|metadata|size'):
+        for _ in Checkpoint(path).iter_tensors(progress=False):
+            pass
+    assert not [t for t in threading.enumerate() if t.name.startswith('lmdeploy-load')]

@@ -116,7 +116,7 @@ def _sources(model: nn.Module, infos: dict[str, TensorInfo] | None) -> dict[str,
     router = WeightRouter(model, model.stacked_params)
     sources: dict[str, list[tuple[str, bool]]] = {}
     for name, info in infos.items():
-        if is_scale_name(name) or name.endswith('.bias') or ignored_reason(name) is not None:
+        if is_scale_name(name) or name.endswith('.bias') or ignored_reason(name, router.modules.keys()) is not None:
             continue
         renamed = model.rename_weight(name)
         route = router.route(renamed) if renamed is not None else None

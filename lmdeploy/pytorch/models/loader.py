@@ -74,12 +74,15 @@ def check_weights_fit(num_bytes: int, device: torch.device) -> None:
 
 
 def build_model(model_path: str, device: torch.device, dtype: str, device_type: str, state_dtype: str = 'float32',
-                load_format: str = 'auto', fp8_weights: bool | None = None) -> tuple[nn.Module, ModelConfig]:
+                load_format: str = 'auto', fp8_weights: bool | None = None, mtp: bool = False
+                ) -> tuple[nn.Module, ModelConfig]:
     """Model with weights loaded, and its `ModelConfig`; `state_dtype` is 'float32' or 'model'.
 
     `load_format` 'auto' / 'safetensors' read the folder's weights, 'dummy' draws random ones on the device (only
     config.json is needed). `fp8_weights`: keep FP8 checkpoint weights as FP8 (default: where FP8 GEMMs run, i.e.
-    CUDA with compute capability >= 8.9); otherwise they are dequantized to `dtype` at load.
+    CUDA with compute capability >= 8.9); otherwise they are dequantized to `dtype` at load. `mtp`: also build and
+    load the multi-token-prediction head (`mtp.*`, speculative method 'mtp'); `ModelConfig.num_mtp_layers` says how
+    many KV-pool layers it adds.
     """
     hf_config = load_hf_config(model_path)
     model_cls = get_model_class(architecture_of(hf_config))
@@ -95,6 +98,7 @@ def build_model(model_path: str, device: torch.device, dtype: str, device_type: 
         try:
             with params_on_meta():
                 model = model_cls(hf_config)
+                num_mtp_layers = _enable_mtp(model, infos, model_path) if mtp else 0
             fp8_kept = plan_blocked_fp8(model, infos, fp8_config, keep_fp8)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -106,13 +110,33 @@ def build_model(model_path: str, device: torch.device, dtype: str, device_type: 
     if checkpoint is None:
         fill_dummy_(model)
     else:
-        model.load_weights(checkpoint.iter_tensors(), fp8_kept=fp8_kept,
-                           fp8_block_size=fp8_config.block_size if fp8_config else None)
+        tensors = checkpoint.iter_tensors()
+        try:
+            model.load_weights(tensors, fp8_kept=fp8_kept,
+                               fp8_block_size=fp8_config.block_size if fp8_config else None)
+        finally:
+            tensors.close()  # a failed load stops the reader threads now, not when the traceback is freed
     model.eval()
     config = model_cls.build_model_config(hf_config, dtype, dtype if state_dtype == 'model' else state_dtype)
+    if num_mtp_layers:
+        from dataclasses import replace
+        config = replace(config, num_mtp_layers=num_mtp_layers)
     eos = read_eos_token_ids(model_path, hf_config)
     bos = getattr(hf_config, 'bos_token_id', None)
     return model, _with_special_ids(config, eos, bos)
+
+
+def _enable_mtp(model: nn.Module, infos: dict | None, model_path: str) -> int:
+    """Build `model`'s MTP head; refuses models without one and checkpoints without `mtp.*` weights."""
+    enable = getattr(model, 'enable_mtp', None)
+    if enable is None:
+        raise ValueError(f'speculative method \'mtp\' needs a model with an MTP head (Qwen3.5, Qwen3-Next); '
+                         f'{type(model).__name__} has none')
+    num_layers = enable()
+    if infos is not None and not any(name.startswith('mtp.') for name in infos):
+        raise ValueError(f'speculative method \'mtp\': the checkpoint in {model_path!r} has no mtp.* weights '
+                         '(its config declares an MTP head, but the weights were stripped)')
+    return num_layers
 
 
 def _with_special_ids(config: ModelConfig, eos: tuple[int, ...], bos: int | None) -> ModelConfig:

@@ -27,6 +27,7 @@ from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
 from ..nn.rotary import RotaryEmbedding
+from .mtp import MTPHead, mtp_num_layers_of
 from .weight_loading import StackedMapping, load_weights
 
 LINEAR_ATTENTION = 'linear_attention'
@@ -173,6 +174,10 @@ class HybridModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg))
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
+        return self.norm(self.hidden_states(ctx))
+
+    def hidden_states(self, ctx: StepContext) -> torch.Tensor:
+        """The last decoder layer's output [T, H], before the final norm (what the MTP head reads)."""
         inputs = ctx.inputs
         x = self.embed_tokens(inputs.input_ids)
         if inputs.mm_embeds is not None:  # image placeholders take the vision tower's embeddings
@@ -181,7 +186,7 @@ class HybridModel(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, self.rotary_emb, cos_sin, ctx)
-        return self.norm(x)
+        return x
 
 
 class HybridForCausalLM(nn.Module):
@@ -198,6 +203,34 @@ class HybridForCausalLM(nn.Module):
         tie = getattr(hf_config, 'tie_word_embeddings', None)  # the top-level config decides for VL checkpoints
         self.tie_word_embeddings = bool(getattr(cfg, 'tie_word_embeddings', False) if tie is None else tie)
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp: MTPHead | None = None  # built by `enable_mtp` (speculative decoding with method 'mtp')
+
+    def enable_mtp(self) -> int:
+        """Build the MTP head (`mtp.*` weights then load into it); returns its number of layers. Its layer i is a
+        full-attention decoder layer with layer 0's kind of MLP, on KV pool layer `num_attn_layers + i`."""
+        cfg = self.config
+        num_layers = mtp_num_layers_of(cfg)
+        if num_layers <= 0:
+            raise ValueError(f'{type(self).__name__}: the config declares no MTP head (mtp_num_hidden_layers / '
+                             'num_nextn_predict_layers is 0 or missing), so speculative method \'mtp\' cannot run')
+        num_attn = self.model.layer_types.count(FULL_ATTENTION)
+        def make_layer(i: int, cache_index: int) -> HybridDecoderLayer:
+            return HybridDecoderLayer(cfg, FULL_ATTENTION, cache_index, self.make_mlp(0))
+
+        self.mtp = MTPHead(cfg, num_layers, num_attn, make_layer)
+        return num_layers
+
+    def forward_with_hidden(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed hidden states for the logits, pre-norm hidden states for the MTP head), both [T, H]."""
+        with lora_step(ctx.inputs):
+            hidden = self.model.hidden_states(ctx)
+            return self.model.norm(hidden), hidden
+
+    def draft_hidden(self, prev_hidden: torch.Tensor, ctx: StepContext, step: int = 0) -> torch.Tensor:
+        """The MTP head's normed hidden states (see `MTPHead.forward`); logits via `compute_logits`."""
+        if self.mtp is None:
+            raise RuntimeError('the MTP head is not built (enable_mtp)')
+        return self.mtp(self.model.embed_tokens, self.model.rotary_emb, prev_hidden, ctx, step)
 
     @staticmethod
     def text_config_of(hf_config):

@@ -9,7 +9,7 @@ are errors that name them all (first few, and the count).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import NamedTuple
 
 import torch
@@ -21,9 +21,10 @@ from ..nn.moe import FusedExperts
 
 logger = logging.getLogger('lmdeploy')
 
-# Checkpoint tensors of parts no model here runs yet. This is the one place to shrink when a part lands: delete its
-# entry and give the model the modules (and, where names differ, a `rename_weight` rule) that consume it. (The vision
-# tower's `model.visual.*` left this list when Qwen3.5's vision tower landed.)
+# Checkpoint tensors of optional parts, skipped unless the model built the module the prefix names (the MTP head
+# exists only with speculative decoding on: `HybridForCausalLM.enable_mtp`). To support a new part, give the model
+# the modules (and, where names differ, a `rename_weight` rule) that consume it. (The vision tower's `model.visual.*`
+# left this list when Qwen3.5's vision tower landed.)
 IGNORED_CHECKPOINT_PREFIXES: dict[str, str] = {
     'mtp.': 'multi-token-prediction head',
 }
@@ -52,8 +53,11 @@ def is_scale_name(name: str) -> bool:
     return name.endswith('_scale_inv')
 
 
-def ignored_reason(name: str) -> str | None:
-    return next((why for prefix, why in IGNORED_CHECKPOINT_PREFIXES.items() if name.startswith(prefix)), None)
+def ignored_reason(name: str, built: Collection[str] = ()) -> str | None:
+    """Why checkpoint tensor `name` is skipped, or None to load it; `built`: the model's submodule names (a prefix
+    whose module is built, e.g. `mtp` with the MTP head on, loads)."""
+    return next((why for prefix, why in IGNORED_CHECKPOINT_PREFIXES.items()
+                 if name.startswith(prefix) and prefix.rstrip('.') not in built), None)
 
 
 def _listed(names: Iterable[str]) -> str:
@@ -192,7 +196,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     unexpected: list[str] = []
     ignored: dict[str, int] = {}
     for name, tensor in weights:
-        reason = ignored_reason(name)
+        reason = ignored_reason(name, router.modules.keys())
         if reason is not None:
             ignored[reason] = ignored.get(reason, 0) + 1
             continue
@@ -212,7 +216,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         loaded.update(router.write(route, convert(renamed, tensor), name))
     pairs.check_empty()
     for reason, count in ignored.items():
-        logger.info('skipped %d checkpoint tensors of the %s (not supported yet)', count, reason)
+        logger.info('skipped %d checkpoint tensors of the %s (not built)', count, reason)
     if unexpected:
         raise ValueError(f'checkpoint tensors the model does not use: {_listed(unexpected)}')
     # a stacked projection may also arrive whole (Qwen3-Next's in_proj_qkvz), covering all of its shards

@@ -11,13 +11,16 @@ reserved checkpoints, drops restore pins and keeps prompt logits; `plan_replies`
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
+from types import MappingProxyType
 
 import numpy as np
 
+from ....prefix_cache_config import PrefixCacheConfig
 from ...messages import SchedulerSequence
 from ..block_manager import BlockManager
-from ..prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch, PromptLogits
+from ..prefix_cache import PrefixCache, PrefixCacheSnapshot, PrefixCacheStats, PrefixMatch, PromptLogits
 from ..scheduler_output import CopyPlan, LogitsHit, SchedulerOutput
 from ..state_manager import StateManager
 from . import route_store
@@ -48,26 +51,29 @@ def _common_nodes(a: list[Node], b: list[Node]) -> int:
     return lo
 
 
-__all__ = ['BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
+__all__ = ['BASE_DESIGN', 'BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
+
+# Checkpoints at prefill and chunk ends of any step, plain LRU: every policy on top switched off.
+BASE_DESIGN = PrefixCacheConfig(reply_checkpoints=False, prompt_logits=False, branch_checkpoints=False,
+                                value_eviction=False, prefill_state_interval=0)
 
 
 class BlockTrie(PrefixCache):
 
     def __init__(self, block_manager: BlockManager, state_manager: StateManager | None, block_size: int,
-                 exact_steps: bool = True, prompt_logits: bool = False, branch_checkpoints: bool = False,
-                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0,
-                 decode_state_interval: int = 0, prefill_state_interval: int = 0, prefill_state_cap: int = 0,
-                 reply_checkpoints: bool = False):
+                 config: PrefixCacheConfig = BASE_DESIGN, state_row_bytes: int = 1, kv_block_bytes: int = 0):
+        """`config`: the knobs, resolved to `block_size` (`PrefixCacheConfig.resolved`)."""
+        self.config = config
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.block_size = block_size
         self.is_hybrid = state_manager is not None
-        self.exact_steps = exact_steps
-        self.prompt_logits = prompt_logits
-        self.branch_checkpoints = branch_checkpoints
+        self.exact_steps = config.exact_steps
+        self.prompt_logits = config.prompt_logits
+        self.branch_checkpoints = config.branch_checkpoints
         self.hasher = PrefixHasher(block_size)
         # Eviction priorities (eviction_policy.py); `policy` below is where checkpoints are taken.
-        self.reuse = ReusePolicy(lru=not value_eviction)
+        self.reuse = ReusePolicy(lru=not config.value_eviction)
         self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher, self.reuse, kv_block_bytes,
                                   hybrid=self.is_hybrid)
         self.index = StateCheckpointIndex(self.hasher.stride)
@@ -76,17 +82,22 @@ class BlockTrie(PrefixCache):
             policy=self.reuse) if state_manager is not None else None
         self.misses = MissTracker()
         if self.checkpoints is not None:
-            self.checkpoints.on_evict = lambda ck: self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
+            self.checkpoints.on_evict = self._on_evict
             self.checkpoints.on_change = self.kv.refresh
         self.stats = PrefixCacheStats()
+        # What the published checkpoints hold (bytes, and how many have a frozen block), kept up to date at
+        # publication, kept logits and eviction (the only way a published checkpoint dies) so that `snapshot` is O(1).
+        self._held_bytes = 0
+        self._num_partial = 0
+        # Published checkpoints still live that were published after the last `mark()` (a benchmark's window).
+        self._since_mark: set[NodeStateCheckpoint] = set()
+        self._partial_since_mark = 0
         self._paths: dict[int, list[Node]] = {}
         # Branch point of each admitted sequence: a checkpoint reserved there starts with one observed reuse (the
         # cached prompt it was found in shares it).
         self._junctions: dict[int, int] = {}
         self._clock = 0
-        self.policy = CheckpointPolicy(self, block_manager, state_manager, decode_state_interval=decode_state_interval,
-                                       prefill_state_interval=prefill_state_interval,
-                                       prefill_state_cap=prefill_state_cap, reply_checkpoints=reply_checkpoints)
+        self.policy = CheckpointPolicy(self, block_manager, state_manager, config)
 
     def tick(self) -> int:
         self._clock += 1
@@ -94,6 +105,14 @@ class BlockTrie(PrefixCache):
 
     # ---- matching ---------------------------------------------------------------------------------------------
     def match(self, seq: SchedulerSequence, peers: list[SchedulerSequence] = ()) -> PrefixMatch:
+        start = time.thread_time()
+        try:
+            return self._match(seq, peers)
+        finally:
+            self.stats.match_seconds += time.thread_time() - start
+            self.stats.match_calls += 1
+
+    def _match(self, seq: SchedulerSequence, peers: list[SchedulerSequence]) -> PrefixMatch:
         """The deepest reusable prefix of `seq`. At least one token is left to compute, except for a hybrid prompt
         whose prompt-end checkpoint kept its logits (an identical prompt then needs no forward at all).
 
@@ -159,7 +178,7 @@ class BlockTrie(PrefixCache):
         checkpoint is published (only leaves are detached, and only after their checkpoints are released;
         `check_integrity` asserts it)."""
         return (ck.prefix_mm_identity == mm_identity_of(seq, 0, ck.step) and ck.anchor.attached
-                and equal_tokens(ck.token_ids, tokens[:ck.step]))
+                and ck.position_offset == seq.position_offset(ck.step) and equal_tokens(ck.token_ids, tokens[:ck.step]))
 
     def checkpoint_candidates(self, seq: SchedulerSequence, max_step: int) -> list[NodeStateCheckpoint]:
         """Published checkpoints whose prefix hashes equal the sequence's at their anchor and step (unverified),
@@ -438,7 +457,7 @@ class BlockTrie(PrefixCache):
             mm_identity=mm, tail_hash=tail_hash(tokens[start:step], mm), last_access=self.tick(),
             chunk_hash=chunk_hash, tail_sum=tail_sum, prefix_mm_identity=mm_identity_of(seq, 0, step),
             tail_bytes=tokens[step - step % self.block_size:].tobytes(),
-            num_hits=int(self._junctions.get(seq.seq_id) == step))
+            num_hits=int(self._junctions.get(seq.seq_id) == step), position_offset=seq.position_offset(step))
         return self.checkpoints.reserve(ck)
 
     def note_skipped_checkpoint(self, seq: SchedulerSequence, step: int) -> None:
@@ -461,6 +480,27 @@ class BlockTrie(PrefixCache):
         route_store.keep_checkpoint_routes(ck, seq, self.block_size)
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
+        self._held_bytes += self.checkpoints.bytes_held(ck)
+        self._num_partial += ck.is_partial
+        self._since_mark.add(ck)
+        self._partial_since_mark += ck.is_partial
+
+    def keep_logits(self, ck: NodeStateCheckpoint, logits) -> None:
+        """Keep a published prompt-end checkpoint's last-position logits (identical prompts sample from them)."""
+        before = self.checkpoints.bytes_held(ck)
+        ck.last_logits = logits
+        self._held_bytes += self.checkpoints.bytes_held(ck) - before
+
+    def _on_evict(self, ck: NodeStateCheckpoint) -> None:
+        self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
+        self._held_bytes -= self.checkpoints.bytes_held(ck)
+        self._num_partial -= ck.is_partial
+        if ck in self._since_mark:
+            self._since_mark.discard(ck)
+            self._partial_since_mark -= ck.is_partial
+
+    def mark(self) -> None:
+        self._since_mark, self._partial_since_mark = set(), 0
 
     def routes_bytes(self) -> int:
         """Host bytes of the routed experts kept by blocks and checkpoint tails (walks the trie; for statistics)."""
@@ -539,8 +579,14 @@ class BlockTrie(PrefixCache):
         """Every published checkpoint's recorded path is attached and is its anchor's path (matching relies on it
         instead of walking the trie)."""
         if self.checkpoints is not None:
-            for ck in self.checkpoints.live():
-                assert not ck.published or self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
+            published = [ck for ck in self.checkpoints.live() if ck.published]
+            for ck in published:
+                assert self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
+            held = sum(self.checkpoints.bytes_held(ck) for ck in published)
+            partial = sum(ck.is_partial for ck in published)
+            assert (self._held_bytes, self._num_partial) == (held, partial), 'checkpoint byte accounting drifted'
+            assert self._since_mark <= set(published), 'an evicted checkpoint is still counted since the mark'
+            assert self._partial_since_mark == sum(ck.is_partial for ck in self._since_mark)
 
     def owners(self) -> tuple[Counter, Counter]:
         blocks = self.kv.owners()
@@ -549,6 +595,19 @@ class BlockTrie(PrefixCache):
             ck_blocks, slots = self.checkpoints.owners()
             blocks.update(ck_blocks)
         return blocks, slots
+
+    def snapshot(self) -> PrefixCacheSnapshot:
+        s, cks = self.stats, self.checkpoints
+        return PrefixCacheSnapshot(
+            num_requests=s.num_requests, num_hits=s.num_hits, query_tokens=s.query_tokens, hit_tokens=s.hit_tokens,
+            logits_hits=s.logits_hits, branch_points=s.branch_points,
+            miss_reasons=MappingProxyType(dict(s.miss_reasons)),
+            live_checkpoints=self.num_checkpoints, partial_checkpoints=self._num_partial,
+            live_since_mark=len(self._since_mark), partial_since_mark=self._partial_since_mark,
+            checkpoint_bytes=self._held_bytes, checkpoints_saved=s.checkpoints_saved,
+            evicted_checkpoints=cks.num_evicted if cks is not None else 0, evicted_blocks=self.kv.num_evicted,
+            evictions_by_cause=MappingProxyType(dict(cks.evictions_by_cause) if cks is not None else {}),
+            match_calls=s.match_calls, match_seconds=s.match_seconds)
 
     @property
     def num_checkpoints(self) -> int:

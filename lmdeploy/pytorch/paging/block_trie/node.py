@@ -153,6 +153,9 @@ class NodeStateCheckpoint:
     # checkpoint it is the aligned fallback of), and its priority as of its last use.
     num_hits: int = 0
     priority: float = 0.0
+    # Rotary position minus token index at `step` (M-RoPE: the offset the images before it introduce); a resume
+    # continues at `step + position_offset`, and a sequence whose own offset there differs is not a hit.
+    position_offset: int = 0
 
     @property
     def published(self) -> bool:
