@@ -63,7 +63,7 @@ class Populator:
         num_blocks = num_path_blocks + 2 * num_checkpoints + 16
         self.block_manager = BlockManager(num_blocks)
         self.state_manager = None if dense else StateManager(num_checkpoints + 2)
-        self.trie = BlockTrie(self.block_manager, self.state_manager, block_size, exact_steps=True)
+        self.trie = BlockTrie(self.block_manager, self.state_manager, block_size)
         self._next_id = 0
 
     def _seq(self, tokens: np.ndarray) -> SchedulerSequence:

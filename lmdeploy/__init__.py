@@ -1,5 +1,6 @@
 """lmdeploy: an inference and serving engine for hybrid LLMs with exact-step prefix caching."""
-from .messages import GenerationConfig, PytorchEngineConfig, Response, StructuredOutput
+from .messages import GenerationConfig, PrefixCacheConfig, PytorchEngineConfig, Response, StructuredOutput
+from .speculative_config import SpeculativeConfig
 from .version import __version__
 
 
@@ -13,4 +14,5 @@ def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None,
                     generation_config=generation_config)
 
 
-__all__ = ['GenerationConfig', 'PytorchEngineConfig', 'Response', 'StructuredOutput', 'pipeline', '__version__']
+__all__ = ['GenerationConfig', 'PrefixCacheConfig', 'PytorchEngineConfig', 'Response', 'SpeculativeConfig',
+           'StructuredOutput', 'pipeline', '__version__']

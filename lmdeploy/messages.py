@@ -9,11 +9,15 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from .prefix_cache_config import FLAT_NAMES, PrefixCacheConfig
+from .speculative_config import SpeculativeConfig
+
 if TYPE_CHECKING:
     import numpy as np
 
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 _DEVICES = ('cuda', 'cpu')
+_LOAD_FORMATS = ('auto', 'safetensors', 'dummy')
 MAX_N = 128  # samples per prompt
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
@@ -56,27 +60,19 @@ class PytorchEngineConfig:
     eager_mode: bool = False
     # Recurrent (hybrid) models: dtype of the recurrent state; 'float32' (default) or 'model'.
     state_dtype: str = 'float32'
-    # Extra state rows reserved for prefix-cache checkpoints on hybrid models.
+    # Every prefix-cache knob (`PrefixCacheConfig`, lmdeploy/prefix_cache_config.py). Not given: built from the flat
+    # `prefix_cache_*` fields below, which stay accepted (each is the `PrefixCacheConfig` field of the same name
+    # without the prefix; `prefix_cache_state_budget` -> `state_budget`). Given: it wins, the flat fields are set
+    # from it, and a flat field given with another value is a `ValueError`.
+    prefix_cache: PrefixCacheConfig | None = None
     prefix_cache_state_budget: int = 0
-    # Where hybrid models keep state checkpoints: 'exact' (any safe step) or 'aligned' (block boundaries only).
+    prefix_cache_state_ratio: float = 0.2
     prefix_cache_checkpoint_mode: str = 'exact'
-    # Decode checkpoints (hybrid models): every this many tokens (a multiple of block_size); 0 = off.
     prefix_cache_decode_state_interval: int = 0
-    # Checkpoint policies (hybrid models), each switchable so benchmarks can show what it contributes:
-    # keep the state after a finished request's prompt + reply (the next chat turn resends both);
     prefix_cache_reply_checkpoints: bool = True
-    # keep the last position's logits with prompt-end checkpoints (an identical prompt then skips its prefill);
     prefix_cache_prompt_logits: bool = True
-    # end a prefill chunk where a new prompt diverges from cached ones and checkpoint it (branch points);
     prefix_cache_branch_checkpoints: bool = True
-    # evict checkpoints by recency and compute saved per byte instead of plain LRU.
     prefix_cache_value_eviction: bool = True
-    # keep states inside long prefills at steps that are multiples of this many tokens (rounded up to a multiple of
-    # block_size, so no frozen block is needed; 0 = off), at most `prefix_cache_prefill_state_cap` per prompt and
-    # only in free state rows (they never evict another checkpoint). Each one costs an extra recurrent-kernel call
-    # per recurrent layer in that prefill (~4% of a cold 16K-token prefill on an H200, docs/prefix_caching.md), so
-    # the default is twice the default prefill chunk: default chunks (8192 tokens, each ending in a checkpoint)
-    # never pay it, larger chunks keep a state every 16384 tokens.
     prefix_cache_prefill_state_interval: int = 16384
     prefix_cache_prefill_state_cap: int = 2
     # Vision-language models: MiB of device memory for encoded images kept by content hash (0 = off), so an image
@@ -92,6 +88,21 @@ class PytorchEngineConfig:
     # return_routed_experts`); MoE layers then record them and, with prefix caching, cached blocks and checkpoints
     # keep them (`engine.stats['routed_experts_bytes_per_token']` says what a cached token costs).
     enable_return_routed_experts: bool = False
+    # Weights: 'auto' / 'safetensors' read the checkpoint; 'dummy' (vLLM's name) draws random weights of the right
+    # shapes and dtypes on the device, from config.json alone (benchmarks at full size; pair with `tokenizer`).
+    load_format: str = 'auto'
+    # A Hugging Face Hub model id resolves to this revision (branch, tag or commit), cached in `download_dir`
+    # (default: huggingface_hub's cache, HF_HOME / HF_HUB_CACHE); HF_HUB_OFFLINE=1 reads the cache only.
+    revision: str | None = None
+    download_dir: str | None = None
+    # The tokenizer's folder or hub id, when not the model's (e.g. a config-only folder with load_format='dummy').
+    tokenizer: str | None = None
+    # Tensor parallelism (LMDeploy's `--tp`): ranks one model is split over, one process per GPU. The model's head
+    # counts are checked at engine start (`models/tp_geometry.py`); the multi-rank runtime is not built yet, so any
+    # value above 1 is refused there.
+    tp: int = 1
+    # Speculative decoding (`SpeculativeConfig`, lmdeploy/speculative_config.py); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -117,6 +128,8 @@ class PytorchEngineConfig:
                  f"state_dtype must be 'float32' or 'model', got {self.state_dtype!r}")
         _require(isinstance(self.prefix_cache_state_budget, int) and self.prefix_cache_state_budget >= 0,
                  f'prefix_cache_state_budget must be >= 0, got {self.prefix_cache_state_budget!r}')
+        _require(isinstance(self.prefix_cache_state_ratio, int | float) and 0 <= self.prefix_cache_state_ratio < 1,
+                 f'prefix_cache_state_ratio must be in [0, 1), got {self.prefix_cache_state_ratio!r}')
         _require(self.prefix_cache_checkpoint_mode in ('exact', 'aligned'),
                  "prefix_cache_checkpoint_mode must be 'exact' or 'aligned', "
                  f'got {self.prefix_cache_checkpoint_mode!r}')
@@ -129,6 +142,7 @@ class PytorchEngineConfig:
                  f'prefix_cache_prefill_state_interval must be a non-negative int, got {interval!r}')
         _require(isinstance(self.prefix_cache_prefill_state_cap, int) and self.prefix_cache_prefill_state_cap >= 0,
                  f'prefix_cache_prefill_state_cap must be >= 0, got {self.prefix_cache_prefill_state_cap!r}')
+        self._resolve_prefix_cache()
         _require(isinstance(self.vision_encoder_cache_mb, int) and self.vision_encoder_cache_mb >= 0,
                  f'vision_encoder_cache_mb must be >= 0, got {self.vision_encoder_cache_mb!r}')
         _require(self.adapters is None or (isinstance(self.adapters, dict) and all(
@@ -140,6 +154,28 @@ class PytorchEngineConfig:
                  f'max_lora_rank must be a positive int, got {self.max_lora_rank!r}')
         _require(len(self.adapters or {}) <= self.max_loras,
                  f'{len(self.adapters or {})} adapters given but max_loras is {self.max_loras}')
+        _require(isinstance(self.tp, int) and not isinstance(self.tp, bool) and self.tp >= 1,
+                 f'tp must be a positive int, got {self.tp!r}')
+        _require(self.load_format in _LOAD_FORMATS,
+                 f'load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}')
+        _require(self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig),
+                 f'speculative_config must be a SpeculativeConfig or None, got {self.speculative_config!r}')
+
+    def _resolve_prefix_cache(self) -> None:
+        """One source of truth for the prefix-cache knobs: `prefix_cache`, kept equal to the flat fields."""
+        flat = {name: getattr(self, flat_name) for flat_name, name in FLAT_NAMES.items()}
+        if self.prefix_cache is None:
+            object.__setattr__(self, 'prefix_cache', PrefixCacheConfig(**flat))
+        else:
+            _require(isinstance(self.prefix_cache, PrefixCacheConfig),
+                     f'prefix_cache must be a PrefixCacheConfig, got {self.prefix_cache!r}')
+            defaults = PrefixCacheConfig()
+            clash = sorted(f'prefix_cache_{name}' for name, value in flat.items()
+                           if value != getattr(defaults, name) and value != getattr(self.prefix_cache, name))
+            _require(not clash, f'{", ".join(clash)} disagree with prefix_cache; give one or the other')
+            for flat_name, name in FLAT_NAMES.items():
+                object.__setattr__(self, flat_name, getattr(self.prefix_cache, name))
+        self.prefix_cache.resolved(self.block_size)  # the decode interval must be a multiple of block_size
 
     @property
     def resolved_kernel_block_size(self) -> int:

@@ -1,8 +1,9 @@
 """Does each op of a hybrid decode step replay exactly under a CUDA graph? (a diagnostic)
 
 Written when hybrid decode graphs seemed to replay wrong logits on the H200; every piece and the whole model
-replayed exactly (2026-11-30), and the fault was in how the tests collected logits (see
-`scripts/diagnose_graph_engine.py`). Kept to check new recurrent ops. It captures each piece of one gated-DeltaNet
+replayed exactly (2026-11-30), and the fault was in how the tests collected logits (fixed; regression test
+`tests/engine/test_device_streams.py::test_collected_logits_wait_for_the_forward_stream`). Kept to check new
+recurrent ops. It captures each piece of one gated-DeltaNet
 layer separately on a padded decode batch: raw ops the torch kernels use (batched matmul, gather / index_put on
 the pool), the conv, the gated delta rule (torch and fla kernels), the gated norm, the whole token mixer, then the
 whole model; then it refills the static inputs and the state rows with new random data, replays, and compares the

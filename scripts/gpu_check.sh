@@ -101,7 +101,7 @@ fi
 echo "=== (c) GPU tests (timeout ${TESTS_TIMEOUT}s)"
 # Only the files that hold `gpu` tests: the others may import packages the GPU machine lacks (openai, hypothesis).
 # GPU_TEST_FILES / GPU_TEST_K (a pytest -k expression) select a part, to split the suite over two device runs.
-GPU_TEST_FILES="${GPU_TEST_FILES:-$(grep -l 'pytest.mark.gpu' tests/*/test_*.py | tr '\n' ' ')}"
+GPU_TEST_FILES="${GPU_TEST_FILES:-$(grep -l 'pytest.mark.gpu' tests/test_*.py tests/*/test_*.py | tr '\n' ' ')}"
 GPU_TEST_K="${GPU_TEST_K:-}"
 echo "files: $GPU_TEST_FILES"
 # GPU_TEST_WORKERS > 1: pytest-xdist workers, one per GPU in turn (tests/conftest.py reads LMDEPLOY_TEST_GPUS).

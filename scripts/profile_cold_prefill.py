@@ -102,7 +102,7 @@ def main() -> None:
             **extra))
         first_token_ms(engine, prompt(tokens, 0), device)  # warm-up: compile every kernel at these shapes
         times = [first_token_ms(engine, prompt(tokens, 1 + i), device) for i in range(args.reps)]
-        live = len(engine.scheduler.trie.checkpoints.live()) if extra else 0
+        live = engine.stats_snapshot.prefix_cache.live_checkpoints
         print(f'[{name}] first token of a cold {tokens}-token prompt: median {statistics.median(times):.2f} ms '
               f'(all: {", ".join(f"{t:.1f}" for t in times)}); live checkpoints {live}', file=out, flush=True)
         with torch.profiler.profile(activities=activities) as prof:

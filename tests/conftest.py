@@ -40,3 +40,11 @@ def tiny_model_factory(tmp_path_factory):
         return cache[key]
 
     return factory
+
+
+@pytest.fixture(scope='session')
+def make_engine():
+    """`make_engine(path, cache=None, **config) -> Engine` on the CPU (see `tests/engines.py`)."""
+    from engines import engine_factory
+    return engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
+                          max_prefill_token_num=256)

@@ -6,8 +6,7 @@ Per (workload, mode) a fresh pipeline is built, warmed up with one unrelated req
 rounds: each round sends the next turn of up to `concurrency` active conversations at once (all submitted before
 any is awaited) and waits for all of them, so the submission order, and thus the oracle, is the same in every
 mode. Decoding is greedy with `ignore_eos` and a fixed `max_new_tokens`, so every mode must generate the same
-tokens; the report says whether it did. Engine internals are read only from the engine loop thread (inside
-output callbacks) or after the run.
+tokens; the report says whether it did. Engine figures come from the engine's per-step statistics records only.
 """
 from __future__ import annotations
 
@@ -22,18 +21,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..messages import GenerationConfig, PytorchEngineConfig
+from ..messages import GenerationConfig, PrefixCacheConfig, PytorchEngineConfig
+from .images import with_images
 from .oracle import RequestTiming, attribute_misses, oracle_hits
-from .report import RunResult, compare_outputs, format_table, format_verdicts, summary_json, write_outputs
-from .workloads import WORKLOADS, Workload, WorkloadSizing, build_workload, conversation_messages
+from .pressure import (
+    PRESSURE_MODES,
+    Pools,
+    format_pressure_table,
+    format_pressure_verdicts,
+    parse_pressures,
+    pools_at,
+    unbounded_pools,
+    working_set,
+)
+from .report import RunResult, compare_outputs, format_table, format_verdicts, has_pressure, summary_json, write_outputs
+from .workloads import MULTIMODAL_WORKLOADS, WORKLOADS, Workload, WorkloadSizing, build_workload, conversation_messages
 
 # off: no cache. aligned / exact: state checkpoints at block multiples / at exact prefill and chunk ends, with the
 # checkpoint policies off. exact+<policy>: one policy on (its contribution). full: every policy on (the engine's
-# default). full-lru: every policy but plain LRU eviction instead of eviction by value.
+# default). full-lru: every policy but plain LRU eviction instead of eviction by value. full-aligned: every policy,
+# checkpoints at block multiples only.
 MODES = ('off', 'aligned', 'exact', 'exact+reply', 'exact+logits', 'exact+branch', 'exact+prefill', 'full',
-         'full-lru')
+         'full-lru', 'full-aligned')
 _POLICIES = ('reply', 'logits', 'branch', 'prefill', 'value')
 DEMO_ARCH = 'qwen3_5'
+DEMO_VL_ARCH = 'qwen3_5_vl'  # the default model of the multimodal workloads
 # The traces need far less KV than the engine's defaults take (GiBs of zeros on CPU; 80% of the free memory on
 # CUDA, which leaves no room for the next mode's engine), so every device gets this many blocks unless told.
 _NUM_BLOCKS = 4096
@@ -60,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--model', default=None, help=f'HF folder (default: the {DEMO_ARCH} hybrid demo model)')
     parser.add_argument('--device', default=None, choices=['cpu', 'cuda'], help='default: cuda if available')
     parser.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
-    parser.add_argument('--workload', default='multi_turn', choices=WORKLOADS + ('all',))
+    parser.add_argument('--workload', default='multi_turn', choices=WORKLOADS + MULTIMODAL_WORKLOADS + (
+        'all', 'multimodal'), help="'all': the text workloads; 'multimodal': the image workloads (a VL model)")
     parser.add_argument('--mode', default='all', type=_modes,
                         help=f"'all', or one or more (comma-separated) of {', '.join(MODES)}")
     parser.add_argument('--requests', type=int, default=16, help='requests per workload')
@@ -78,7 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--prefill-state-interval', type=int, default=64,
                         help='in-prefill checkpoints every N tokens in modes with the prefill policy (0 = off; the '
                              'bench scales the engine defaults down to its short traces: block 16, chunk 256, 64)')
-    parser.add_argument('--out', default=None, help='folder for report.md and hit_rate.png')
+    parser.add_argument('--pressure', default='', type=parse_pressures,
+                        help="pressure axis: pool sizes in percent of each workload's working set, e.g. '100,50,25' "
+                             f"(runs {', '.join(PRESSURE_MODES)} at each level after an unbounded run; default: off)")
+    parser.add_argument('--out', default=None, help='folder for report.md and hit_rate.png (and pressure.png)')
     parser.add_argument('--json', action='store_true', help='print one JSON summary as the last stdout line')
 
 
@@ -100,6 +116,8 @@ class BenchConfig:
     state_budget: int
     decode_state_interval: int
     prefill_state_interval: int = 64
+    # Pool sizes as shares of the working set (pressure.py); () = no pressure axis.
+    pressures: tuple[float, ...] = ()
 
     def __post_init__(self):
         for name in ('num_requests', 'max_new_tokens', 'concurrency'):
@@ -111,32 +129,37 @@ class BenchConfig:
         from ..demo_model import get_demo_model_path
         device = args.device or ('cuda' if _has_cuda() else 'cpu')
         num_blocks = args.num_blocks if args.num_blocks is not None else _NUM_BLOCKS
-        return cls(model_path=args.model or get_demo_model_path(DEMO_ARCH), device=device, dtype=args.dtype,
-                   workloads=WORKLOADS if args.workload == 'all' else (args.workload,),
+        workloads = {'all': WORKLOADS, 'multimodal': MULTIMODAL_WORKLOADS}.get(args.workload, (args.workload,))
+        demo = DEMO_VL_ARCH if set(workloads) & set(MULTIMODAL_WORKLOADS) else DEMO_ARCH
+        return cls(model_path=args.model or get_demo_model_path(demo), device=device, dtype=args.dtype,
+                   workloads=workloads,
                    modes=args.mode if isinstance(args.mode, tuple) else _modes(args.mode), num_requests=args.requests,
                    seed=args.seed,
                    max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                    max_prefill_token_num=args.max_prefill_token_num, concurrency=args.concurrency,
                    num_blocks=num_blocks, max_batch_size=args.max_batch_size, state_budget=args.state_budget,
                    decode_state_interval=args.decode_state_interval,
-                   prefill_state_interval=args.prefill_state_interval)
+                   prefill_state_interval=args.prefill_state_interval,
+                   pressures=args.pressure if isinstance(args.pressure, tuple) else parse_pressures(args.pressure))
 
-    def engine_config(self, mode: str) -> PytorchEngineConfig:
-        if mode == 'full':
+    def engine_config(self, mode: str, pools: Pools | None = None) -> PytorchEngineConfig:
+        if mode in ('full', 'full-aligned'):
             policies = set(_POLICIES)
         elif mode == 'full-lru':
             policies = set(_POLICIES) - {'value'}
         else:
             policies = {mode.split('+', 1)[1]} if '+' in mode else set()
+        pools = pools or Pools(self.num_blocks, self.state_budget, self.max_batch_size)
         return PytorchEngineConfig(
-            device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=self.num_blocks,
-            max_batch_size=self.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
-            enable_prefix_caching=mode != 'off',
-            prefix_cache_checkpoint_mode='aligned' if mode == 'aligned' else 'exact',
-            prefix_cache_state_budget=self.state_budget, prefix_cache_decode_state_interval=self.decode_state_interval,
-            prefix_cache_reply_checkpoints='reply' in policies, prefix_cache_prompt_logits='logits' in policies,
-            prefix_cache_branch_checkpoints='branch' in policies, prefix_cache_value_eviction='value' in policies,
-            prefix_cache_prefill_state_interval=self.prefill_state_interval if 'prefill' in policies else 0)
+            device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=pools.num_blocks,
+            max_batch_size=pools.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
+            enable_prefix_caching=mode != 'off', prefix_cache=PrefixCacheConfig(
+                checkpoint_mode='aligned' if mode in ('aligned', 'full-aligned') else 'exact',
+                state_budget=pools.state_budget,
+                decode_state_interval=self.decode_state_interval, reply_checkpoints='reply' in policies,
+                prompt_logits='logits' in policies, branch_checkpoints='branch' in policies,
+                value_eviction='value' in policies,
+                prefill_state_interval=self.prefill_state_interval if 'prefill' in policies else 0))
 
     def header(self) -> list[str]:
         return [f'model: `{self.model_path}`, device {self.device}, dtype {self.dtype}',
@@ -149,89 +172,83 @@ class BenchConfig:
 
 
 class EngineProbe:
-    """Engine internals the report needs: times `BlockTrie.match`, samples checkpoint memory, reads evictions.
+    """What the report needs from the engine, from its per-step statistics records (`Engine.stats_snapshot`, and a
+    step listener): matching cost, checkpoint memory, evictions, counter growth since the warm-up.
 
-    `evictions()` runs on the engine loop thread (from output callbacks); `request_sample()` (also from a callback)
-    makes the probe sample checkpoint memory right after that step, once the step's bookkeeping (blocks attached,
-    checkpoints published) is done: a step delivers its tokens before that bookkeeping.
+    `evictions()` runs on the engine loop thread (from output callbacks) and reads the previous step's record;
+    `request_sample()` (also from a callback) makes the probe sample checkpoint memory from the record of the step
+    that delivered the output, published once the step's bookkeeping (blocks attached, checkpoints published) is
+    done: a step delivers its tokens before that bookkeeping.
     """
 
     def __init__(self, engine):
         self.engine = engine
-        self.trie = engine.scheduler.trie
-        cache = engine.cache_engine
-        self.row_bytes = cache.state_pool.size(1) if cache.state_pool.size(0) else 0
-        self.block_bytes = cache.kv_pool_bytes // engine.cache_config.num_blocks
-        self.match_s = 0.0
-        self.match_calls = 0
+        self.is_cache_enabled = engine.engine_config.enable_prefix_caching
+        # Bytes of one checkpoint's state row and of its frozen partial block (kept logits are left out).
+        self.row_bytes = engine.cache_config.state_row_bytes if engine.cache_config.num_state_slots else 0
+        self.block_bytes = engine.cache_config.kv_block_bytes
         self.peak_bytes = 0
-        self.eviction_base = 0
-        self.stats_base: dict = {}
-        # Checkpoints that existed before the trace (the warm-up's) are left out of the memory figures.
-        self._baseline: set = set()
+        # Peaks of KV blocks in use and of live checkpoints, over every step (the working set when unbounded).
+        self.peak_blocks = self.peak_checkpoints = 0
+        self.base = engine.stats_snapshot.prefix_cache
         self._sample_due = False
-        if self.trie is not None:
-            self._wrap_match()
-        self._wrap_step()
+        engine.add_step_listener(self._on_step)
 
-    def _wrap_step(self) -> None:
-        original = self.engine.step
-
-        def step_then_sample():
-            try:
-                return original()
-            finally:
-                if self._sample_due:
-                    self._sample_due = False
-                    self.sample()
-
-        self.engine.step = step_then_sample  # shadows the method on this instance only
+    def _on_step(self, stats) -> None:
+        self.peak_blocks = max(self.peak_blocks, stats.num_kv_blocks - stats.num_free_kv_blocks)
+        self.peak_checkpoints = max(self.peak_checkpoints, self.live_checkpoints(stats.prefix_cache))
+        if self._sample_due:
+            self._sample_due = False
+            self._sample(stats.prefix_cache)
 
     def request_sample(self) -> None:
         self._sample_due = True
 
-    def _wrap_match(self) -> None:
-        original = self.trie.match
-
-        def timed_match(seq, *args, **kwargs):
-            start = time.thread_time()
-            try:
-                return original(seq, *args, **kwargs)
-            finally:
-                self.match_s += time.thread_time() - start
-                self.match_calls += 1
-
-        self.trie.match = timed_match  # shadows the method on this instance only
-
     def reset(self) -> None:
         """Start counting from here (after the warm-up; the engine must be idle)."""
-        self.match_s, self.match_calls, self.peak_bytes = 0.0, 0, 0
-        self.eviction_base = self._raw_evictions()
-        self.stats_base = dict(self.engine.stats)
-        self._baseline = set(self.live_checkpoints())
+        self.peak_bytes = 0
+        self.peak_blocks = self.peak_checkpoints = 0
+        self.engine.mark_stats()
+        self.base = self.engine.stats_snapshot.prefix_cache
 
-    def live_checkpoints(self) -> list:
-        if self.trie is None or self.trie.checkpoints is None:
-            return []
-        return [ck for ck in self.trie.checkpoints.live() if ck not in self._baseline]
+    @property
+    def now(self):
+        return self.engine.stats_snapshot.prefix_cache
 
-    def checkpoint_bytes(self) -> int:
-        live = self.live_checkpoints()
-        return len(live) * self.row_bytes + sum(ck.frozen_block_id is not None for ck in live) * self.block_bytes
+    @property
+    def match_s(self) -> float:
+        return self.now.match_seconds - self.base.match_seconds
+
+    @property
+    def match_calls(self) -> int:
+        return self.now.match_calls - self.base.match_calls
+
+    def live_checkpoints(self, snapshot=None) -> int:
+        """Checkpoints published since `reset()` and still live (the warm-up's are left out)."""
+        return (snapshot or self.now).live_since_mark
+
+    def checkpoint_bytes(self, snapshot=None) -> int:
+        snapshot = snapshot or self.now
+        return snapshot.live_since_mark * self.row_bytes + snapshot.partial_since_mark * self.block_bytes
+
+    def _sample(self, snapshot) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.checkpoint_bytes(snapshot))
 
     def sample(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.checkpoint_bytes())
+        self._sample(self.now)
+
+    def evictions_by_cause(self) -> dict[str, int]:
+        now, base = self.now.evictions_by_cause, self.base.evictions_by_cause
+        return {cause: n - base.get(cause, 0) for cause, n in now.items() if n - base.get(cause, 0)}
 
     def stat_delta(self, key: str) -> int:
         """Growth of an engine counter since `reset()`."""
-        return self.engine.stats[key] - self.stats_base.get(key, 0)
-
-    def _raw_evictions(self) -> int:
-        stats = self.engine.stats
-        return stats['evicted_checkpoints'] + stats['evicted_blocks']
+        return getattr(self.now, key) - getattr(self.base, key)
 
     def evictions(self) -> int:
-        return self._raw_evictions() - self.eviction_base
+        now = self.now
+        return (now.evicted_checkpoints + now.evicted_blocks) - (self.base.evicted_checkpoints
+                                                                 + self.base.evicted_blocks)
 
 
 class _Flight:
@@ -284,7 +301,7 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
     while pending or active:
         while pending and len(active) < concurrency:
             active.append((pending.popleft(), [], {}))
-        batch = [(conv, replies, history, engine.prepare(_prompt_ids(tokenizer, conv, replies, history), gen))
+        batch = [(conv, replies, history, engine.prepare(_prompt(tokenizer, conv, replies, history), gen))
                  for conv, replies, history in active]
         flights = []
         for _, _, _, request in batch:
@@ -297,7 +314,7 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
                 raise RuntimeError(f'{workload.name} conversation {conv.conv_id}: no result in {_REQUEST_TIMEOUT_S} s')
             if flight.error:
                 raise RuntimeError(f'{workload.name} conversation {conv.conv_id}: {flight.error}')
-            records.append(RequestRecord(conv.conv_id, len(replies), request.input_ids, flight.token_ids,
+            records.append(RequestRecord(conv.conv_id, len(replies), _identity_ids(request), flight.token_ids,
                                          flight.cached_tokens, RequestTiming(flight.submit_s, flight.first_token_s,
                                                                              flight.evictions_at_first_token),
                                          flight.finish_s, flight.margins))
@@ -305,6 +322,24 @@ def drive(pipe, workload: Workload, gen: GenerationConfig, concurrency: int, pro
             history['ids'], history['reply_ids'] = list(request.input_ids), list(flight.token_ids)
         active = [entry for entry in active if len(entry[1]) < len(entry[0].user_turns)]
     return records
+
+
+def _prompt(tokenizer, conv, replies: list[str], history: dict):
+    """The next request of `conv`: chat messages with drawn images for a multimodal conversation (the engine
+    templates and preprocesses them), token ids otherwise."""
+    if conv.images:
+        return with_images(conversation_messages(conv, len(replies), replies))
+    return _prompt_ids(tokenizer, conv, replies, history)
+
+
+def _identity_ids(request) -> list[int]:
+    """The prompt's ids for the oracle, with each image's placeholders replaced by an id derived from its content
+    hash (negative, outside the vocabulary): identical placeholders of different images must not count as a
+    shared prefix."""
+    ids = list(request.input_ids)
+    for span in request.mm_spans:
+        ids[span.start:span.end] = [-1 - span.content_hash % (1 << 62)] * (span.end - span.start)
+    return ids
 
 
 def _prompt_ids(tokenizer, conv, replies: list[str], history: dict) -> list[int]:
@@ -328,7 +363,8 @@ def _outputs_digest(records: list[RequestRecord]) -> str:
     return hashlib.sha1(json.dumps(keyed).encode()).hexdigest()[:12]
 
 
-def summarize(workload: str, mode: str, records: list[RequestRecord], probe: EngineProbe) -> RunResult:
+def summarize(workload: str, mode: str, records: list[RequestRecord], probe: EngineProbe,
+              pressure: float | None = None) -> RunResult:
     prompt_lens = [len(r.prompt_ids) for r in records]
     cached = [r.cached_tokens for r in records]
     hits = oracle_hits([r.prompt_ids for r in records], [r.output_ids for r in records])
@@ -336,7 +372,7 @@ def summarize(workload: str, mode: str, records: list[RequestRecord], probe: Eng
     probe.sample()
     engine_reasons = stats.get('miss_reasons')
     reasons = dict(engine_reasons) if engine_reasons else attribute_misses(
-        prompt_lens, cached, hits, [r.timing for r in records], is_cache_enabled=probe.trie is not None)
+        prompt_lens, cached, hits, [r.timing for r in records], is_cache_enabled=probe.is_cache_enabled)
     ttft_ms = np.array([(r.timing.first_token_s - r.timing.submit_s) * 1000 for r in records])
     wall = max(r.finish_s for r in records) - min(r.timing.submit_s for r in records)
     generated = sum(len(r.output_ids) for r in records)
@@ -349,11 +385,16 @@ def summarize(workload: str, mode: str, records: list[RequestRecord], probe: Eng
         throughput_tok_s=generated / wall if wall > 0 else 0.0, wall_s=wall,
         match_ms_per_request=probe.match_s * 1000 / len(records), match_calls=probe.match_calls,
         checkpoint_mib_peak=probe.peak_bytes / _MIB, checkpoint_mib_final=probe.checkpoint_bytes() / _MIB,
-        live_checkpoints=len(probe.live_checkpoints()), checkpoints_saved=probe.stat_delta('checkpoints_saved'),
+        live_checkpoints=probe.live_checkpoints(), checkpoints_saved=probe.stat_delta('checkpoints_saved'),
         evicted_checkpoints=probe.stat_delta('evicted_checkpoints'), evicted_blocks=probe.stat_delta('evicted_blocks'),
         miss_reasons=reasons, miss_reasons_source='engine' if engine_reasons else 'bench',
         outputs_digest=_outputs_digest(records), outputs={f'{r.conv_id}:{r.turn}': r.output_ids for r in records},
-        margins={f'{r.conv_id}:{r.turn}': r.margins for r in records})
+        margins={f'{r.conv_id}:{r.turn}': r.margins for r in records},
+        pressure=pressure, num_blocks=probe.engine.cache_config.num_blocks,
+        checkpoint_rows=probe.engine.stats_snapshot.checkpoint_rows,
+        evictions_by_cause=probe.evictions_by_cause(), peak_kv_blocks=probe.peak_blocks,
+        peak_checkpoints=probe.peak_checkpoints,
+        max_request_tokens=max(len(r.prompt_ids) + len(r.output_ids) for r in records))
 
 
 def _warm_up(pipe) -> None:
@@ -362,13 +403,13 @@ def _warm_up(pipe) -> None:
     pipe(ids, GenerationConfig(max_new_tokens=2, ignore_eos=True), do_preprocess=False)
 
 
-def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workload | None
-             ) -> tuple[RunResult, Workload]:
+def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workload | None,
+             pools: Pools | None = None, pressure: float | None = None) -> tuple[RunResult, Workload]:
     """One (workload, mode) run on a fresh engine; builds the workload on first use (it needs the tokenizer)."""
     from ..serve.pipeline import pipeline
     # top-2 logprobs: where a mode's greedy tokens part from the reference's, the report gives how near a tie it was
     gen = GenerationConfig(max_new_tokens=config.max_new_tokens, ignore_eos=True, logprobs=2)
-    with pipeline(config.model_path, config.engine_config(mode)) as pipe:
+    with pipeline(config.model_path, config.engine_config(mode, pools)) as pipe:
         if workload is None:
             sizing = WorkloadSizing(config.max_prefill_token_num,
                                     pipe.session_len - 3 * config.max_new_tokens - 64)
@@ -378,7 +419,7 @@ def run_mode(config: BenchConfig, workload_name: str, mode: str, workload: Workl
         _warm_up(pipe)
         probe.reset()
         records = drive(pipe, workload, gen, config.concurrency, probe)
-        return summarize(workload_name, mode, records, probe), workload
+        return summarize(workload_name, mode, records, probe, pressure), workload
 
 
 def _release_device_memory() -> None:
@@ -392,16 +433,39 @@ def _release_device_memory() -> None:
 
 
 def run_bench(config: BenchConfig, log=sys.stderr) -> list[RunResult]:
+    """Every (workload, mode); with a pressure axis, `full` runs unbounded first (its peaks are the working set),
+    the other modes unbounded too, then every pressure mode (pressure.py) at each pressure level."""
     results = []
     for name in config.workloads:
         workload = None
-        for mode in config.modes:
-            result, workload = run_mode(config, name, mode, workload)
-            _release_device_memory()
-            print(f'[bench] {name}/{mode}: hit rate {result.hit_rate:.3f} (oracle {result.oracle_hit_rate:.3f}), '
-                  f'TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.wall_s:.1f} s', file=log, flush=True)
-            results.append(result)
+        modes = config.modes
+        unbounded = None
+        if config.pressures:
+            modes = ('full',) + tuple(m for m in modes if m != 'full')
+            unbounded = unbounded_pools(config.num_blocks, config.num_requests, config.concurrency)
+        for mode in modes:
+            result, workload = run_mode(config, name, mode, workload, unbounded)
+            results.append(_report(result, log))
+        if config.pressures:
+            full = results[-len(modes)]
+            ws = working_set(full.peak_kv_blocks, full.peak_checkpoints, full.max_request_tokens, config.block_size,
+                             config.concurrency)
+            for pressure in config.pressures:
+                for mode in PRESSURE_MODES:
+                    result, workload = run_mode(config, name, mode, workload, pools_at(ws, pressure,
+                                                                                       config.concurrency), pressure)
+                    results.append(_report(result, log))
     return compare_outputs(results)
+
+
+def _report(result: RunResult, log) -> RunResult:
+    _release_device_memory()
+    at = '' if result.pressure is None else f' @ {result.pressure:.0%}'
+    print(f'[bench] {result.workload}/{result.mode}{at}: hit rate {result.hit_rate:.3f} (oracle '
+          f'{result.oracle_hit_rate:.3f}), TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.wall_s:.1f} s, pools '
+          f'{result.num_blocks} blocks / {result.checkpoint_rows} ckpt rows, evicted {result.evictions_by_cause}',
+          file=log, flush=True)
+    return result
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -409,6 +473,9 @@ def run_cli(args: argparse.Namespace) -> int:
     results = run_bench(config)
     print(format_table(results))
     print(format_verdicts(results))
+    if has_pressure(results):
+        print(format_pressure_table(results))
+        print(format_pressure_verdicts(results))
     if args.out:
         md, png = write_outputs(results, args.out, config.header())
         print(f'wrote {md} and {png}')

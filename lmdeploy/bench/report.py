@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .oracle import MISS_REASONS
+from .pressure import format_pressure_table, format_pressure_verdicts, plot_pressure, pressure_verdicts
 
 # Keys every JSON summary carries at top level (for the last run) and in each entry of `runs`.
 SUMMARY_KEYS = ('hit_rate', 'oracle_hit_rate', 'ttft_p50_ms', 'ttft_p95_ms', 'throughput_tok_s',
@@ -58,6 +59,15 @@ class RunResult:
     # Where a request's tokens part from the first mode's: the largest, over those requests, of the first mode's
     # top-1 minus top-2 logprob at the parting token (small = the modes parted at a near-tie). None: no parting.
     parting_margin: float | None = None
+    # Pressure axis (pressure.py): the share of the working set the pools had (None: unbounded), the pool sizes,
+    # checkpoint evictions by cause, and the peaks this run held (the working set when unbounded).
+    pressure: float | None = None
+    num_blocks: int = 0
+    checkpoint_rows: int = 0
+    evictions_by_cause: dict[str, int] = field(default_factory=dict)
+    peak_kv_blocks: int = 0
+    peak_checkpoints: int = 0
+    max_request_tokens: int = 0  # the longest prompt + output
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -151,6 +161,14 @@ def write_markdown(results: Sequence[RunResult], path: str, header: Sequence[str
         f.write('# Prefix-cache benchmark\n\n')
         f.writelines(f'- {line}\n' for line in header)
         f.write('\n' + format_table(results) + '\n\n' + format_verdicts(results) + '\n\n' + _NOTES + '\n')
+        if has_pressure(results):
+            f.write('\n## Under pressure\n\nPools at a share of the working set (peak of the unbounded `full` run); '
+                    '`of unbounded` = hit rate / the unbounded `full` hit rate.\n\n' + format_pressure_table(results)
+                    + '\n\n' + format_pressure_verdicts(results) + '\n')
+
+
+def has_pressure(results: Sequence[RunResult]) -> bool:
+    return any(r.pressure is not None for r in results)
 
 
 def plot_hit_rates(results: Sequence[RunResult], path: str) -> None:
@@ -171,15 +189,19 @@ def plot_hit_rates(results: Sequence[RunResult], path: str) -> None:
                 xs.append(w - 0.4 + width * (m + 0.5))
                 ys.append(run.hit_rate)
         bars = ax.bar(xs, ys, width, label=mode)
-        ax.bar_label(bars, labels=[f'{y:.2f}' for y in ys], fontsize='x-small', padding=1)
+        # Vertical labels never overlap their neighbours, however many modes share a group.
+        ax.bar_label(bars, labels=[f'{y:.2f}' for y in ys], fontsize='x-small', padding=2, rotation=90)
     for w, workload in enumerate(workloads):
         oracle = max(r.oracle_hit_rate for r in results if r.workload == workload)
         ax.hlines(oracle, w - 0.45, w + 0.45, colors='black', linewidth=2, label='oracle' if w == 0 else None)
     ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylim(0, 1.2)
+    # Headroom above 1 (labels reach ~1.12) holds the legend inside the axes, in rows of at most 5 entries.
+    ncol = min(5, len(modes) + 1)
+    ax.set_ylim(0, 1.2 + 0.09 * -(-(len(modes) + 1) // ncol))
+    ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax.set_ylabel('token hit rate')
     ax.set_title('Prefix-cache hit rate by workload and checkpoint mode')
-    ax.legend(loc='upper center', ncol=len(modes) + 1, fontsize='small')
+    ax.legend(loc='upper center', ncol=ncol, fontsize='small', framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -190,7 +212,9 @@ def write_outputs(results: Sequence[RunResult], out_dir: str, header: Sequence[s
     os.makedirs(out_dir, exist_ok=True)
     md, png = os.path.join(out_dir, 'report.md'), os.path.join(out_dir, 'hit_rate.png')
     write_markdown(results, md, header)
-    plot_hit_rates(results, png)
+    plot_hit_rates([r for r in results if r.pressure is None], png)
+    if has_pressure(results):
+        plot_pressure(results, os.path.join(out_dir, 'pressure.png'))
     return md, png
 
 
@@ -199,5 +223,6 @@ def summary_json(results: Sequence[RunResult]) -> dict:
     last = results[-1].to_json()
     summary = {key: last[key] for key in SUMMARY_KEYS}
     summary.update(workload=last['workload'], mode=last['mode'], outputs_match=outputs_verdicts(results),
-                   runs=[r.to_json() for r in results])
+                   runs=[r.to_json() for r in results],
+                   pressure_verdicts=[{'check': text, 'holds': holds} for text, holds in pressure_verdicts(results)])
     return summary

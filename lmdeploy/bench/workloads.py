@@ -13,6 +13,15 @@ Shapes (for `num_requests` = N):
   `max_prefill_token_num` (so its prefill is chunked), the next two are follow-up questions.
 - repeat: ceil(N / 2) distinct prompts, each sent a second time after the first has finished.
 - branching: a shared preamble, then sqrt(N) branch sections, then a distinct question per request.
+- shared_system: ceil(N / 2) independent conversations of 2 turns, all opening with one long system prompt (about
+  half a prefill chunk), interleaved by the runner's rounds: the prefix every request shares is short-stepped next
+  to each conversation's own prompt-end and reply checkpoints, the case eviction must not get wrong.
+
+Multimodal shapes (vision-language models; not part of 'all'): an image is a seed, drawn by the runner
+(`bench/images.py`), and sits before the text of a conversation's first turn.
+- mm_shared_images: the same two images followed by N different questions (the prefix cache should resume right
+  after the images: the last image's end is checkpointed).
+- mm_multi_turn: ceil(N / 3) conversations of 3 turns over one image each.
 """
 from __future__ import annotations
 
@@ -21,7 +30,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-WORKLOADS = ('multi_turn', 'shared_doc', 'long_context', 'repeat', 'branching')
+WORKLOADS = ('multi_turn', 'shared_doc', 'long_context', 'repeat', 'branching', 'shared_system')
+MULTIMODAL_WORKLOADS = ('mm_shared_images', 'mm_multi_turn')
 
 _VOCABULARY = tuple("""
 the a of and to in is was for on with as by at from that this it he she they we you his her their our
@@ -48,6 +58,8 @@ class Conversation:
     user_turns: tuple[str, ...]
     # True: each prompt is the whole history (assistant replies included); False: system + this turn only.
     keep_history: bool = True
+    # Seeds of the images placed before the text of the first turn (the runner draws them).
+    images: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,20 +154,51 @@ def _branching(rng: random.Random, n: int, sizing: WorkloadSizing, count_tokens:
             for i in range(n)]
 
 
+def _shared_system(rng: random.Random, n: int, sizing: WorkloadSizing,
+                   count_tokens: CountTokens) -> list[Conversation]:
+    system = 'You are a careful assistant. ' + _text_of_tokens(
+        rng, min(sizing.max_prefill_token_num // 2, sizing.max_prompt_tokens // 3), count_tokens)
+    convs, left = [], n
+    for conv_id in range(math.ceil(n / 2)):
+        turns = tuple(_sentences(rng, rng.randint(6, 20)) for _ in range(min(2, left)))
+        left -= len(turns)
+        convs.append(Conversation(conv_id, system, turns))
+    return convs
+
+
+def _mm_shared_images(rng: random.Random, n: int, sizing: WorkloadSizing,
+                      count_tokens: CountTokens) -> list[Conversation]:
+    seeds = (rng.randrange(1 << 30), rng.randrange(1 << 30))
+    return [Conversation(i, None, (_question(rng),), images=seeds) for i in range(n)]
+
+
+def _mm_multi_turn(rng: random.Random, n: int, sizing: WorkloadSizing,
+                   count_tokens: CountTokens) -> list[Conversation]:
+    convs, left = [], n
+    for conv_id in range(math.ceil(n / 3)):
+        turns = tuple(_question(rng) for _ in range(min(3, left)))
+        left -= len(turns)
+        convs.append(Conversation(conv_id, None, turns, images=(rng.randrange(1 << 30),)))
+    return convs
+
+
 _GENERATORS: dict[str, Callable[[random.Random, int, WorkloadSizing, CountTokens], list[Conversation]]] = {
     'multi_turn': _multi_turn,
     'shared_doc': _shared_doc,
     'long_context': _long_context,
     'repeat': _repeat,
     'branching': _branching,
+    'shared_system': _shared_system,
+    'mm_shared_images': _mm_shared_images,
+    'mm_multi_turn': _mm_multi_turn,
 }
 
 
 def build_workload(name: str, num_requests: int, seed: int, sizing: WorkloadSizing,
                    count_tokens: CountTokens) -> Workload:
     """The trace of workload `name` with exactly `num_requests` requests, fully determined by `seed`."""
-    if name not in WORKLOADS:
-        raise ValueError(f'unknown workload {name!r}; expected one of {WORKLOADS}')
+    if name not in WORKLOADS + MULTIMODAL_WORKLOADS:
+        raise ValueError(f'unknown workload {name!r}; expected one of {WORKLOADS + MULTIMODAL_WORKLOADS}')
     if num_requests <= 0:
         raise ValueError(f'num_requests must be positive, got {num_requests}')
     rng = random.Random(f'{name}:{seed}')
@@ -164,11 +207,17 @@ def build_workload(name: str, num_requests: int, seed: int, sizing: WorkloadSizi
 
 
 def conversation_messages(conv: Conversation, turn: int, replies: list[str]) -> Messages:
-    """Chat messages of request `turn` of `conv`; `replies[k]` is the assistant's reply to turn k."""
+    """Chat messages of request `turn` of `conv`; `replies[k]` is the assistant's reply to turn k. With images, the
+    first turn's content is a list of parts: `{'type': 'image', 'image': seed}` per image, then the text."""
     messages: Messages = [{'role': 'system', 'content': conv.system}] if conv.system else []
+
+    def user(k: int):
+        if k or not conv.images:
+            return conv.user_turns[k]
+        return [{'type': 'image', 'image': seed} for seed in conv.images] + [
+            {'type': 'text', 'text': conv.user_turns[k]}]
     if conv.keep_history:
         for k in range(turn):
-            messages += [{'role': 'user', 'content': conv.user_turns[k]},
-                         {'role': 'assistant', 'content': replies[k]}]
-    messages.append({'role': 'user', 'content': conv.user_turns[turn]})
+            messages += [{'role': 'user', 'content': user(k)}, {'role': 'assistant', 'content': replies[k]}]
+    messages.append({'role': 'user', 'content': user(turn)})
     return messages

@@ -20,7 +20,8 @@ DEMO_TURNS = (
 
 def add_parser(sub) -> None:
     parser = sub.add_parser('demo', help='multi-turn chat on the built-in tiny demo model')
-    parser.add_argument('model_path', nargs='?', default=None, help='HF folder (default: the built-in demo model)')
+    parser.add_argument('model_path', nargs='?', default=None,
+                        help='HF folder or Hub id (default: the built-in demo model)')
     parser.add_argument('--max-new-tokens', type=int, default=16)
     add_engine_args(parser)
     parser.set_defaults(func=run, device='cpu', enable_prefix_caching=True)

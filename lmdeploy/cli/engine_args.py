@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import argparse
 
-from ..messages import PytorchEngineConfig
+from ..messages import PrefixCacheConfig, PytorchEngineConfig
+from ..prefix_cache_config import CHECKPOINT_MODES
+from ..speculative_config import MAX_DRAFT_TOKENS, SPECULATIVE_METHODS, SpeculativeConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group('engine')
+    group.add_argument('--backend', default='pytorch', choices=['pytorch'],
+                       help="inference backend (LMDeploy's flag; this engine is the PyTorch one)")
     group.add_argument('--device', default=None, choices=['cuda', 'cpu'],
                        help='device type (default: cuda if available)')
     group.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
@@ -20,15 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--max-batch-size', type=int, default=128)
     group.add_argument('--max-prefill-token-num', type=int, default=8192)
     group.add_argument('--session-len', type=int, default=None)
-    group.add_argument('--prefix-cache-state-budget', type=int, default=0,
-                       help='extra state rows reserved for prefix-cache checkpoints (hybrid models)')
-    group.add_argument('--prefix-cache-checkpoint-mode', default='exact', choices=['exact', 'aligned'],
-                       help='hybrid models: state checkpoints at any safe step, or at block boundaries only')
-    group.add_argument('--prefix-cache-decode-state-interval', type=int, default=0,
-                       help='hybrid models: decode checkpoints every N tokens (a multiple of the block size; 0: off)')
-    group.add_argument('--prefix-cache-prefill-state-interval', type=int,
-                       default=PytorchEngineConfig.prefix_cache_prefill_state_interval,
-                       help='hybrid models: in-prefill checkpoints every N tokens (0: off)')
+    add_prefix_cache_args(group)
     group.add_argument('--eager-mode', action='store_true', help='disable CUDA graphs')
     group.add_argument('--enable-return-routed-experts', action='store_true',
                        help='MoE models: let requests ask for the experts each token was routed to')
@@ -38,8 +34,53 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='most LoRA adapters loaded at once (all stay resident)')
     group.add_argument('--max-lora-rank', type=int, default=PytorchEngineConfig.max_lora_rank,
                        help='largest LoRA rank accepted; an adapter above it fails start-up')
+    group.add_argument('--load-format', default='auto', choices=['auto', 'safetensors', 'dummy'],
+                       help='dummy: random weights of the right shapes on the device, from config.json alone')
+    group.add_argument('--revision', default=None,
+                       help='a Hugging Face Hub model id: the branch, tag or commit to use (default: main)')
+    group.add_argument('--download-dir', default=None,
+                       help='a Hugging Face Hub model id: where to cache it (default: huggingface_hub cache)')
+    group.add_argument('--tokenizer', default=None,
+                       help="the tokenizer's folder or hub id, when not the model's (e.g. with --load-format dummy)")
+    group.add_argument('--tp', type=int, default=1,
+                       help='tensor parallelism: GPUs one model is split over (only 1 is supported yet)')
+    group.add_argument('--speculative-algorithm', default=None, choices=list(SPECULATIVE_METHODS),
+                       help="speculative decoding: 'mtp' drafts with the checkpoint's multi-token-prediction head")
+    group.add_argument('--speculative-num-draft-tokens', type=int, default=1,
+                       help=f'draft tokens per step, verified by one forward (1..{MAX_DRAFT_TOKENS}; needs '
+                            '--speculative-algorithm)')
     group.add_argument('--vision-encoder-cache-mb', type=int, default=PytorchEngineConfig.vision_encoder_cache_mb,
                        help='vision-language models: MiB of encoded images kept by content hash (0: off)')
+
+
+def add_prefix_cache_args(group) -> None:
+    """One flag per `PrefixCacheConfig` field, `--prefix-cache-<field>` (booleans also as `--no-...`)."""
+    d = PrefixCacheConfig()
+    group.add_argument('--prefix-cache-state-budget', type=int, default=d.state_budget,
+                       help='state rows reserved for prefix-cache checkpoints (hybrid models); > 0 overrides '
+                       '--prefix-cache-state-ratio')
+    group.add_argument('--prefix-cache-state-ratio', type=float, default=d.state_ratio,
+                       help='hybrid models: share of the cache memory (see --cache-max-entry-count) given to '
+                       'checkpoint state rows when the KV pool is sized from memory')
+    group.add_argument('--prefix-cache-checkpoint-mode', default=d.checkpoint_mode, choices=list(CHECKPOINT_MODES),
+                       help='hybrid models: state checkpoints at any safe step, or at block boundaries only')
+    group.add_argument('--prefix-cache-decode-state-interval', type=int, default=d.decode_state_interval,
+                       help='hybrid models: decode checkpoints every N tokens (a multiple of the block size; 0: off)')
+    group.add_argument('--prefix-cache-prefill-state-interval', type=int, default=d.prefill_state_interval,
+                       help='hybrid models: in-prefill checkpoints every N tokens (0: off)')
+    group.add_argument('--prefix-cache-prefill-state-cap', type=int, default=d.prefill_state_cap,
+                       help='hybrid models: at most this many in-prefill checkpoints per prompt')
+    flags = (('reply_checkpoints', "checkpoint a finished request's prompt + reply"),
+             ('prompt_logits', 'keep prompt-end logits so an identical prompt skips its prefill'),
+             ('branch_checkpoints', 'end a chunk and checkpoint where a prompt diverges from cached ones'),
+             ('value_eviction', 'evict checkpoints by compute saved per byte among the least recently used'))
+    for name, text in flags:
+        group.add_argument(f'--prefix-cache-{name.replace("_", "-")}', action=argparse.BooleanOptionalAction,
+                           default=getattr(d, name), help=f'hybrid models: {text}')
+
+
+def prefix_cache_config_from_args(args: argparse.Namespace) -> PrefixCacheConfig:
+    return PrefixCacheConfig(**{name: getattr(args, f'prefix_cache_{name}') for name in PrefixCacheConfig().as_dict()})
 
 
 def parse_adapters(specs: list[str] | None) -> dict[str, str] | None:
@@ -63,20 +104,31 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   block_size=args.cache_block_seq_len, kernel_block_size=args.kernel_block_size,
                   cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
                   max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
-                  session_len=args.session_len, prefix_cache_state_budget=args.prefix_cache_state_budget,
-                  eager_mode=args.eager_mode, prefix_cache_checkpoint_mode=args.prefix_cache_checkpoint_mode,
-                  prefix_cache_decode_state_interval=args.prefix_cache_decode_state_interval,
-                  prefix_cache_prefill_state_interval=args.prefix_cache_prefill_state_interval,
+                  session_len=args.session_len, prefix_cache=prefix_cache_config_from_args(args),
+                  eager_mode=args.eager_mode,
                   adapters=parse_adapters(getattr(args, 'adapters', None)),
                   max_loras=getattr(args, 'max_loras', PytorchEngineConfig.max_loras),
                   max_lora_rank=getattr(args, 'max_lora_rank', PytorchEngineConfig.max_lora_rank),
                   enable_return_routed_experts=getattr(args, 'enable_return_routed_experts', False),
-
+                  load_format=getattr(args, 'load_format', 'auto'), revision=getattr(args, 'revision', None),
+                  download_dir=getattr(args, 'download_dir', None), tokenizer=getattr(args, 'tokenizer', None),
+                  tp=getattr(args, 'tp', 1),
                   vision_encoder_cache_mb=getattr(args, 'vision_encoder_cache_mb',
-                                                  PytorchEngineConfig.vision_encoder_cache_mb))
+                                                  PytorchEngineConfig.vision_encoder_cache_mb),
+                  speculative_config=speculative_config_from_args(args))
     if args.device is not None:
         kwargs['device_type'] = args.device
     return PytorchEngineConfig(**kwargs)
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    method = getattr(args, 'speculative_algorithm', None)
+    num_tokens = getattr(args, 'speculative_num_draft_tokens', 1)
+    if method is None:
+        if num_tokens != 1:
+            raise ValueError('--speculative-num-draft-tokens needs --speculative-algorithm')
+        return None
+    return SpeculativeConfig(method=method, num_speculative_tokens=num_tokens)
 
 
 def resolve_model_path(model_path: str | None) -> str:

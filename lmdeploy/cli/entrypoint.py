@@ -5,11 +5,13 @@ import argparse
 import logging
 import sys
 
+from ..version import __version__
 from . import chat, demo
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='lmdeploy', description='Inference and serving engine for hybrid LLMs')
+    parser.add_argument('-v', '--version', action='version', version=f'lmdeploy {__version__}')
     sub = parser.add_subparsers(dest='command', required=True)
     demo.add_parser(sub)
     chat.add_parser(sub)
@@ -36,9 +38,15 @@ def _configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..pytorch.models.model_source import ModelNotFoundError
+    from ..pytorch.models.tp_geometry import TensorParallelError
     args = build_parser().parse_args(argv)
     _configure_logging()
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ModelNotFoundError, TensorParallelError) as err:  # one line, not a traceback
+        print(f'lmdeploy: error: {err}', file=sys.stderr)
+        return 2
 
 
 if __name__ == '__main__':

@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
     parser = sub.add_parser('serve', help='serve a model over HTTP')
     servers = parser.add_subparsers(dest='server', required=True)
     api = servers.add_parser('api_server', help='OpenAI-compatible HTTP server (/v1/chat/completions, ...)')
-    api.add_argument('model_path', nargs='?', default=None, help='HF folder (default: the built-in demo model)')
+    api.add_argument('model_path', nargs='?', default=None,
+                     help='HF folder or Hub id (default: the built-in demo model)')
     api.add_argument('--server-name', default='127.0.0.1', help='address to bind (0.0.0.0: all interfaces)')
     api.add_argument('--server-port', type=int, default=23333)
     api.add_argument('--model-name', default=None, help='name clients use in `model` (default: the folder name)')
@@ -32,6 +33,12 @@ def add_parser(sub) -> None:
                      help='separate <think>...</think> into reasoning_content')
     api.add_argument('--allowed-local-media-path', default=None,
                      help='folder that file:// image URLs may read from (default: no local files)')
+    cors = api.add_argument_group('CORS (browser clients)')
+    cors.add_argument('--allow-origins', nargs='+', default=None,
+                      help="origins allowed to call the API from a browser ('*': any); CORS is off without it")
+    cors.add_argument('--allow-credentials', action='store_true', help='allow cookies / auth headers cross-origin')
+    cors.add_argument('--allow-methods', nargs='+', default=['*'], help='allowed methods (default: all)')
+    cors.add_argument('--allow-headers', nargs='+', default=['*'], help='allowed request headers (default: all)')
     add_engine_args(api)
     add_server_args(api)
     api.set_defaults(func=run_api_server)
@@ -44,4 +51,10 @@ def run_api_server(args: argparse.Namespace) -> int:
                  log_level=args.log_level, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
                  tool_call_parser=args.tool_call_parser, config=server_config_from_args(args),
                  generation_config=args.generation_config,
-                 allowed_local_media_path=args.allowed_local_media_path)
+                 allowed_local_media_path=args.allowed_local_media_path, cors=_cors_config(args))
+
+
+def _cors_config(args: argparse.Namespace):
+    from ..serve.openai.cors import CorsConfig
+    return CorsConfig(allow_origins=tuple(args.allow_origins or ()), allow_credentials=args.allow_credentials,
+                      allow_methods=tuple(args.allow_methods), allow_headers=tuple(args.allow_headers))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..prefix_cache_config import PrefixCacheConfig
+
 
 @dataclass(frozen=True)
 class StateSpec:
@@ -39,6 +41,9 @@ class ModelConfig:
     # record of a token is `[len(moe_layer_ids), moe_top_k]` expert ids in this layer order. Empty for dense models.
     moe_layer_ids: tuple[int, ...] = ()
     moe_top_k: int = 0
+    # MTP head layers built for speculative decoding (0: none). Their attention keeps KV in extra KV-pool layers
+    # after the target's, at cache indices `num_attn_layers + i`, under the same logical block ids.
+    num_mtp_layers: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -47,6 +52,11 @@ class ModelConfig:
     @property
     def num_attn_layers(self) -> int:
         return len(self.attn_layer_ids)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """KV-pool layers: the target's attention layers, then the MTP head's."""
+        return len(self.attn_layer_ids) + self.num_mtp_layers
 
     @property
     def num_moe_layers(self) -> int:
@@ -60,23 +70,15 @@ class CacheConfig:
     num_blocks: int
     # Rows of the state pool (row 0 is a reserved dummy); 0 for models without recurrent layers.
     num_state_slots: int = 0
-    enable_prefix_caching: bool = False
-    prefix_cache_state_budget: int = 0
-    # False restricts state checkpoints to block-aligned steps ('aligned' mode).
-    prefix_cache_exact_steps: bool = True
-    # Block-aligned decode checkpoints every this many tokens; 0 = off.
-    prefix_cache_decode_state_interval: int = 0
-    # Checkpoint policies (see PytorchEngineConfig).
-    prefix_cache_reply_checkpoints: bool = True
-    prefix_cache_prompt_logits: bool = True
-    prefix_cache_branch_checkpoints: bool = True
-    prefix_cache_value_eviction: bool = True
-    # In-prefill checkpoints: every this many tokens (0 = off), at most `cap` per prompt.
-    prefix_cache_prefill_state_interval: int = 0
-    prefix_cache_prefill_state_cap: int = 0
+    # The prefix-cache knobs resolved to `block_size` (`PrefixCacheConfig.resolved`); None: prefix caching off.
+    prefix_cache: PrefixCacheConfig | None = None
     # Sizes for eviction by value (bytes of one state row / one KV block across layers).
     state_row_bytes: int = 0
     kv_block_bytes: int = 0
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache is not None
 
     @property
     def pages_per_block(self) -> int:

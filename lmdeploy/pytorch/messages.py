@@ -229,6 +229,16 @@ class SchedulerSequence:
         offsets of the spans that end at or before it. Meaningful only outside spans."""
         return sum(span.position_delta for span in self.mm_spans if span.end <= step)
 
+    def fit_chunk_to_spans(self, start: int, n: int) -> int:
+        """`n` tokens from `start`, adjusted so the chunk never ends strictly inside a multimodal span: it ends at
+        the span's start when that leaves a non-empty chunk, else at the span's end (an image is fed whole, even
+        past the token budget)."""
+        end = start + n
+        for span in self.mm_spans:
+            if span.start < end < span.end:
+                return span.start - start if span.start > start else span.end - start
+        return n
+
     def is_prefix_cache_boundary_safe(self, step: int) -> bool:
         """False when `step` falls strictly inside a multimodal span (no checkpoint or match may end there)."""
         return not any(span.start < step < span.end for span in self.mm_spans)

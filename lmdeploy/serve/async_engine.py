@@ -20,6 +20,7 @@ from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SEED_RANGE, MultiModalSpan, SamplingParams
+from ..pytorch.models.model_source import is_hub_id, resolve_model_path
 from .request_builder import Prompt, ResponseBuilder, TemplateOptions, encode_prompt, make_sampling_params
 from .sampling_defaults import apply_to_generation_config, load_sampling_defaults
 from .structured_output import GrammarCompiler
@@ -65,14 +66,17 @@ class AsyncEngine:
         generation_config.json; 'none': the API's defaults; or a folder holding one). `image_load_config`: where
         images may come from (local files only under its allow-listed folder) and how large they may be; it
         matters for vision-language checkpoints only."""
-        self.model_path = model_path
-        self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
-        # the engine first: it names a bad model folder with a ValueError, the tokenizer with a hub error
+        # a hub id is served under its full name (`Qwen/Qwen3.5-9B`, as vLLM does), a folder under its base name
+        self.model_name = model_name or (model_path if is_hub_id(model_path) else model_path.rstrip('/').split('/')[-1])
+        # the engine first: it resolves the model (one-line `ModelNotFoundError`) and names a bad folder
         self.engine = Engine(model_path, backend_config)
-        self.tokenizer = Tokenizer(model_path, chat_template)
-        self.sampling_defaults = load_sampling_defaults(model_path, generation_config)
+        self.model_path = self.engine.model_path  # the local folder
+        tokenizer = self.engine.engine_config.tokenizer
+        tokenizer_path = resolve_model_path(tokenizer, with_weights=False) if tokenizer else self.model_path
+        self.tokenizer = Tokenizer(tokenizer_path, chat_template)
+        self.sampling_defaults = load_sampling_defaults(self.model_path, generation_config)
         image_token_id = self.engine.model_config.image_token_id
-        self.image_processor = ImageProcessor(model_path, image_token_id) if image_token_id is not None else None
+        self.image_processor = ImageProcessor(self.model_path, image_token_id) if image_token_id is not None else None
         self.image_load_config = image_load_config or ImageLoadConfig()
         self._loop = EngineLoop(self.engine)
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')

@@ -31,7 +31,7 @@ def test_miss_reasons_sum_to_missed_tokens():
     assert reasons['no_checkpoint'] == 2 and reasons['in_flight'] == 5 and reasons['novel'] == 4 + 1 + 1
 
 
-@pytest.mark.parametrize('name', workloads.WORKLOADS)
+@pytest.mark.parametrize('name', workloads.WORKLOADS + workloads.MULTIMODAL_WORKLOADS)
 def test_workload_is_seeded_and_has_exact_request_count(name):
     sizing = workloads.WorkloadSizing(max_prefill_token_num=64, max_prompt_tokens=1000)
     count = lambda text: len(text.split())  # noqa: E731
@@ -94,3 +94,63 @@ def test_multi_turn_smoke_exact_beats_aligned_with_identical_outputs(tmp_path, c
     assert all(len(m) == 6 and min(m) >= 0 for m in runs['off']['margins'].values())
     assert (out_dir / 'report.md').read_text().count('| multi_turn |') == len(MODES)
     assert (out_dir / 'hit_rate.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_pressure_pools_scale_the_working_set_and_never_starve_running_requests():
+    from lmdeploy.bench.pressure import Pools, parse_pressures, pools_at, working_set
+    assert parse_pressures('100,50,25') == (1.0, 0.5, 0.25) and parse_pressures('') == ()
+    with pytest.raises(ValueError):
+        parse_pressures('150')
+    # 4 requests of up to 100 tokens at once (block 16): 4 * (7 + 1 frozen) + 1 = 33 blocks at least.
+    ws = working_set(peak_blocks=200, peak_checkpoints=40, longest_request=100, block_size=16, concurrency=4)
+    assert ws.min_blocks == 33
+    assert pools_at(ws, 0.5, 4) == Pools(100, 20, 4)
+    assert pools_at(ws, 0.1, 4) == Pools(33, 4, 4)
+
+
+def test_pressure_verdicts_compare_full_with_every_mode_and_the_shared_system_floor():
+    import dataclasses
+
+    from lmdeploy.bench.pressure import pressure_verdicts
+
+    def run(mode, pressure, cached, workload='shared_system'):
+        return dataclasses.replace(_run(mode, {}, {}), workload=workload, pressure=pressure, cached_tokens=cached,
+                                   hit_rate=cached / 100)
+
+    results = [run('full', None, 80), run('full', 0.25, 70), run('full-lru', 0.25, 75), run('aligned', 0.25, 10)]
+    verdicts = pressure_verdicts(results)
+    assert [holds for _, holds in verdicts] == [False, True, False]  # 70 < 75; 70 >= 10; 0.70 < 0.9 * 0.80
+    assert 'full reuses 70 tokens >= full-lru 75' in verdicts[0][0]
+
+
+def test_pressure_smoke_writes_the_table_verdicts_and_plot(tmp_path, capsys):
+    from lmdeploy.bench.__main__ import main
+    out_dir = tmp_path / 'report'
+    assert main(['--device', 'cpu', '--workload', 'shared_system', '--mode', 'full', '--requests', '6',
+                 '--max-new-tokens', '4', '--pressure', '100,25', '--json', '--out', str(out_dir)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = [(run['mode'], run['pressure']) for run in summary['runs']]
+    from lmdeploy.bench.pressure import PRESSURE_MODES
+    assert runs == [('full', None)] + [(m, p) for p in (1.0, 0.25) for m in PRESSURE_MODES]
+    assert any('shared_system at 25%' in v['check'] and '(>= 90%)' in v['check'] for v in summary['pressure_verdicts'])
+    unbounded, at_25 = summary['runs'][0], summary['runs'][-len(PRESSURE_MODES)]
+    assert at_25['checkpoint_rows'] < unbounded['checkpoint_rows'] and at_25['num_blocks'] < unbounded['num_blocks']
+    assert '## Under pressure' in (out_dir / 'report.md').read_text()
+    assert (out_dir / 'pressure.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_multimodal_workloads_resume_after_the_shared_images_with_identical_outputs(tmp_path, capsys, monkeypatch):
+    """Shared images + different questions, and multi-turn over one image, on the tiny VL demo model: the cache
+    serves most of the oracle's tokens (the last image's end is checkpointed; different images never alias in
+    the oracle either: their placeholders become content-hash ids), and every mode generates the same tokens."""
+    from lmdeploy.bench.__main__ import main
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path))
+    assert main(['--device', 'cpu', '--workload', 'multimodal', '--mode', 'off,full', '--requests', '6',
+                 '--max-new-tokens', '4', '--state-budget', '32', '--json']) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = {(run['workload'], run['mode']): run for run in summary['runs']}
+    assert summary['outputs_match'] == {'mm_shared_images': True, 'mm_multi_turn': True}
+    for name in ('mm_shared_images', 'mm_multi_turn'):
+        assert runs[(name, 'off')]['hit_rate'] == 0.0
+        full = runs[(name, 'full')]
+        assert 0.5 * full['oracle_hit_rate'] < full['hit_rate'] <= full['oracle_hit_rate']

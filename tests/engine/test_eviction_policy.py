@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engines import engine_factory
 from numeric import assert_close
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 
@@ -45,11 +45,7 @@ def serve_one_at_a_time(engine: Engine, prompts: list[list[int]], keep_logits: s
     return cached, kept
 
 
-def make_engine(path: str, cache: bool = True, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=B, kernel_block_size=8, max_prefill_token_num=512,
-                  enable_prefix_caching=cache)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=B, kernel_block_size=8, max_prefill_token_num=512, enable_prefix_caching=True)
 
 
 def check_against_cold(path: str, prompts: list[list[int]], cached: list[int], kept: dict) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from engines import engine_factory
 from numeric import assert_close
 
 import lmdeploy
@@ -55,11 +56,8 @@ def model_path(tiny_model_factory):
     return lambda arch: tiny_model_factory(arch)
 
 
-def make_engine(path: str, cache: bool = True, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
-                  max_prefill_token_num=512, enable_prefix_caching=cache)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
+                             max_prefill_token_num=512, enable_prefix_caching=True)
 
 
 def ids(length: int, seed: int) -> list[int]:
@@ -575,12 +573,10 @@ def test_every_block_a_forward_writes_is_request_owned(model_path, arch, monkeyp
     # continuation is recomputed into private blocks (prior-art trap 4).
     runs += generate(engine, [base[:64] + ids(10, seed=18), base[:40] + ids(3, seed=19)], max_new_tokens=4)
     runs += generate(engine, [base[:64] + ids(10, seed=18) + ids(20, seed=20)] * 2, max_new_tokens=4)
-    # Wave 3 (94 tokens, twice). Hybrid: the state pool (10 rows) is full by then, and eviction by value gave the
-    # wave-2 prompt-end checkpoint at 74 (partial: a frozen block more to hold, no hit yet) up for the aligned one
-    # at 64, so the first copy resumes at 64; the second copy is admitted one step later, when the first copy's
-    # prompt-end checkpoint (with its logits) serves the whole prompt: only restore copies and decodes write.
-    # Dense: the first copy's chunk attached block 4 ([64, 80)): 5 blocks.
-    assert [r.cached for r in runs] == ([0, 46, 23, 64, 94] if arch in HYBRID else [0, 64, 32, 64, 80])
+    # Wave 3 (94 tokens, twice) resumes at the wave-2 prefill end 74; the second copy is admitted one step later.
+    # Hybrid: by then the first copy's prompt-end checkpoint (with its logits) serves the whole prompt: only restore
+    # copies and decodes write. Dense: the first copy's chunk attached block 4 ([64, 80)): 5 blocks.
+    assert [r.cached for r in runs] == ([0, 46, 23, 74, 94] if arch in HYBRID else [0, 64, 32, 64, 80])
     assert len(written) > 10
     monkeypatch.undo()
     check_against_cold(path, runs, 4)

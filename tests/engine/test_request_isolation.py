@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engines import engine_factory
 from numeric import assert_close
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -20,11 +21,8 @@ from lmdeploy.serve.pipeline import Pipeline
 B = 16
 
 
-def make_engine(path: str, cache: bool = True, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=B, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
-                  max_prefill_token_num=512, enable_prefix_caching=cache)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
+                             max_prefill_token_num=512, enable_prefix_caching=True)
 
 
 def ids(length: int, seed: int) -> list[int]:

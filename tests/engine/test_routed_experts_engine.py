@@ -179,16 +179,22 @@ def test_cli_flag_sets_the_engine_config():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('eager', [False, True], ids=['graphs', 'eager'])
-def test_cuda_routes_match_transformers(qwen3_next, eager):
-    # float32 so that the reference's near-tie margin applies; with graphs, decodes replay captured graphs that
-    # record into the static routes buffer
-    path, model = qwen3_next
+def test_cuda_routes_match_the_cpu_engine(qwen3_next, eager):
+    # The reference is the CPU engine (default backend), whose routes the CPU tests check against transformers:
+    # transformers itself cannot be the reference here, since with fla-core installed it binds fla's kernels, which
+    # fail on CPU tensors. float32 on both sides; with graphs, decodes replay captured graphs that record into the
+    # static routes buffer. The CPU engine is teacher-forced on the GPU run's tokens.
+    path, _ = qwen3_next
     engine = Engine(path, engine_config(device_type='cuda', dtype='float32', eager_mode=eager))
     prompts = [prompt(19, seed=1), prompt(5, seed=2), prompt(9, seed=3)]
     outs = run(engine, [(p, greedy(6, routed=i != 2)) for i, p in enumerate(prompts)])
     if not eager:
         assert engine.agent.graph_runner.num_replays > 0
+    cpu = Engine(path, engine_config())
     for p, out in zip(prompts[:2], outs[:2]):
         tokens = p + out.tokens
-        assert_routes_match(out.final.routed_experts, reference_routes(model, tokens[:-1]), 2)
+        ref = run(cpu, [(tokens[:-1], greedy(1))])[0].final.routed_experts
+        got = out.final.routed_experts
+        assert got.shape == ref.shape == (len(tokens) - 1, 3, 2)
+        assert (np.sort(got, axis=-1) == np.sort(ref, axis=-1)).all()
     assert outs[2].final.routed_experts is None

@@ -1,5 +1,6 @@
 """The vision-encoder cache (`engine/vision_cache.py`): LRU under a byte budget, keyed by image content hash; a
-repeated image in a new prompt prefix skips the vision tower. Counted by wrapping the model's `encode_images`."""
+repeated image in a new prompt prefix skips the vision tower, and a prefix-cache hit covering an image never
+encodes it at all. Counted by wrapping the model's `encode_images`."""
 from __future__ import annotations
 
 import sys
@@ -88,3 +89,17 @@ def test_a_repeated_image_in_a_new_prompt_hits_the_encoder_cache(vl):
     cold, cold_calls = make_engine(vl[0], vision_encoder_cache_mb=0)
     assert run(cold, *prompt(vl, cold, 'Look at this:', image)) == first
     assert 'vision_cache_hits' not in cold.stats and cold_calls == [1]
+def test_a_prefix_hit_covering_the_image_skips_its_encoding(vl):
+    engine, calls = make_engine(vl[0], enable_prefix_caching=True, prefix_cache_state_budget=16,
+                                vision_encoder_cache_mb=0)
+    image = draw_image(32, (64, 96))
+    ids, spans = prompt(vl, engine, 'Look at this:', image, 'What is it?')
+    run(engine, ids, spans)
+    assert calls == [1]
+    # The same prompt with a new question after the image: the hit covers the image, nothing is encoded.
+    more_ids, more_spans = prompt(vl, engine, 'Look at this:', image, 'What colour is it, roughly?')
+    assert more_spans[0].start == spans[0].start and more_spans[0].content_hash == spans[0].content_hash
+    engine.add_request(more_ids, SamplingParams(max_new_tokens=1), mm_spans=more_spans)
+    engine.run_until_idle()
+    engine.check_integrity()
+    assert calls == [1]

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engines import engine_factory
 from numeric import assert_close
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 
@@ -77,11 +77,8 @@ def checkpoints(tiny_model_factory, tmp_path_factory):
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
-def make_engine(path: str, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
-                  max_prefill_token_num=256)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
+                             max_prefill_token_num=256)
 
 
 def prompt(length: int, seed: int) -> list[int]:

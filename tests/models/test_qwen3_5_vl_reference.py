@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engines import engine_factory
 from numeric import assert_close
 from vl_helpers import draw_image, reference_logits, user_message
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 from lmdeploy.serve.tokenizer import Tokenizer
@@ -36,11 +36,8 @@ def encode(vl, *parts):
     return processor.expand(ids, [p for p in parts if not isinstance(p, str)])
 
 
-def make_engine(path: str, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=4,
-                  max_prefill_token_num=512)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=4,
+                             max_prefill_token_num=512)
 
 
 def run_collecting(engine: Engine, ids, spans, max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engines import engine_factory
 from routes_reference import assert_routes_match, build_qwen3_5_moe, build_qwen3_next, prompt, reference_routes
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.backends.selector import get_backend
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.model_agent import ModelAgent
 from lmdeploy.pytorch.messages import SamplingParams, SchedulerSequence
 
-
-def make_engine(path: str, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
-                  max_prefill_token_num=256)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
+                             max_prefill_token_num=256)
 
 
 @pytest.fixture(scope='module')

@@ -38,10 +38,12 @@ def test_branch_point_ends_the_first_chunk_and_becomes_a_checkpoint():
     run(s, make_seq(tokens(10) + [70, 71, 72]))  # checkpoint at 13 only
     b = make_seq(tokens(10) + [80, 81, 82])
     outs = run(s, b)
-    # B shares 10 tokens with a cached checkpoint tail: its first chunk stops at the branch point 10.
+    # B shares 10 tokens with a cached checkpoint tail: its first chunk stops at the branch point 10, which also
+    # keeps its aligned fallback at 8 (a state cut inside the chunk, no frozen block).
     assert b.num_cached == 0
     assert [o.num_new_tokens for o in outs[:2]] == [[10], [3]]
-    assert [[ck.step for _, ck in o.reserved] for o in outs[:2]] == [[10], [13]]
+    assert [[ck.step for _, ck in o.reserved] for o in outs[:2]] == [[8, 10], [13]]
+    assert [(cut.seq, cut.step) for cut in outs[0].state_cuts] == [(b, 8)]
     c = make_seq(tokens(10) + [90])
     run(s, c)
     assert c.num_cached == 10
@@ -56,9 +58,9 @@ def test_queued_requests_wait_for_the_branch_point_of_the_first():
     for seq in (a, b, c):
         s.add(seq)
     out = step(s)
-    assert (out.seqs, out.num_new_tokens, [ck.step for _, ck in out.reserved]) == ([a], [10], [10])
+    assert (out.seqs, out.num_new_tokens, [ck.step for _, ck in out.reserved]) == ([a], [10], [8, 10])
     assert s.waiting == [b, c]
-    (ck,) = live(s)
+    _, ck = live(s)                              # the aligned fallback at 8, the branch point at 10
     out = step(s)
     assert (out.seqs, out.num_new_tokens) == ([a, b, c], [3, 2, 4]) and out.pinned == [ck, ck]
     assert [seq.num_cached for seq in (a, b, c)] == [0, 10, 10]
@@ -93,7 +95,8 @@ def test_branch_point_with_queued_peers_serves_the_most_tokens():
 
 def test_in_prefill_cuts_are_kept_for_the_tokens_past_a_branch_point():
     # In-prefill states every 4 tokens, at most 2 per prompt. A (22 tokens) and B arrive together sharing 10: A's
-    # first piece ends at the branch point 10 and takes no cuts (B resumes at 10 from its end checkpoint), so A's
+    # first piece ends at the branch point 10 and takes no interval cuts, only the branch point's aligned fallback
+    # at 8, which is not counted against the cap (B resumes at 10 from its end checkpoint), so A's
     # two cuts land in its own tokens, at 20 and 16. C, sharing 19 tokens with A, resumes at 16 (cuts at 8 and 4
     # in the first piece would have left it only the branch point 10).
     s = make_scheduler(num_blocks=32, num_state_slots=12, prefix_cache_branch_checkpoints=True,
@@ -102,7 +105,8 @@ def test_in_prefill_cuts_are_kept_for_the_tokens_past_a_branch_point():
     s.add(a)
     s.add(b)
     out = step(s)
-    assert (out.num_new_tokens, [ck.step for _, ck in out.reserved], out.state_cuts) == ([10], [10], [])
+    assert (out.num_new_tokens, [ck.step for _, ck in out.reserved]) == ([10], [8, 10])
+    assert [(cut.seq, cut.step) for cut in out.state_cuts] == [(a, 8)]  # the branch point's aligned fallback
     out = step(s)
     assert (out.seqs, out.num_new_tokens) == ([a, b], [12, 2])
     assert [ck.step for _, ck in out.reserved] == [20, 16, 22, 12]
@@ -122,3 +126,18 @@ def test_finished_request_leaves_a_reply_checkpoint():
     follow = make_seq(a.token_ids + [5, 5])
     run(s, follow)
     assert follow.num_cached == 9
+
+
+def test_an_unaligned_branch_point_keeps_an_aligned_fallback_for_kv_pressure():
+    # The branch point at 10 (2 blocks + 2) holds a frozen block; KV pressure may take it. Its aligned fallback at 8
+    # needs none, so the next sibling still resumes at 8 instead of recomputing from 0.
+    s = make_scheduler(prefix_cache_branch_checkpoints=True, prefix_cache_value_eviction=True)
+    run(s, make_seq(tokens(10) + [70, 71, 72]))
+    run(s, make_seq(tokens(10) + [80, 81, 82]))
+    fallback, branch = (next(ck for ck in live(s) if ck.step == step) for step in (8, 10))
+    assert branch.num_hits == 1 and s.trie.checkpoints.fallback(branch) is fallback  # found inside a cached prompt
+    s.trie.checkpoints.evict(branch, 'kv')
+    assert fallback.num_hits == 1
+    c = make_seq(tokens(10) + [90])
+    run(s, c)
+    assert c.num_cached == 8

@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from lmdeploy import PrefixCacheConfig
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
 from lmdeploy.pytorch.engine.cache_inputs import CacheCheckpointInputs
 from lmdeploy.pytorch.messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
@@ -86,7 +87,7 @@ class Config:
         self.exact, self.decode_interval = exact, decode_interval_blocks * block_size
         # Checkpoint policies: reply checkpoints, prompt logits, branch points, eviction by value.
         self.reply, self.prompt_logits, self.branch, self.value_eviction = policies
-        # Sized like Engine._num_state_slots: dummy + one per running sequence + a spare + the checkpoint budget.
+        # Sized like memory_sizing.num_state_slots: dummy + one per running sequence + a spare + the checkpoint budget.
         self.num_state_slots = 1 + max_batch_size + 1 + budget if hybrid else 0
         self.session_len = num_blocks * block_size
         # Prompt + generated tokens of one request. Two open scheduler livelocks need a request of more than half
@@ -116,13 +117,13 @@ class PagingMachine(RuleBasedStateMachine):
     def setup(self, cfg: Config) -> None:
         FIGURES['examples'] += 1
         self.cfg, bs = cfg, cfg.block_size
+        prefix_cache = PrefixCacheConfig(
+            checkpoint_mode='exact' if cfg.exact else 'aligned', decode_state_interval=cfg.decode_interval,
+            reply_checkpoints=cfg.reply, prompt_logits=cfg.prompt_logits, branch_checkpoints=cfg.branch,
+            value_eviction=cfg.value_eviction, prefill_state_interval=0).resolved(bs)
         cache = CacheConfig(block_size=bs, kernel_block_size=bs, num_blocks=cfg.num_blocks,
-                            num_state_slots=cfg.num_state_slots, enable_prefix_caching=True,
-                            prefix_cache_exact_steps=cfg.exact,
-                            prefix_cache_decode_state_interval=cfg.decode_interval,
-                            prefix_cache_reply_checkpoints=cfg.reply, prefix_cache_prompt_logits=cfg.prompt_logits,
-                            prefix_cache_branch_checkpoints=cfg.branch,
-                            prefix_cache_value_eviction=cfg.value_eviction, state_row_bytes=64, kv_block_bytes=32)
+                            num_state_slots=cfg.num_state_slots, prefix_cache=prefix_cache, state_row_bytes=64,
+                            kv_block_bytes=32)
         config = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_token_num=cfg.max_prefill,
                                  session_len=cfg.session_len)
         self.s = Scheduler(config, cache, needs_state=cfg.hybrid)
@@ -504,7 +505,13 @@ class PagingMachine(RuleBasedStateMachine):
         CacheCheckpointInputs.build(out.kv_restores, out.state_restores, out.kv_saves, out.state_saves,
                                     bm.resolve_gpu_block_offsets)
         assert len(out.seqs) <= self.cfg.max_batch_size
-        assert sum(n for n in out.num_new_tokens if n > 1) <= self.cfg.max_prefill
+        # The prefill budget holds, except where a piece is one whole image longer than the budget left (a chunk
+        # never splits an image: it stops before one, or, starting at one, takes it whole).
+        whole_image = any(n > 1 and any(sp.start == seq.num_computed and sp.end == seq.num_computed + n
+                                        for sp in seq.mm_spans) for seq, n in zip(out.seqs, out.num_new_tokens))
+        assert whole_image or sum(n for n in out.num_new_tokens if n > 1) <= self.cfg.max_prefill
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            assert seq.is_prefix_cache_boundary_safe(seq.num_computed + n), 'a chunk ends inside an image'
         node_blocks = set(trie.kv.owners())
         frozen = {ck.frozen_block_id for ck in trie.checkpoints.live()} if trie.checkpoints is not None else set()
         for seq, n in zip(out.seqs, out.num_new_tokens):
@@ -535,11 +542,17 @@ class PagingMachine(RuleBasedStateMachine):
 
     def _check_saves(self, out: SchedulerOutput) -> None:
         """Reserved checkpoints: safe boundary, mode, their save copies; remember what they must end up holding."""
+        cuts = {(cut.seq.seq_id, cut.step, cut.slot) for cut in getattr(out, 'state_cuts', ())}
         for seq, ck in out.reserved:
             assert ck.state == CheckpointState.RESERVED and ck.pin_count == 0
             assert seq.is_prefix_cache_boundary_safe(ck.step), 'a checkpoint inside a multimodal span'
             assert self.cfg.exact or ck.step % self.bs == 0
-            assert (seq.state_slot, ck.slot) in out.state_saves
+            if (seq.seq_id, ck.step, ck.slot) in cuts:
+                # A state cut inside this forward's piece (aligned fallback of a branch point): no save copy.
+                assert not ck.is_partial and seq.num_computed < ck.step
+                assert all(dst != ck.slot for _, dst in out.state_saves)
+            else:
+                assert (seq.state_slot, ck.slot) in out.state_saves
             if ck.is_partial:
                 assert (seq.block_ids[ck.step // self.bs], ck.frozen_block_id) in out.kv_saves
             keys = self.keys(seq, ck.step)
@@ -570,6 +583,9 @@ class PagingMachine(RuleBasedStateMachine):
                 self.state[seq.state_slot] = keys[start + n]
             for p in range(start, start + n):
                 self.kv[seq.block_ids[p // self.bs]][p % self.bs] = keys[p + 1]
+        for cut in out.state_cuts:  # the forward leaves the state at each cut in its row
+            assert cut.seq.num_computed < cut.step < cut.seq.num_computed + out.num_new_tokens[out.seqs.index(cut.seq)]
+            self.state[cut.slot] = self.keys(cut.seq, cut.step)[cut.step]
         for seq, _ in out.logits_hits:
             self._check_computed(seq)
             assert self.state[seq.state_slot] == self.keys(seq, seq.num_tokens)[seq.num_tokens]
@@ -782,10 +798,10 @@ def test_paging_state_machine_with_colliding_hashes_long(monkeypatch):
 # ---- findings pinned down as deterministic tests ---------------------------------------------------------------
 def _scheduler(num_blocks: int, block_size: int = 4, max_batch_size: int = 1, budget: int = 0,
                max_prefill: int = 64, policies: bool = False) -> Scheduler:
+    prefix_cache = PrefixCacheConfig(reply_checkpoints=policies, prompt_logits=policies, branch_checkpoints=policies,
+                                     value_eviction=policies, prefill_state_interval=0)
     cache = CacheConfig(block_size=block_size, kernel_block_size=block_size, num_blocks=num_blocks,
-                        num_state_slots=1 + max_batch_size + 1 + budget, enable_prefix_caching=True,
-                        prefix_cache_reply_checkpoints=policies, prefix_cache_prompt_logits=policies,
-                        prefix_cache_branch_checkpoints=policies, prefix_cache_value_eviction=policies)
+                        num_state_slots=1 + max_batch_size + 1 + budget, prefix_cache=prefix_cache)
     config = SchedulerConfig(max_batch_size=max_batch_size, max_prefill_token_num=max_prefill,
                              session_len=num_blocks * block_size)
     return Scheduler(config, cache, needs_state=True)

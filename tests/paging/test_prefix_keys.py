@@ -22,9 +22,13 @@ def test_steps_inside_a_multimodal_span_never_become_checkpoints():
     s = make_scheduler(max_prefill_token_num=5)
     a = make_seq(tokens(10), mm_spans=span)
     outs = run(s, a)
-    # Chunk ends at 5 (inside [2, 7): no checkpoint) and 10.
-    assert [o.num_new_tokens for o in outs] == [[5], [5]]
-    assert [[ck.step for _, ck in o.reserved] for o in outs] == [[], [10]]
+    # A 5-token chunk would end at 5, inside [2, 7): it stops before the image (2), the image goes whole (7, the
+    # last image's end, checkpointed), then the rest (10).
+    assert [o.num_new_tokens for o in outs] == [[2], [5], [3]]
+    assert [[ck.step for _, ck in o.reserved] for o in outs] == [[2], [7], [10]]
+    # An image longer than the budget is still fed whole, from its start.
+    outs = run(make_scheduler(max_prefill_token_num=3), make_seq(tokens(10), mm_spans=span))
+    assert [o.num_new_tokens for o in outs] == [[2], [5], [3]]
     s = make_scheduler(max_prefill_token_num=7)
     outs = run(s, make_seq(tokens(10), mm_spans=span))
     assert [[ck.step for _, ck in o.reserved] for o in outs] == [[7], [10]]  # the span's end is a safe boundary
@@ -56,8 +60,9 @@ def test_same_tokens_with_a_different_image_do_not_match(hybrid):
     other = make_seq(tokens(10) + [1, 2, 3], mm_spans=(MultiModalSpan(5, 7, 222),))
     run(s, other)
     # Block 0 holds text only and is shared; block 1 holds the image and differs, so nothing from step 8 on (and no
-    # checkpoint anchored behind it) matches.
-    assert other.num_cached == (0 if hybrid else 4)
+    # checkpoint anchored behind it) matches. Hybrid: the image's end (7) is a checkpointed chunk end, whose aligned
+    # fallback at its block floor (4, before the image) is text only and serves the other image's request.
+    assert other.num_cached == 4
     same = make_seq(tokens(10) + [1, 2, 3], mm_spans=(MultiModalSpan(5, 7, 111),))
     run(s, same)
     assert same.num_cached == (10 if hybrid else 8)

@@ -48,8 +48,8 @@ def test_a_checkpoint_that_served_hits_outlives_one_off_checkpoints(value_evicti
     for k in range(3):                           # three one-off prompts, each leaving a checkpoint at 6
         run(s, make_seq(tokens(6, start=100 * (k + 1))))
     assert s.trie.checkpoints.evictions_by_cause == {'state': 2}
-    # By value the hot checkpoint holds 3 uses' credit (8 tokens each) against one-offs' one: the two at 9 or at 6
-    # went. By recency it was the least recently used after the one-offs arrived.
+    # By value the hot checkpoint holds 2 hits' credit against one-offs' one (log2 of 9 tokens vs of 6 or 10): two
+    # one-offs went. By recency it was the least recently used after the one-offs arrived.
     again = make_seq(hot + [60])
     run(s, again)
     assert again.num_cached == (8 if hot_survives else 0)

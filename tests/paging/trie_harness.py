@@ -11,6 +11,7 @@ next one handed out (row 0 is the dummy).
 """
 from __future__ import annotations
 
+from lmdeploy import PrefixCacheConfig
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
 from lmdeploy.pytorch.messages import MultiModalSpan, SamplingParams, SchedulerSequence
 from lmdeploy.pytorch.paging.block_trie.node import NodeStateCheckpoint
@@ -21,18 +22,20 @@ BS = 4
 SAMPLED = 999  # the token every simulated forward samples
 # The base design: checkpoints at prefill / chunk ends (+ opt-in decode interval), matching leaves one token,
 # plain LRU. The policies layered on top (each on by default in the engine) are switched on per test.
-BASE = dict(prefix_cache_reply_checkpoints=False, prefix_cache_prompt_logits=False,
-            prefix_cache_branch_checkpoints=False, prefix_cache_value_eviction=False)
+BASE = dict(reply_checkpoints=False, prompt_logits=False, branch_checkpoints=False, value_eviction=False,
+            prefill_state_interval=0)
 
 
 # ---- harness ----------------------------------------------------------------------------------------------------
 def make_scheduler(num_blocks: int = 16, num_state_slots: int = 8, max_prefill_token_num: int = 64,
                    max_batch_size: int = 8, hybrid: bool = True, exact: bool = True,
                    decode_interval: int = 0, **policy) -> Scheduler:
+    """`policy`: `PytorchEngineConfig`'s flat `prefix_cache_*` names, switched on (or set) on top of `BASE`."""
+    knobs = {**BASE, **{name.removeprefix('prefix_cache_'): value for name, value in policy.items()}}
+    prefix_cache = PrefixCacheConfig(checkpoint_mode='exact' if exact else 'aligned',
+                                     decode_state_interval=decode_interval, **knobs).resolved(BS)
     cache = CacheConfig(block_size=BS, kernel_block_size=BS, num_blocks=num_blocks,
-                        num_state_slots=num_state_slots if hybrid else 0, enable_prefix_caching=True,
-                        prefix_cache_exact_steps=exact, prefix_cache_decode_state_interval=decode_interval,
-                        **{**BASE, **policy})
+                        num_state_slots=num_state_slots if hybrid else 0, prefix_cache=prefix_cache)
     config = SchedulerConfig(max_batch_size=max_batch_size, max_prefill_token_num=max_prefill_token_num,
                              session_len=num_blocks * BS)
     return Scheduler(config, cache, needs_state=hybrid)

@@ -93,10 +93,10 @@ def test_beyond_the_admission_limit_429_with_retry_after_then_served(async_engin
                         .status_code == 200 and r, what='a request admitted again')
     assert response.json()['usage']['completion_tokens'] == 2
     m = server.metrics()
-    assert m[('lmdeploy_rejected_requests_total', (('status', '429'),))] == 3
-    assert m[('lmdeploy_request_queue_time_seconds_count', ())] >= 3
+    assert m[('lmdeploy:rejected_requests_total', (('status', '429'),))] == 3
+    assert m[('lmdeploy:request_queue_time_seconds_count', ())] >= 3
     wait_for(lambda: idle(async_engine), what='engine idle')
-    assert wait_for(lambda: server.metrics()[('lmdeploy_num_requests_admitted', ())] == 0 or None) is True
+    assert wait_for(lambda: server.metrics()[('lmdeploy:num_requests_admitted', ())] == 0 or None) is True
 
 
 def test_hung_step_fails_its_requests_and_health_recovers(async_engine, live_server_factory):  # noqa: F811

@@ -214,7 +214,7 @@ def test_concurrent_clients(server):
 
 # ---- disconnects -------------------------------------------------------------------------------------------------
 def _aborted(server: LiveServer, endpoint: str) -> float:
-    return server.metrics().get(('lmdeploy_requests_total', (('endpoint', endpoint), ('finish_reason', 'abort'))), 0)
+    return server.metrics().get(('lmdeploy:requests_total', (('endpoint', endpoint), ('finish_reason', 'abort'))), 0)
 
 
 def test_stream_disconnect_aborts_and_frees_blocks(server):
@@ -319,15 +319,15 @@ def test_metrics_reflect_the_traffic(server, client):
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, **GREEDY)
     httpx.post(f'{server.url}/v1/chat/completions', json={'model': MODEL, 'messages': CHAT, 'n': 0})
     m = server.metrics()
-    assert m[('lmdeploy_requests_total', (('endpoint', 'chat'), ('finish_reason', 'length')))] >= 1
-    assert m[('lmdeploy_rejected_requests_total', (('status', '400'),))] >= 1
-    assert m[('lmdeploy_time_to_first_token_seconds_count', ())] >= 1
-    assert m[('lmdeploy_generation_tokens_total', ())] >= 3
-    assert ('lmdeploy_num_requests_running', ()) in m and ('lmdeploy_num_requests_waiting', ()) in m
-    assert 0 <= m[('lmdeploy_kv_cache_usage_ratio', ())] <= 1
-    assert m[('lmdeploy_state_cache_usage_ratio', ())] == 0  # dense model: no state pool
-    for name in ('lmdeploy_prefix_cache_query_tokens_total', 'lmdeploy_prefix_cache_hit_tokens_total',
-                 'lmdeploy_prefix_cache_hit_rate'):
+    assert m[('lmdeploy:requests_total', (('endpoint', 'chat'), ('finish_reason', 'length')))] >= 1
+    assert m[('lmdeploy:rejected_requests_total', (('status', '400'),))] >= 1
+    assert m[('lmdeploy:time_to_first_token_seconds_count', ())] >= 1
+    assert m[('lmdeploy:generation_tokens_total', ())] >= 3
+    assert ('lmdeploy:num_requests_running', ()) in m and ('lmdeploy:num_requests_waiting', ()) in m
+    assert 0 <= m[('lmdeploy:kv_cache_usage_ratio', ())] <= 1
+    assert m[('lmdeploy:state_cache_usage_ratio', ())] == 0  # dense model: no state pool
+    for name in ('lmdeploy:prefix_cache_query_tokens_total', 'lmdeploy:prefix_cache_hit_tokens_total',
+                 'lmdeploy:prefix_cache_hit_rate'):
         assert (name, ()) in m
 
 
@@ -347,7 +347,7 @@ def test_multi_turn_chat_reports_cached_tokens(tiny_model_factory, live_server_f
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert 0 < cached < second.usage.prompt_tokens
         m = hybrid.metrics()
-        assert m[('lmdeploy_cached_prompt_tokens_total', ())] == cached
+        assert m[('lmdeploy:cached_prompt_tokens_total', ())] == cached
     finally:
         engine.close()
     # The same conversation on a cache-off server gives the same replies.

@@ -71,7 +71,7 @@ def test_held_back_prefix_is_flushed_when_the_request_ends_otherwise():
 
 def _detok_seconds(tokenizer, ids: list[int]) -> float:
     best = float('inf')
-    for _ in range(3):
+    for _ in range(5):
         detok = IncrementalDetokenizer(tokenizer, ['never appears in it'])
         start = time.perf_counter()
         for token_id in ids:
@@ -81,10 +81,11 @@ def _detok_seconds(tokenizer, ids: list[int]) -> float:
 
 
 def test_detokenization_is_linear_in_the_output_length(tokenizer):
-    """16,000 tokens cost ~16x 1,000 tokens (a full re-decode per token would cost ~256x)."""
+    """16,000 tokens cost ~16x 1,000 tokens (a full re-decode per token would cost ~256x; the bound leaves room
+    for a loaded machine)."""
     rng = random.Random(0)
     vocab = tokenizer.vocab_size - 8
     ids = [rng.randrange(vocab) for _ in range(16_000)]
     short, long = _detok_seconds(tokenizer, ids[:1000]), _detok_seconds(tokenizer, ids)
-    assert long < 40 * short, (short, long)
-    assert long < 5.0
+    assert long < 64 * short, (short, long)
+    assert long < 20.0

@@ -277,7 +277,7 @@ def test_disconnects_mid_stream_abort_and_free(server, isolated):
 
 
 def aborted(server: LiveServer, endpoint: str) -> float:
-    return server.metrics().get(('lmdeploy_requests_total', (('endpoint', endpoint), ('finish_reason', 'abort'))), 0)
+    return server.metrics().get(('lmdeploy:requests_total', (('endpoint', endpoint), ('finish_reason', 'abort'))), 0)
 
 
 def _raw(server: LiveServer, payload: bytes, read: bool = True) -> bytes:

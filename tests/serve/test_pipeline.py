@@ -278,7 +278,7 @@ def test_invalid_engine_config_raises_value_error_naming_the_field(overrides, me
 
 
 def test_missing_model_folder_raises_value_error(tmp_path):
-    with pytest.raises(ValueError, match='not a Hugging Face model folder'):
+    with pytest.raises(ValueError, match='not found: no such folder'):
         pipeline(str(tmp_path / 'nowhere'), _engine_config())
 
 

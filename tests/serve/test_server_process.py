@@ -140,11 +140,11 @@ def _half_open_connections(process: Process) -> None:
                 assert response.status_code == 200, response.text
         assert httpx.get(f'{process.url}/health', timeout=10).status_code == 200
         m = process.metrics()
-        assert m['lmdeploy_http_connections_max'] < FD_LIMIT
-        assert m['lmdeploy_http_connections_evicted_total'] >= 1100 - m['lmdeploy_http_connections_max']
+        assert m['lmdeploy:http_connections_max'] < FD_LIMIT
+        assert m['lmdeploy:http_connections_evicted_total'] >= 1100 - m['lmdeploy:http_connections_max']
         print(f'\n1,100 half-open connections (opened in {opened:.2f} s) at a {FD_LIMIT}-descriptor limit: '
               f'20/20 normal requests served, max latency {max(latencies) * 1000:.0f} ms; connection cap '
-              f'{m["lmdeploy_http_connections_max"]:.0f}, {m["lmdeploy_http_connections_evicted_total"]:.0f} evicted')
+              f'{m["lmdeploy:http_connections_max"]:.0f}, {m["lmdeploy:http_connections_evicted_total"]:.0f} evicted')
     finally:
         for sock in held:
             sock.close()
@@ -205,3 +205,23 @@ def test_second_signal_aborts_at_once(model_path):
         assert plain[0].status_code == 503 and plain[0].json()['error']['code'] == 'server_shutting_down'
     finally:
         stop(process)
+
+
+def test_exit_code_says_the_engine_died():
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from lmdeploy.serve.openai.lifecycle import ExitCode, GracefulServer
+    from lmdeploy.serve.watchdog import Liveness
+    watchdog = SimpleNamespace(state=Liveness.OK)
+    server = GracefulServer(uvicorn.Config(app=None), None, SimpleNamespace(draining=False, in_flight=0), watchdog,
+                            grace=1.0)
+    assert server.exit_code() is ExitCode.OK
+    watchdog.state = Liveness.DEAD
+    assert server.exit_code() is ExitCode.ENGINE_DEAD and int(ExitCode.ENGINE_DEAD) == 1
+    server.handle_exit(15, None)   # the first signal starts the drain, a second one moves the deadline to now
+    first = server.deadline
+    assert server.admission.draining and first is not None
+    server.handle_exit(2, None)
+    assert server.deadline <= first

@@ -235,9 +235,9 @@ def test_openai_client_sends_a_data_url_image_and_turn_two_hits_the_cache(vl_pat
             metrics = {(s.name, tuple(s.labels.items())): s.value for family in
                        text_string_to_metric_families(httpx.get(f'{server.url}/metrics').text) for s in family.samples}
             # The tower ran once for this image; every later use came from a cache.
-            assert metrics[('lmdeploy_vision_cache_misses_total', ())] == 1
-            assert metrics[('lmdeploy_vision_cache_hits_total', ())] >= 1
-            assert metrics[('lmdeploy_vision_cache_entries', ())] == 1
+            assert metrics[('lmdeploy:vision_cache_misses_total', ())] == 1
+            assert metrics[('lmdeploy:vision_cache_hits_total', ())] >= 1
+            assert metrics[('lmdeploy:vision_cache_entries', ())] == 1
         engine.engine.check_integrity()
     finally:
         engine.close()

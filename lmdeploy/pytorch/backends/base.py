@@ -14,6 +14,7 @@ from typing import Any
 class OpType(enum.Enum):
     Embedding = enum.auto()
     Linear = enum.auto()
+    LinearBlockedF8 = enum.auto()
     RMSNorm = enum.auto()
     GatedRMSNorm = enum.auto()
     ApplyRotary = enum.auto()
@@ -23,6 +24,7 @@ class OpType(enum.Enum):
     GatedDeltaRule = enum.auto()
     CausalConv1d = enum.auto()
     MoE = enum.auto()
+    MoEBlockedF8 = enum.auto()
     CacheBlockCopy = enum.auto()
     StateSlotCopy = enum.auto()
     Sampling = enum.auto()

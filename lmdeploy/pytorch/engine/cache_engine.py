@@ -3,7 +3,8 @@
 Owns: the two pool tensors and the typed views models read through `StepContext`. It never decides what goes
 where (that is the scheduler's job); it only allocates, views and copies.
 
-KV pool: one contiguous uint8 tensor `[num_attn_layers, num_pages, page_bytes]`; a page row holds K then V for
+KV pool: one contiguous uint8 tensor `[num_kv_layers, num_pages, page_bytes]` (the target's attention
+layers, then the MTP head's, if built); a page row holds K then V for
 `kernel_block_size` tokens. A scheduler block is `pages_per_block` contiguous pages.
 State pool: one uint8 tensor `[num_slots, row_bytes]`; a row holds every recurrent layer's state tensors at fixed,
 16-byte-aligned offsets, so saving or restoring a sequence's state is one row copy.
@@ -31,8 +32,8 @@ def kv_page_bytes(model_config: ModelConfig, kernel_block_size: int, dtype: torc
 
 
 def kv_block_bytes(model_config: ModelConfig, cache_config_block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one scheduler block takes across all attention layers."""
-    return model_config.num_attn_layers * kv_page_bytes(model_config, cache_config_block_size, dtype)
+    """Bytes one scheduler block takes across all KV-pool layers (MTP head included)."""
+    return model_config.num_kv_layers * kv_page_bytes(model_config, cache_config_block_size, dtype)
 
 
 def state_row_layout(model_config: ModelConfig) -> tuple[list[dict[str, tuple[int, int]]], int]:
@@ -68,9 +69,9 @@ class CacheEngine:
         page_bytes = kv_page_bytes(model_config, kbs, self.dtype)
         # Never zero-filled: every KV position is written before it is read (kernels mask by kv_len), and touching
         # GiBs of pages up front costs seconds and resident memory on CPU.
-        self.kv_pool = torch.empty(model_config.num_attn_layers, self.num_pages, page_bytes,
+        self.kv_pool = torch.empty(model_config.num_kv_layers, self.num_pages, page_bytes,
                                    dtype=torch.uint8, device=device)
-        self.kv_caches = [self._kv_views(layer) for layer in range(model_config.num_attn_layers)]
+        self.kv_caches = [self._kv_views(layer) for layer in range(model_config.num_kv_layers)]
         self.state_layout, row_bytes = state_row_layout(model_config)
         num_slots = cache_config.num_state_slots if model_config.is_hybrid else 0
         self.state_pool = torch.zeros(num_slots, max(row_bytes, _ALIGN), dtype=torch.uint8, device=device)

@@ -30,6 +30,7 @@ MoE layers then do one small copy each, whether or not the batch asked.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
@@ -252,7 +253,17 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode='thread_local'):
-            out = self.model(self._context(static_inputs))
+        # No garbage collection during the capture: a collected CUDAGraph (another engine's, left in a reference
+        # cycle) resets itself in its destructor, which is not permitted while a stream captures and invalidates this
+        # capture (seen on the H200: "operation not permitted when stream is capturing (function reset)").
+        # `torch.cuda.graph` collects once before it begins.
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode='thread_local'):
+                out = self.model(self._context(static_inputs))
+        finally:
+            if gc_enabled:
+                gc.enable()
         self.graphs[key] = (graph, out)
         logger.info('captured a CUDA graph for %s', key)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -19,13 +17,17 @@ import torch
 
 from ...messages import PytorchEngineConfig, UnknownAdapterError
 from ..backends.selector import get_backend
-from ..config import CacheConfig, ModelConfig, SchedulerConfig
+from ..config import SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
+from ..models.model_source import resolve_model_path
+from ..models.tp_geometry import check_tp_supported
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
-from .cache_engine import CacheEngine, kv_block_bytes, state_row_layout
+from .cache_engine import CacheEngine
+from .cache_sizing import free_memory_bytes, make_cache_config, session_len
+from .engine_stats import EngineStats
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
 from .model_agent import ModelAgent
@@ -33,12 +35,6 @@ from .request import EngineOutput, OutputCallback
 from .routes_recorder import RoutesRecorder
 
 logger = logging.getLogger('lmdeploy')
-_CPU_CACHE_BUDGET = 1 << 30
-
-
-# How long a step waits, at most, for stats readers to take the step lock first (see `Engine.step`).
-_STATS_YIELDS = 50
-_STATS_YIELD_S = 1e-4
 
 
 def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
@@ -54,25 +50,32 @@ class Engine:
         if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
         self.device = torch.device(engine_config.device_type)
-        self.model_path = model_path
+        # a local folder, or a hub id resolved through huggingface_hub (`ModelNotFoundError`: one line to print)
+        self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
+                                             with_weights=engine_config.load_format != 'dummy')
+        check_tp_supported(self.model_path, engine_config.tp)  # before any weight is read
         dtype = resolve_dtype(engine_config)
-        self.model, self.model_config = build_model(model_path, self.device, dtype, engine_config.device_type,
-                                                    engine_config.state_dtype)
+        speculative = engine_config.speculative_config
+        self.model, self.model_config = build_model(self.model_path, self.device, dtype, engine_config.device_type,
+                                                    engine_config.state_dtype, load_format=engine_config.load_format,
+                                                    mtp=speculative is not None)
+        if speculative is not None:  # the model and its head load and are checked; drafting is the missing part
+            raise NotImplementedError(f'speculative decoding (method {speculative.method!r}) is not supported yet: '
+                                      'the MTP head loads, but the engine does not draft and verify with it')
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
             engine_config.max_lora_rank)
-        self.cache_config = self._make_cache_config(self.model_config)
+        self.cache_config = make_cache_config(
+            self.model_config, engine_config, None if engine_config.num_gpu_blocks else free_memory_bytes(self.device))
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
-            session_len=self._session_len())
+            session_len=session_len(self.model_config, self.cache_config, engine_config.session_len))
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid)
         backend = get_backend(engine_config.device_type)
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
-        if engine_config.enable_return_routed_experts and engine_config.enable_prefix_caching:
-            raise ValueError('enable_return_routed_experts does not work with enable_prefix_caching yet')
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
         self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
@@ -90,10 +93,13 @@ class Engine:
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
                     self.cache_engine.state_pool_bytes / 2**20)
         self._lock = threading.Lock()
-        # Held for a whole step: a step delivers its tokens before its prefix-cache bookkeeping, so readers on other
-        # threads (stats, /metrics) wait for the step to end instead of seeing it half done.
+        # Held for a whole step, so a check from another thread (`check_integrity` in tests) runs between steps.
         self._step_lock = threading.RLock()
-        self._stats_waiters = 0  # readers waiting for `_step_lock`: the next step lets them in first
+        # Statistics: one frozen record per step (`stats_snapshot`); `_published` guards the swap and step count.
+        self._published = threading.Condition()
+        self._steps_begun = 0
+        self._stepping_thread: int | None = None
+        self._step_listeners: list[Callable[[EngineStats], None]] = []
         # (request id, command): commands run on the engine thread at the start of a step.
         self._commands: list[tuple[int, Callable[[], list[EngineOutput]]]] = []
         self._seqs: dict[int, tuple[SchedulerSequence, OutputCallback | None]] = {}
@@ -102,53 +108,7 @@ class Engine:
         self._ids = itertools.count(1)
         self.wakeup = threading.Event()
         self.last_step_idle = False
-
-    # ---- sizing -----------------------------------------------------------------------------------------------
-    def _num_state_slots(self, model_config: ModelConfig) -> int:
-        if not model_config.is_hybrid:
-            return 0
-        # dummy row 0 + one per running sequence + a spare for the batch being scheduled.
-        return 1 + self.engine_config.max_batch_size + 1 + self.engine_config.prefix_cache_state_budget
-
-    def _make_cache_config(self, model_config: ModelConfig) -> CacheConfig:
-        cfg = self.engine_config
-        num_slots = self._num_state_slots(model_config)
-        _, row_bytes = state_row_layout(model_config)
-        block_bytes = kv_block_bytes(model_config, cfg.block_size, getattr(torch, model_config.dtype))
-        num_blocks = cfg.num_gpu_blocks or self._blocks_from_memory(block_bytes, num_slots * row_bytes)
-        if num_blocks <= 0:
-            raise ValueError('not enough memory for a single KV block; lower max_batch_size or free memory')
-        return CacheConfig(block_size=cfg.block_size, kernel_block_size=cfg.resolved_kernel_block_size,
-                           num_blocks=num_blocks, num_state_slots=num_slots,
-                           enable_prefix_caching=cfg.enable_prefix_caching,
-                           prefix_cache_state_budget=cfg.prefix_cache_state_budget,
-                           prefix_cache_exact_steps=cfg.prefix_cache_checkpoint_mode == 'exact',
-                           prefix_cache_decode_state_interval=cfg.prefix_cache_decode_state_interval,
-                           prefix_cache_reply_checkpoints=cfg.prefix_cache_reply_checkpoints,
-                           prefix_cache_prompt_logits=cfg.prefix_cache_prompt_logits,
-                           prefix_cache_branch_checkpoints=cfg.prefix_cache_branch_checkpoints,
-                           prefix_cache_value_eviction=cfg.prefix_cache_value_eviction,
-                           prefix_cache_prefill_state_interval=-(-cfg.prefix_cache_prefill_state_interval
-                                                                 // cfg.block_size) * cfg.block_size,
-                           prefix_cache_prefill_state_cap=cfg.prefix_cache_prefill_state_cap,
-                           state_row_bytes=row_bytes, kv_block_bytes=block_bytes)
-
-    def _blocks_from_memory(self, block_bytes: int, state_bytes: int) -> int:
-        if self.device.type == 'cuda':
-            free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-            free = min(total // 4, _CPU_CACHE_BUDGET)
-        return int((free - state_bytes) * self.engine_config.cache_max_entry_count) // block_bytes
-
-    def _session_len(self) -> int:
-        capacity = self.cache_config.num_blocks * self.cache_config.block_size
-        limit = min(self.model_config.max_position_embeddings, capacity)
-        wanted = self.engine_config.session_len
-        if wanted is not None and wanted > limit:
-            logger.warning('session_len %d exceeds the KV capacity / max positions (%d); using %d', wanted, limit,
-                           limit)
-        return limit if wanted is None else min(wanted, limit)
+        self._snapshot = self._make_stats(0)
 
     @property
     def session_len(self) -> int:
@@ -267,12 +227,16 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        for _ in range(_STATS_YIELDS):  # a lock is not fair: let a waiting reader in between back-to-back steps
-            if not self._stats_waiters:
-                break
-            time.sleep(_STATS_YIELD_S)
         with self._step_lock:
-            return self._step()
+            with self._published:
+                self._steps_begun += 1
+                step = self._steps_begun
+            self._stepping_thread = threading.get_ident()
+            try:
+                return self._step()
+            finally:
+                self._stepping_thread = None
+                self._publish(self._make_stats(step))
 
     def _step(self) -> list[EngineOutput]:
         with self._lock:
@@ -281,6 +245,11 @@ class Engine:
         for out in outputs:
             self._deliver(out)
         sched = self.scheduler.schedule()
+        for seq, error in sched.rejected:  # faults while scheduling fail their own requests
+            logger.error('request %d: %s', seq.seq_id, error)
+            out = self._error_output(seq, error)
+            self._deliver(out)
+            outputs.append(out)
         # True when this step ran nothing on the device (the loop thread then backs off instead of spinning).
         self.last_step_idle = sched.is_empty and not sched.has_copies
         if not self.last_step_idle:
@@ -460,42 +429,56 @@ class Engine:
         with self._step_lock:
             self.scheduler.check_integrity()
 
+    # ---- statistics ---------------------------------------------------------------------------------------------
+    def _make_stats(self, step: int) -> EngineStats:
+        scheduler, cache, cache_config = self.scheduler, self.agent.vision_cache, self.cache_config
+        blocks, states = scheduler.block_manager, scheduler.state_manager
+        rows = cache_config.num_state_slots if cache_config.prefix_cache is not None else 0
+        running = sum(seq.state_slot is not None for seq in scheduler.running) if rows else 0
+        routes = self.routes.record_all
+        return EngineStats(step=step, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                           num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free,
+                           num_state_slots=states.num_usable if states is not None else 0,
+                           num_free_state_slots=states.num_free if states is not None else 0,
+                           prefix_cache=scheduler.prefix_cache.snapshot(),
+                           vision_cache=cache.stats if cache is not None else None,
+                           checkpoint_rows=cache_config.prefix_cache.state_budget if rows else 0,
+                           checkpoint_capacity=rows - 2 - running if rows else 0,
+                           routed_experts_bytes_per_token=self.routes.bytes_per_token if routes else None,
+                           routed_experts_cached_bytes=scheduler.trie.routes_bytes() if routes else None)
+
+    def _publish(self, snapshot: EngineStats) -> None:
+        with self._published:
+            self._snapshot = snapshot
+            self._published.notify_all()
+        for listener in self._step_listeners:
+            listener(snapshot)
+
+    def mark_stats(self) -> None:
+        """Between steps (the engine idle): count live checkpoints from here on (`live_since_mark`), for a benchmark
+        that leaves its warm-up's checkpoints out of its figures."""
+        with self._step_lock:
+            self.scheduler.prefix_cache.mark()
+            self._publish(self._make_stats(self._snapshot.step))
+
+    def add_step_listener(self, listener: Callable[[EngineStats], None]) -> None:
+        """Call `listener` with every published record, on the engine thread right after its step (keep it short)."""
+        self._step_listeners.append(listener)
+
+    @property
+    def stats_snapshot(self) -> EngineStats:
+        """The record of the last completed step. From another thread while a step runs, it waits for that step's
+        record (a reader that has seen a step's outputs then sees its bookkeeping too); a step never waits for a
+        reader. On the engine thread itself (an output callback) it is the previous step's."""
+        if self._stepping_thread == threading.get_ident():
+            return self._snapshot
+        with self._published:
+            target = self._steps_begun
+            self._published.wait_for(lambda: self._snapshot.step >= target)
+            return self._snapshot
+
     @property
     def stats(self) -> dict:
-        """Prefix-cache statistics (zeros when prefix caching is off), between steps."""
-        with self._lock:
-            self._stats_waiters += 1
-        try:
-            with self._step_lock:
-                return self._stats()
-        finally:
-            with self._lock:
-                self._stats_waiters -= 1
-
-    def _stats(self) -> dict:
-        return {**self._prefix_cache_stats(), **self._vision_cache_stats()}
-
-    def _vision_cache_stats(self) -> dict:
-        cache = self.agent.vision_cache
-        if cache is None:
-            return {}
-        s = cache.stats
-        return {'vision_cache_hits': s.hits, 'vision_cache_misses': s.misses, 'vision_cache_entries': s.entries,
-                'vision_cache_bytes': s.bytes}
-
-    def _prefix_cache_stats(self) -> dict:
-        trie = self.scheduler.trie
-        if trie is None:
-            return {'query_tokens': 0, 'hit_tokens': 0, 'hit_rate': 0.0, 'num_requests': 0, 'num_hits': 0,
-                    'live_checkpoints': 0, 'evicted_checkpoints': 0, 'evicted_blocks': 0, 'checkpoints_saved': 0}
-        s = trie.stats
-        cks = trie.checkpoints
-        live = cks.live() if cks is not None else []
-        return {'query_tokens': s.query_tokens, 'hit_tokens': s.hit_tokens, 'hit_rate': s.hit_rate,
-                'num_requests': s.num_requests, 'num_hits': s.num_hits, 'live_checkpoints': trie.num_checkpoints,
-                'evicted_checkpoints': cks.num_evicted if cks is not None else 0,
-                'evicted_blocks': trie.kv.num_evicted, 'checkpoints_saved': s.checkpoints_saved,
-                'evictions_by_cause': dict(cks.evictions_by_cause) if cks is not None else {},
-                'logits_hits': s.logits_hits, 'branch_points': s.branch_points,
-                'miss_reasons': dict(s.miss_reasons),
-                'checkpoint_bytes': sum(cks.bytes_held(ck) for ck in live) if cks is not None else 0}
+        """`stats_snapshot` as a flat dict: prefix-cache counters (zeros when prefix caching is off), plus the
+        vision-encoder cache's."""
+        return self.stats_snapshot.as_dict()

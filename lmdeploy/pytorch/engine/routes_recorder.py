@@ -6,7 +6,8 @@ Owned by the `Engine`; runs on the engine thread. Order within a step: `wants(se
 advance) -> at finish `result` gives a requesting sequence's rows `[0, num_tokens - 1)`.
 
 A sequence records when its request asked, or when the prefix cache keeps routes (engine flag and prefix caching
-on: cached blocks and checkpoints then carry the routes of their tokens for later hits). With the engine flag off,
+on: cached blocks and checkpoints then carry the routes of their tokens for later hits, and a hit replays them into
+the sequence's rows at admission, `paging/block_trie/route_store.py`). With the engine flag off,
 nothing is recorded and a request that asks is refused. Models without MoE layers record nothing: their result
 has no layer column.
 """
@@ -49,7 +50,11 @@ class RoutesRecorder:
 
     @staticmethod
     def store(seqs: list[SchedulerSequence], num_new_tokens: list[int], rows: np.ndarray | None) -> None:
-        """Each recording sequence's rows of this forward, at the positions it fed (call before it advances)."""
+        """Each recording sequence's rows of this forward, at the positions it fed (call before it advances).
+
+        Speculative decoding (MTP) is not built yet. When it is, only the rows of the target model's forward over
+        accepted positions may be stored here: draft forwards and rejected positions never reach a sequence's rows
+        (and so never the prefix cache or a response)."""
         if rows is None:
             return
         start = 0

@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from ..backends.selector import use_backend
+from ..nn.blocked_fp8 import FP8_DTYPE
 from ..nn.linear import Linear, MergedLinear
 from ..nn.lora import LoRAStack
 from .peft_adapter import PeftAdapter
+from .weight_loading import ignored_reason
 
 _NOT_ADAPTABLE = {'lm_head': 'lm_head', 'embed_tokens': 'embeddings'}
 # Where LoRA-capable layers live (a model class may override with `lora_module_prefixes`): every row of their inputs
@@ -55,7 +57,7 @@ def place_module(model: nn.Module, modules: dict[str, nn.Module], adapter: PeftA
         raise _fail(adapter, name, f'adapts the {_NOT_ADAPTABLE[leaf]}, which do not take LoRA here')
     rename = getattr(model, 'rename_weight', None)
     renamed = rename(f'{name}.weight') if rename is not None else f'{name}.weight'
-    if renamed is None:
+    if renamed is None or ignored_reason(f'{name}.weight') is not None:
         raise _fail(adapter, name, 'belongs to weights the engine does not run (vision tower or MTP head)')
     path = renamed[:-len('.weight')]
     if not path.startswith(getattr(model, 'lora_module_prefixes', _DECODER_PREFIXES)):
@@ -93,6 +95,7 @@ def _module_weights(model: nn.Module, adapter: PeftAdapter, name: str, placement
 def attach_adapters(model: nn.Module, adapters: list[PeftAdapter], device_type: str) -> None:
     """Attach a `LoRAStack` to every layer any adapter targets; adapter k (in list order) takes slot k + 1."""
     modules = dict(model.named_modules())
+    compute_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != FP8_DTYPE)
     per_layer: dict[str, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
     for slot, adapter in enumerate(adapters, start=1):
         for name in adapter.modules:
@@ -113,9 +116,10 @@ def attach_adapters(model: nn.Module, adapters: list[PeftAdapter], device_type: 
         for (slot, i), (a, b) in entries.items():
             lora_a[slot, i * rank:i * rank + a.size(0)] = a
             lora_b[slot, starts[i]:starts[i] + sizes[i], :b.size(1)] = b
+        # an FP8 layer computes in the activation dtype, which its LoRA weights take
+        dtype = weight.dtype if weight.dtype != FP8_DTYPE else compute_dtype
         with use_backend(device_type):
-            layer.lora = LoRAStack(lora_a.to(weight.device, weight.dtype), lora_b.to(weight.device, weight.dtype),
-                                   sizes)
+            layer.lora = LoRAStack(lora_a.to(weight.device, dtype), lora_b.to(weight.device, dtype), sizes)
 
 
 class ResidentAdapter(NamedTuple):

@@ -110,10 +110,15 @@ class Qwen3ForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.tie_word_embeddings:
-            weights = ((name, t) for name, t in weights if not name.startswith('lm_head.'))
-        loaded = load_weights(self, weights, self.stacked_params)
-        missing = set(dict(self.named_parameters())) - loaded
-        if missing:
-            raise ValueError(f'checkpoint is missing weights: {sorted(missing)[:8]}')
+    def rename_weight(self, name: str) -> str | None:
+        """Checkpoint name -> model name, or None to drop it (a tied `lm_head` duplicates the embedding)."""
+        if self.tie_word_embeddings and name.startswith('lm_head.'):
+            return None
+        return name
+
+    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **fp8) -> None:
+        """All checkpoint tensors; `fp8` as `weight_loading.load_weights` takes it."""
+        load_weights(self, weights, self.stacked_params, self.rename_weight, self.convert_weight, **fp8)

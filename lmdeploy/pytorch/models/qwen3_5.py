@@ -7,7 +7,8 @@ of our fused `in_proj_qkvz` / `in_proj_ba`. The vision-language checkpoints keep
 `text_config` and the weights under `model.language_model.*`; their vision tower (`vision_config`,
 `model.visual.*`) loads into `Qwen3_5VisionModel`, whose merged embeddings replace the image placeholder
 embeddings. Image tokens take interleaved M-RoPE positions (`rope_parameters['mrope_section']`); text tokens use
-equal positions on all three axes, which is plain rotary. Multi-token-prediction weights (`mtp.*`) are skipped.
+equal positions on all three axes, which is plain rotary. Multi-token-prediction weights (`mtp.*`) load into the
+MTP head (`mtp.py`) when speculative decoding builds it, and are skipped otherwise.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model_inputs import upload_index_tensors
 from ..nn.linear import Linear
 from ..nn.vision import VisionAttention, VisionBatch
 
@@ -131,7 +132,9 @@ class Qwen3_5VisionModel(nn.Module):
         for n in lengths:
             cu.append(cu[-1] + n)
         angle = torch.cat(angles)
-        batch = VisionBatch(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device), cu_seqlens_list=cu,
+        # one pinned non-blocking upload on CUDA: the forward never waits for the device here
+        cu_seqlens = upload_index_tensors({'cu': torch.tensor(cu, dtype=torch.int64)}, device)['cu']
+        batch = VisionBatch(cu_seqlens=cu_seqlens, cu_seqlens_list=cu,
                             max_seqlen=max(lengths), cos=angle.cos(), sin=angle.sin())
         return torch.cat(pos), batch
 

@@ -12,7 +12,7 @@ Qwen3-Next checkpoints interleave those per key head; `Qwen3NextForCausalLM` reo
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
 from ..nn.rotary import RotaryEmbedding
+from .mtp import MTPHead, mtp_num_layers_of
 from .weight_loading import StackedMapping, load_weights
 
 LINEAR_ATTENTION = 'linear_attention'
@@ -173,6 +174,10 @@ class HybridModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg))
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
+        return self.norm(self.hidden_states(ctx))
+
+    def hidden_states(self, ctx: StepContext) -> torch.Tensor:
+        """The last decoder layer's output [T, H], before the final norm (what the MTP head reads)."""
         inputs = ctx.inputs
         x = self.embed_tokens(inputs.input_ids)
         if inputs.mm_embeds is not None:  # image placeholders take the vision tower's embeddings
@@ -181,7 +186,7 @@ class HybridModel(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, self.rotary_emb, cos_sin, ctx)
-        return self.norm(x)
+        return x
 
 
 class HybridForCausalLM(nn.Module):
@@ -198,6 +203,34 @@ class HybridForCausalLM(nn.Module):
         tie = getattr(hf_config, 'tie_word_embeddings', None)  # the top-level config decides for VL checkpoints
         self.tie_word_embeddings = bool(getattr(cfg, 'tie_word_embeddings', False) if tie is None else tie)
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp: MTPHead | None = None  # built by `enable_mtp` (speculative decoding with method 'mtp')
+
+    def enable_mtp(self) -> int:
+        """Build the MTP head (`mtp.*` weights then load into it); returns its number of layers. Its layer i is a
+        full-attention decoder layer with layer 0's kind of MLP, on KV pool layer `num_attn_layers + i`."""
+        cfg = self.config
+        num_layers = mtp_num_layers_of(cfg)
+        if num_layers <= 0:
+            raise ValueError(f'{type(self).__name__}: the config declares no MTP head (mtp_num_hidden_layers / '
+                             'num_nextn_predict_layers is 0 or missing), so speculative method \'mtp\' cannot run')
+        num_attn = self.model.layer_types.count(FULL_ATTENTION)
+        def make_layer(i: int, cache_index: int) -> HybridDecoderLayer:
+            return HybridDecoderLayer(cfg, FULL_ATTENTION, cache_index, self.make_mlp(0))
+
+        self.mtp = MTPHead(cfg, num_layers, num_attn, make_layer)
+        return num_layers
+
+    def forward_with_hidden(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed hidden states for the logits, pre-norm hidden states for the MTP head), both [T, H]."""
+        with lora_step(ctx.inputs):
+            hidden = self.model.hidden_states(ctx)
+            return self.model.norm(hidden), hidden
+
+    def draft_hidden(self, prev_hidden: torch.Tensor, ctx: StepContext, step: int = 0) -> torch.Tensor:
+        """The MTP head's normed hidden states (see `MTPHead.forward`); logits via `compute_logits`."""
+        if self.mtp is None:
+            raise RuntimeError('the MTP head is not built (enable_mtp)')
+        return self.mtp(self.model.embed_tokens, self.model.rotary_emb, prev_hidden, ctx, step)
 
     @staticmethod
     def text_config_of(hf_config):
@@ -241,8 +274,8 @@ class HybridForCausalLM(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def rename_weight(self, name: str) -> str | None:
-        """Checkpoint name -> model name, or None to drop it (multi-token-prediction heads, tied lm_head)."""
-        if name.startswith('mtp.') or (self.tie_word_embeddings and name.startswith('lm_head.')):
+        """Checkpoint name -> model name, or None to drop it (a tied `lm_head` duplicates the embedding)."""
+        if self.tie_word_embeddings and name.startswith('lm_head.'):
             return None
         return name
 
@@ -250,17 +283,9 @@ class HybridForCausalLM(nn.Module):
         """Hook for checkpoint tensors whose layout differs from ours (identity here)."""
         return tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loaded = load_weights(self, self._renamed(weights), self.stacked_params)
-        missing = set(dict(self.named_parameters())) - loaded
-        if missing:
-            raise ValueError(f'checkpoint is missing weights: {sorted(missing)[:8]}')
-
-    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            name = self.rename_weight(name)
-            if name is not None:
-                yield name, self.convert_weight(name, tensor)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **fp8) -> None:
+        """All checkpoint tensors; `fp8` as `weight_loading.load_weights` takes it."""
+        load_weights(self, weights, self.stacked_params, self.rename_weight, self.convert_weight, **fp8)
 
 
 # ---- Qwen3-Next ---------------------------------------------------------------------------------------------------
@@ -303,6 +328,16 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
 
     def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        if name.endswith('linear_attn.in_proj_qkvz.weight_scale_inv'):
+            # FP8 kept: reorder the scale grid like the rows, which needs each head's rows to be whole blocks
+            block_rows = self.get_submodule(name.rpartition('.')[0]).weight_block_size[0]
+            if cfg.linear_key_head_dim % block_rows or cfg.linear_value_head_dim % block_rows:
+                raise ValueError(f'{name}: FP8 blocks of {block_rows} rows straddle the per-head groups of '
+                                 f'in_proj_qkvz (head dims {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim})')
+            return interleaved_qkvz_to_blocked(tensor, cfg.linear_num_key_heads, cfg.linear_key_head_dim // block_rows,
+                                               cfg.linear_num_value_heads, cfg.linear_value_head_dim // block_rows)
+        if name.endswith('linear_attn.in_proj_ba.weight_scale_inv'):
+            raise ValueError(f'{name}: FP8 in_proj_ba is not supported (its per-head groups are narrower than a block)')
         if name.endswith('linear_attn.in_proj_qkvz.weight'):
             return interleaved_qkvz_to_blocked(tensor, cfg.linear_num_key_heads, cfg.linear_key_head_dim,
                                                cfg.linear_num_value_heads, cfg.linear_value_head_dim)

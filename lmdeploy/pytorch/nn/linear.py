@@ -1,4 +1,5 @@
-"""Linear layer whose matmul comes from the selected backend; LoRA adapters attach to it (`nn.lora`)."""
+"""Linear layer whose matmul comes from the selected backend; weights in the model dtype or block-wise FP8
+(`use_blocked_fp8`, see `blocked_fp8.py`); LoRA adapters attach to it (`nn.lora`)."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,7 @@ from torch import nn
 
 from ..backends.base import OpType
 from ..backends.selector import current_backend
+from .blocked_fp8 import fp8_parameter, scale_parameter
 
 
 class Linear(nn.Module):
@@ -14,11 +16,23 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.weight_block_size: tuple[int, int] | None = None  # set when the weight is block-wise FP8
         self._impl = current_backend().build(OpType.Linear)
         self.lora = None  # a `nn.lora.LoRAStack` once adapters are attached
 
+    def use_blocked_fp8(self, block_size: tuple[int, int]) -> None:
+        """Make `weight` FP8 with a `weight_scale_inv` block grid; call before the parameters are materialised."""
+        self.weight_block_size = tuple(block_size)
+        self.weight = fp8_parameter(self.weight)
+        self.weight_scale_inv = scale_parameter(self.weight, self.weight_block_size)
+        self._impl = current_backend().build(OpType.LinearBlockedF8, block_size=self.weight_block_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._impl(x, self.weight, self.bias)
+        if self.weight_scale_inv is not None:
+            out = self._impl(x, self.weight, self.weight_scale_inv, self.bias)
+        else:
+            out = self._impl(x, self.weight, self.bias)
         return out if self.lora is None else self.lora(x, out)
 
 

@@ -2,7 +2,8 @@
 
 Expert weights are stacked like transformers' fused layout: `gate_up_proj` [E, 2I, H] (gate rows, then up rows)
 and `down_proj` [E, H, I]. Checkpoints with per-expert keys (`experts.{e}.gate_proj.weight` ...) load through
-`FusedExperts.load_weight`. The expert computation comes from the backend (`OpType.MoE`).
+`FusedExperts.load_weight`. The expert computation comes from the backend (`OpType.MoE`, or `OpType.MoEBlockedF8`
+for block-wise FP8 experts: `use_blocked_fp8`, scales `gate_up_proj_scale_inv` / `down_proj_scale_inv`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from ..backends.base import OpType
 from ..backends.selector import current_backend
+from .blocked_fp8 import check_fp8_copy, fp8_parameter, scale_parameter
 from .linear import Linear
 
 
@@ -42,44 +44,74 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.gate_up_proj_scale_inv: nn.Parameter | None = None
+        self.down_proj_scale_inv: nn.Parameter | None = None
+        self.weight_block_size: tuple[int, int] | None = None  # set when the experts are block-wise FP8
         self._impl = current_backend().build(OpType.MoE)
 
+    def use_blocked_fp8(self, block_size: tuple[int, int]) -> None:
+        """FP8 expert weights with block scales; call before the parameters are materialised. The gate and up rows
+        of `gate_up_proj` share one scale grid, so `intermediate_size` must be a multiple of the block rows."""
+        if self.intermediate_size % block_size[0]:
+            raise ValueError(f'FP8 experts need intermediate_size ({self.intermediate_size}) to be a multiple of the '
+                             f'block rows ({block_size[0]})')
+        self.weight_block_size = tuple(block_size)
+        self.gate_up_proj = fp8_parameter(self.gate_up_proj)
+        self.down_proj = fp8_parameter(self.down_proj)
+        self.gate_up_proj_scale_inv = scale_parameter(self.gate_up_proj, self.weight_block_size)
+        self.down_proj_scale_inv = scale_parameter(self.down_proj, self.weight_block_size)
+        self._impl = current_backend().build(OpType.MoEBlockedF8, block_size=self.weight_block_size)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.weight_block_size is not None:
+            return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                              self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
         return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     def load_weight(self, key: str, tensor: torch.Tensor) -> list[str]:
         """Copy one checkpoint tensor addressed relative to this module; returns the parameter names written.
 
         Accepts per-expert keys `{e}.gate_proj.weight`, `{e}.up_proj.weight`, `{e}.down_proj.weight` and the fused
-        `gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] (also stored transposed, as some exports do).
+        `gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] (also stored transposed, as some exports do), and for FP8
+        experts their scales (`{e}.gate_proj.weight_scale_inv`, `gate_up_proj_scale_inv`, ...).
         """
         parts = key.split('.')
-        if key in ('gate_up_proj', 'down_proj'):
+        if key in ('gate_up_proj', 'down_proj', 'gate_up_proj_scale_inv', 'down_proj_scale_inv'):
             param = getattr(self, key)
-            if tensor.shape != param.shape and tensor.transpose(1, 2).shape == param.shape:
+            if param is None:
+                raise ValueError(f'unexpected expert weight {key!r}: these experts are not FP8')
+            if tensor.shape != param.shape and tensor.transpose(1, 2).shape == param.shape \
+                    and self.weight_block_size is None:
                 tensor = tensor.transpose(1, 2)
             _copy(param.data, tensor, key)
             return [key]
-        if len(parts) == 3 and parts[0].isdigit() and parts[2] == 'weight':
-            expert_id, proj = int(parts[0]), parts[1]
+        if len(parts) == 3 and parts[0].isdigit() and parts[2] in ('weight', 'weight_scale_inv'):
+            expert_id, proj, suffix = int(parts[0]), parts[1], parts[2]
             if not 0 <= expert_id < self.num_experts:
                 raise ValueError(f'expert weight {key!r}: expert id out of range [0, {self.num_experts})')
-            size = self.intermediate_size
+            is_scale = suffix == 'weight_scale_inv'
+            if is_scale and self.weight_block_size is None:
+                raise ValueError(f'unexpected expert weight {key!r}: these experts are not FP8')
+            rows = self.intermediate_size // (self.weight_block_size[0] if is_scale else 1)
+            gate_up = self.gate_up_proj_scale_inv if is_scale else self.gate_up_proj
+            name = 'gate_up_proj_scale_inv' if is_scale else 'gate_up_proj'
             if proj == 'gate_proj':
-                _copy(self.gate_up_proj.data[expert_id, :size], tensor, key)
-                return ['gate_up_proj']
+                _copy(gate_up.data[expert_id, :rows], tensor, key)
+                return [name]
             if proj == 'up_proj':
-                _copy(self.gate_up_proj.data[expert_id, size:], tensor, key)
-                return ['gate_up_proj']
+                _copy(gate_up.data[expert_id, rows:], tensor, key)
+                return [name]
             if proj == 'down_proj':
-                _copy(self.down_proj.data[expert_id], tensor, key)
-                return ['down_proj']
+                down = self.down_proj_scale_inv if is_scale else self.down_proj
+                _copy(down.data[expert_id], tensor, key)
+                return ['down_proj_scale_inv' if is_scale else 'down_proj']
         raise ValueError(f'unexpected expert weight {key!r}')
 
 
 def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if target.shape != tensor.shape:
         raise ValueError(f'weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}')
+    check_fp8_copy(target, tensor, name)
     target.copy_(tensor.to(target.dtype))
 
 

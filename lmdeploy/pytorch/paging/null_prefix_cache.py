@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..messages import SchedulerSequence
-from .prefix_cache import NO_MATCH, PrefixCache, PrefixMatch, PromptLogits
+from .prefix_cache import NO_MATCH, PrefixCache, PrefixCacheSnapshot, PrefixMatch, PromptLogits
 from .scheduler_output import CopyPlan, SchedulerOutput
 from .state_manager import StateManager
 
@@ -69,3 +69,9 @@ class NullPrefixCache(PrefixCache):
 
     def owners(self) -> tuple[Counter, Counter]:
         return Counter(), Counter()
+
+    def mark(self) -> None:
+        pass
+
+    def snapshot(self) -> PrefixCacheSnapshot:
+        return PrefixCacheSnapshot()

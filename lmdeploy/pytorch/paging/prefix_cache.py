@@ -21,14 +21,16 @@ Which calls mutate, in what order within one engine step (each bullet runs after
    instead of step 3.
 
 `on_released` also runs whenever a sequence leaves the running list (abort, preemption). `check_integrity`,
-`owners` and `snapshot` are pure and may run between any two steps.
+`owners` and `snapshot` are pure, cost O(1) (`check_integrity` excepted) and run on the engine thread between steps;
+the engine publishes `snapshot()` once per step for readers on other threads.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..messages import SchedulerSequence
@@ -67,9 +69,52 @@ class PrefixCacheStats:
     branch_points: int = 0
     miss_reasons: Counter = field(default_factory=Counter)
 
+    # Calls of `match` and the thread CPU time they took.
+    match_calls: int = 0
+    match_seconds: float = 0.0
+
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class PrefixCacheSnapshot:
+    """The prefix cache's statistics at the end of one step (all zero with caching off). Counters run since start."""
+    num_requests: int = 0                    # first admissions (a preempted request is counted once)
+    num_hits: int = 0                        # of those, with at least one prompt token served from the cache
+    query_tokens: int = 0                    # their prompt tokens
+    hit_tokens: int = 0                      # of those, served from the cache
+    logits_hits: int = 0                     # whole prompts served from kept logits (no prefill at all)
+    branch_points: int = 0                   # admissions whose first chunk ended at a branch point
+    # uncached prompt tokens by reason (block_trie/miss_tracker.py)
+    miss_reasons: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    live_checkpoints: int = 0                # published state checkpoints now
+    partial_checkpoints: int = 0             # of those, with a frozen partial block
+    live_since_mark: int = 0                 # of those, published after the last `mark()` (a benchmark's window)
+    partial_since_mark: int = 0
+    checkpoint_bytes: int = 0                # bytes they hold: state rows, frozen blocks, kept logits
+    checkpoints_saved: int = 0               # checkpoints ever published
+    evicted_checkpoints: int = 0
+    evicted_blocks: int = 0                  # trie leaves evicted
+    # 'kv' (partial checkpoints under KV pressure), 'kv_leaf' (with their trie leaf), 'state' -> checkpoints evicted
+    evictions_by_cause: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    match_calls: int = 0                     # `match` calls and the thread CPU time they took
+    match_seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        """The flat statistics of `Engine.stats` (one shape, caching on or off)."""
+        return {'query_tokens': self.query_tokens, 'hit_tokens': self.hit_tokens, 'hit_rate': self.hit_rate,
+                'num_requests': self.num_requests, 'num_hits': self.num_hits,
+                'live_checkpoints': self.live_checkpoints, 'evicted_checkpoints': self.evicted_checkpoints,
+                'evicted_blocks': self.evicted_blocks, 'checkpoints_saved': self.checkpoints_saved,
+                'evictions_by_cause': dict(self.evictions_by_cause), 'logits_hits': self.logits_hits,
+                'branch_points': self.branch_points, 'miss_reasons': dict(self.miss_reasons),
+                'checkpoint_bytes': self.checkpoint_bytes}
 
 
 class PrefixCache(ABC):
@@ -150,3 +195,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def owners(self) -> tuple[Counter, Counter]:
         """(KV block id -> references the cache holds, state slot -> references the cache holds)."""
+
+    @abstractmethod
+    def mark(self) -> None:
+        """Start the window of `PrefixCacheSnapshot.live_since_mark` (between steps; no-op without checkpoints)."""
+
+    @abstractmethod
+    def snapshot(self) -> PrefixCacheSnapshot:
+        """The statistics now, as a frozen record (O(1))."""

@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: list[SchedulerSequence] = []
         self.running: list[SchedulerSequence] = []
         self._arrivals = 0
+        self._admitting: SchedulerSequence | None = None  # the waiting sequence `schedule()` is admitting
 
     @property
     def trie(self):
@@ -82,18 +83,33 @@ class Scheduler:
         Running sequences come first in arrival order (a decode feeds 1 token, a prefill in progress its next
         chunk). When KV runs short, cached prefixes are evicted first, then the latest-arrived running sequence is
         preempted (recomputed later). Then waiting sequences are admitted in order while the token budget, the
-        batch size, KV blocks and state slots allow; admission matches the prefix cache first. With branch points
+        batch size, KV blocks and state slots allow; admission matches the prefix cache first. A chunk never ends
+        inside an image (it stops before the image, or takes it whole). With branch points
         on, a waiting sequence that a prefill piece already in this batch will checkpoint deeper into its prompt
         than its hit skips this step and keeps its place in the queue. Only the first prefill of a batch may be
         cut into a chunk. Finally the prefix cache reserves the checkpoints this forward saves.
         """
         out = SchedulerOutput()
+        try:
+            self._schedule(out)
+        except Exception as exc:  # a fault must fail requests, never stall the engine (the step would repeat it)
+            failed = self.cancel(out)  # drops this call's pins and reservations, fails what it scheduled
+            culprit = self._admitting
+            if culprit is not None and not culprit.is_finished:  # the waiting sequence whose admission raised
+                self.finish(culprit, SequenceStatus.ABORTED, 'error')
+                failed.append(culprit)
+            return SchedulerOutput(rejected=out.rejected + [(seq, f'scheduling failed: {exc!r}') for seq in failed])
+        finally:
+            self._admitting = None
+        return out
+
+    def _schedule(self, out: SchedulerOutput) -> None:
         budget = self.config.max_prefill_token_num
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= self.config.max_batch_size:
                 continue
             n = 1 if seq.num_remaining == 1 else min(seq.num_remaining, budget)
-            n = self.prefix_cache.chunk(seq, n)
+            n = seq.fit_chunk_to_spans(seq.num_computed, self.prefix_cache.chunk(seq, n))
             if n == 0 or not self._reserve_blocks(seq, n, scheduled=out.seqs):
                 continue
             out.seqs.append(seq)
@@ -103,8 +119,13 @@ class Scheduler:
         index = 0
         while (index < len(self.waiting) and budget > 0
                and len(out.seqs) + len(out.logits_hits) < self.config.max_batch_size):
-            seq = self.waiting[index]
-            match = self._match(seq)
+            seq = self._admitting = self.waiting[index]
+            try:
+                match = self._match(seq)
+            except Exception as exc:  # bad input (e.g. an unhashable span) fails its own request only
+                self.finish(seq, SequenceStatus.ABORTED, 'error')
+                out.rejected.append((seq, f'prefix-cache match failed: {exc!r}'))
+                continue
             if self.prefix_cache.waits_for_peer(seq, match, out):
                 index += 1  # stays queued (in order) and resumes from the peer's checkpoint next step
                 continue
@@ -119,8 +140,8 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
             has_prefill = True
+        self._admitting = None
         self.prefix_cache.plan_checkpoints(out)
-        return out
 
     # ---- applying a forward's result --------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SequenceUpdate]:
@@ -197,6 +218,8 @@ class Scheduler:
         n = remaining if remaining <= budget else (budget if chunk_ok else 0)
         if not logits_hit:
             n = cache.admission_chunk(seq, match, n)
+            if n:
+                n = seq.fit_chunk_to_spans(match.num_tokens, n)  # chunks never split an image
             if n == 0:
                 return None
         shared = cache.acquire(seq, match)

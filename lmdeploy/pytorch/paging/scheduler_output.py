@@ -78,6 +78,9 @@ class SchedulerOutput(CopyPlan):
     # In-prefill checkpoints: the model writes the state at `step` into `slot` during the forward
     # (`ModelInputs.state_cuts`); each one's checkpoint is in `reserved`.
     state_cuts: list[StateCut] = field(default_factory=list)
+    # Sequences this call could not schedule because scheduling them raised (a fault, not a lack of room): already
+    # out of the queues with nothing allocated; the engine fails each with its error and the step goes on.
+    rejected: list[tuple[SchedulerSequence, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -9,8 +9,8 @@ the body is read:
 - 503 `engine_dead` / `engine_hung` while the watchdog says the engine cannot serve.
 The counter lives on the event loop (middleware only), so it needs no lock.
 
-Metrics (in the app's registry): `lmdeploy_num_requests_admitted` (gauge) and
-`lmdeploy_request_queue_time_seconds` (histogram: arrival to the start of the engine step that produced the
+Metrics (in the app's registry): `lmdeploy:num_requests_admitted` (gauge) and
+`lmdeploy:request_queue_time_seconds` (histogram: arrival to the start of the engine step that produced the
 request's first output; for a prompt prefilled in one step that is the time until the engine took it up, for a
 chunked prefill it also holds the earlier chunks).
 """
@@ -38,9 +38,9 @@ class Admission:
         self.retry_after = retry_after
         self.in_flight = 0
         self.draining = False
-        Gauge('lmdeploy_num_requests_admitted', 'Requests admitted (tokenizing, queued or running)',
+        Gauge('lmdeploy:num_requests_admitted', 'Requests admitted (tokenizing, queued or running)',
               registry=registry).set_function(lambda: self.in_flight)
-        self.queue_time = Histogram('lmdeploy_request_queue_time_seconds',
+        self.queue_time = Histogram('lmdeploy:request_queue_time_seconds',
                                     'Arrival to the start of the engine step that produced the first output',
                                     buckets=QUEUE_BUCKETS, registry=registry)
 

@@ -39,10 +39,12 @@ from ..vision.images import ImageLoadConfig
 from ..watchdog import EngineWatchdog
 from .admission import Admission, AdmissionMiddleware
 from .body import BodyLimitMiddleware
+from .cors import CorsConfig
 from .errors import APIError
 from .lifecycle import run_app
 from .limits import check_request_limits
 from .metrics import ServerMetrics
+from .openapi_doc import document_responses
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -99,6 +101,9 @@ class ServerState:
         """What `model` may name: the base model, then every resident LoRA adapter."""
         return [self.model_name, *self.async_engine.adapter_names]
 
+    def model_card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=self.async_engine.session_len)
+
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names (None: the base model); 404 for a name this server does not serve."""
         if not model or model == self.model_name:
@@ -147,8 +152,11 @@ class ServerState:
                        arrival: float) -> AsyncIterator[EngineResponse]:
         tracker = self.metrics.track(endpoint, arrival)
         try:
-            stream = self.async_engine.astream(
-                prepared, on_first_step=lambda step: self.admission.observe_queue_time(arrival, step))
+            def on_first_step(step: float) -> None:
+                self.admission.observe_queue_time(arrival, step)
+                tracker.first_step(step)
+
+            stream = self.async_engine.astream(prepared, on_first_step=on_first_step)
             async with aclosing(stream) as stream:
                 async for response in stream:
                     tracker.observe(response)
@@ -167,8 +175,14 @@ router = APIRouter(prefix='/v1')
 @router.get('/models')
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    return ModelList(data=[ModelCard(id=name, created=state.created, max_model_len=state.async_engine.session_len)
-                           for name in state.served_names])
+    return ModelList(data=[state.model_card(name) for name in state.served_names])
+
+
+@router.get('/models/{model_id:path}')
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    state = _state(request)
+    state.check_model(model_id)  # 404 model_not_found for a name this server does not serve
+    return state.model_card(model_id)
 
 
 def _chat_delta(parsed: ParsedDelta, num_calls_before: int) -> DeltaMessage:
@@ -182,7 +196,7 @@ def _chat_finish_reason(reason: str | None, parser: ChatOutputParser) -> str | N
     return 'tool_calls' if reason == 'stop' and parser.num_tool_calls else reason
 
 
-@router.post('/chat/completions')
+@router.post('/chat/completions', response_model=ChatCompletionResponse)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     arrival, state = time.perf_counter(), _state(request)
     state.check_model(body.model)
@@ -229,7 +243,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                   usage=UsageInfo.total(finals, n))
 
 
-@router.post('/completions')
+@router.post('/completions', response_model=CompletionResponse)
 async def completions(body: CompletionRequest, request: Request):
     arrival, state = time.perf_counter(), _state(request)
     state.check_model(body.model)
@@ -461,7 +475,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-               config: ServerConfig | None = None) -> FastAPI:
+               config: ServerConfig | None = None, cors: CorsConfig | None = None) -> FastAPI:
     """A FastAPI app serving `async_engine`; the caller owns (and closes) the engine."""
     state = ServerState(async_engine, model_name or async_engine.model_name, reasoning_parser, tool_call_parser,
                         config)
@@ -492,6 +506,8 @@ def create_app(async_engine: AsyncEngine, api_keys: list[str] | None = None, mod
     if api_keys:
         open_paths = ('/health',) if config.enable_metrics_auth else OPEN_PATHS
         app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), metrics=state.metrics, open_paths=open_paths)
+    (cors or CorsConfig()).install(app)  # outermost: preflights are answered before the key check
+    document_responses(app)
     return app
 
 
@@ -513,7 +529,8 @@ def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, ser
           server_port: int = 23333, api_keys: list[str] | None = None, model_name: str | None = None,
           log_level: str = 'info', chat_template: str | None = None, reasoning_parser: str | None = None,
           tool_call_parser: str | None = None, config: ServerConfig | None = None,
-          generation_config: str = 'auto', allowed_local_media_path: str | None = None) -> int:
+          generation_config: str = 'auto', allowed_local_media_path: str | None = None,
+          cors: CorsConfig | None = None) -> int:
     """Bind the port, load the model and serve it until interrupted; returns the process exit status.
     `allowed_local_media_path`: the folder `file://` image URLs may read from (None: no local files)."""
     sock = bind_socket(server_name, server_port)
@@ -521,7 +538,7 @@ def serve(model_path: str, engine_config: PytorchEngineConfig | None = None, ser
         async_engine = AsyncEngine(model_path, engine_config, model_name, chat_template, generation_config,
                                    image_load_config=ImageLoadConfig(allowed_local_media_path))
         try:
-            app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser, config)
+            app = create_app(async_engine, api_keys, model_name, reasoning_parser, tool_call_parser, config, cors)
             return int(run_app(app, sock, log_level))
         finally:
             async_engine.close()

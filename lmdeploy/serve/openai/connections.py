@@ -56,12 +56,12 @@ class ConnectionGuard:
 
     def collect(self) -> Iterator[Metric]:
         """Prometheus collector protocol (registered in the app's registry by `run_app`)."""
-        yield GaugeMetricFamily('lmdeploy_http_connections', 'Open HTTP connections', value=len(self.open))
-        yield GaugeMetricFamily('lmdeploy_http_connections_max', 'Connection cap (fitted to RLIMIT_NOFILE)',
+        yield GaugeMetricFamily('lmdeploy:http_connections', 'Open HTTP connections', value=len(self.open))
+        yield GaugeMetricFamily('lmdeploy:http_connections_max', 'Connection cap (fitted to RLIMIT_NOFILE)',
                                 value=self.max_connections)
-        yield CounterMetricFamily('lmdeploy_http_connections_evicted', 'Connections closed to make room for new ones',
+        yield CounterMetricFamily('lmdeploy:http_connections_evicted', 'Connections closed to make room for new ones',
                                   value=self.num_evicted)
-        yield CounterMetricFamily('lmdeploy_http_header_timeouts', 'Connections closed for sending no complete '
+        yield CounterMetricFamily('lmdeploy:http_header_timeouts', 'Connections closed for sending no complete '
                                   'request headers within --timeout-header', value=self.num_header_timeouts)
 
 

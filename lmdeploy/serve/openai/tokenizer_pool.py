@@ -29,10 +29,6 @@ class TokenizerPool:
         lane = self._small if size <= SMALL_PROMPT_CHARS else self._large
         return await asyncio.get_running_loop().run_in_executor(lane, functools.partial(fn, *args))
 
-    def close(self) -> None:
-        self._small.shutdown(wait=False, cancel_futures=True)
-        self._large.shutdown(wait=False, cancel_futures=True)
-
 
 def prompt_chars(prompt) -> int:
     """Characters a prompt makes the tokenizer read (token ids count one each)."""

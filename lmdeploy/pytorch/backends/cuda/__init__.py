@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.cuda import blocked_fp8 as _fp8
 from ...kernels.cuda import causal_conv1d as _conv
 from ...kernels.cuda import gated_delta_rule as _gdr
+from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
 from ...kernels.cuda.lora import sgmv_lora
@@ -17,7 +19,7 @@ from ...kernels.cuda.varlen_attention import varlen_attention
 from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
-from ..default import causal_conv1d_builder, gated_delta_rule_builder
+from ..default import blocked_fp8_builder, causal_conv1d_builder, gated_delta_rule_builder
 
 
 def _const(fn):
@@ -87,6 +89,16 @@ def _build_lora(**_kwargs):
     return forward
 
 
+def _build_linear_blocked_f8(block_size: tuple[int, int], **_kwargs):
+    """Triton FP8 GEMM, or torch's `_scaled_mm` when `LMDEPLOY_FP8_GEMM=torch` and it works here (decided now, at
+    construction, so nothing is probed inside a CUDA graph capture)."""
+    use_torch = _fp8.use_torch_scaled_mm(block_size)
+
+    def forward(x, weight, weight_scale_inv, bias):
+        return _fp8.linear_blocked_fp8(x, weight, weight_scale_inv, bias, block_size, use_torch=use_torch)
+    return forward
+
+
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
@@ -97,6 +109,8 @@ _BUILDERS = {
     OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.MoE: _const(fused_moe),
+    OpType.LinearBlockedF8: _build_linear_blocked_f8,
+    OpType.MoEBlockedF8: blocked_fp8_builder(fused_moe_blocked_fp8),
     OpType.LoRA: _build_lora,
 }
 

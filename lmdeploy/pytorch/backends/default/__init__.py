@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.default import blocked_fp8 as _fp8
 from ...kernels.default import cache_copy as _cache_copy
 from ...kernels.default import causal_conv1d as _conv
 from ...kernels.default import gated_delta_rule as _gdr
@@ -61,6 +62,15 @@ def causal_conv1d_builder(conv_fn):
     return build
 
 
+def blocked_fp8_builder(fn):
+    """A builder over an FP8 op whose last argument is the weights' `block_size` (given at construction)."""
+    def build(block_size: tuple[int, int], **_kwargs):
+        def forward(*args):
+            return fn(*args, block_size=block_size)
+        return forward
+    return build
+
+
 def token_lora_slots(inputs):
     """Each token's adapter slot [T] (from the per-sequence `inputs.lora_ids`), built once per forward."""
     return inputs.derived('lora_token_slots', lambda: torch.repeat_interleave(
@@ -80,6 +90,7 @@ _build_causal_conv1d = causal_conv1d_builder(_conv.causal_conv1d)
 _BUILDERS = {
     OpType.Embedding: _const(elementwise.embedding),
     OpType.Linear: _const(elementwise.linear),
+    OpType.LinearBlockedF8: blocked_fp8_builder(_fp8.linear_blocked_fp8),
     OpType.RMSNorm: _const(elementwise.rms_norm),
     OpType.GatedRMSNorm: _const(elementwise.gated_rms_norm),
     OpType.ApplyRotary: _const(elementwise.apply_rotary),
@@ -89,6 +100,7 @@ _BUILDERS = {
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.CausalConv1d: _build_causal_conv1d,
     OpType.MoE: _const(moe.fused_moe),
+    OpType.MoEBlockedF8: blocked_fp8_builder(_fp8.fused_moe_blocked_fp8),
     OpType.Sampling: _const(sampling.sample),
     OpType.CacheBlockCopy: _const(_cache_copy.copy_packed_cache),
     OpType.StateSlotCopy: _const(_cache_copy.copy_state_slots),

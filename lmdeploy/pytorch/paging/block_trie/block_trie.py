@@ -11,15 +11,19 @@ reserved checkpoints, drops restore pins and keeps prompt logits; `plan_replies`
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
+from types import MappingProxyType
 
 import numpy as np
 
+from ....prefix_cache_config import PrefixCacheConfig
 from ...messages import SchedulerSequence
 from ..block_manager import BlockManager
-from ..prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch, PromptLogits
+from ..prefix_cache import PrefixCache, PrefixCacheSnapshot, PrefixCacheStats, PrefixMatch, PromptLogits
 from ..scheduler_output import CopyPlan, LogitsHit, SchedulerOutput
 from ..state_manager import StateManager
+from . import route_store
 from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
 from .checkpoint_policy import CheckpointPolicy, cap_at_hint
@@ -47,26 +51,29 @@ def _common_nodes(a: list[Node], b: list[Node]) -> int:
     return lo
 
 
-__all__ = ['BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
+__all__ = ['BASE_DESIGN', 'BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
+
+# Checkpoints at prefill and chunk ends of any step, plain LRU: every policy on top switched off.
+BASE_DESIGN = PrefixCacheConfig(reply_checkpoints=False, prompt_logits=False, branch_checkpoints=False,
+                                value_eviction=False, prefill_state_interval=0)
 
 
 class BlockTrie(PrefixCache):
 
     def __init__(self, block_manager: BlockManager, state_manager: StateManager | None, block_size: int,
-                 exact_steps: bool = True, prompt_logits: bool = False, branch_checkpoints: bool = False,
-                 value_eviction: bool = False, state_row_bytes: int = 1, kv_block_bytes: int = 0,
-                 decode_state_interval: int = 0, prefill_state_interval: int = 0, prefill_state_cap: int = 0,
-                 reply_checkpoints: bool = False):
+                 config: PrefixCacheConfig = BASE_DESIGN, state_row_bytes: int = 1, kv_block_bytes: int = 0):
+        """`config`: the knobs, resolved to `block_size` (`PrefixCacheConfig.resolved`)."""
+        self.config = config
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.block_size = block_size
         self.is_hybrid = state_manager is not None
-        self.exact_steps = exact_steps
-        self.prompt_logits = prompt_logits
-        self.branch_checkpoints = branch_checkpoints
+        self.exact_steps = config.exact_steps
+        self.prompt_logits = config.prompt_logits
+        self.branch_checkpoints = config.branch_checkpoints
         self.hasher = PrefixHasher(block_size)
         # Eviction priorities (eviction_policy.py); `policy` below is where checkpoints are taken.
-        self.reuse = ReusePolicy(lru=not value_eviction)
+        self.reuse = ReusePolicy(lru=not config.value_eviction)
         self.kv = TrieKVLifecycle(block_manager, block_size, self.hasher, self.reuse, kv_block_bytes,
                                   hybrid=self.is_hybrid)
         self.index = StateCheckpointIndex(self.hasher.stride)
@@ -75,17 +82,22 @@ class BlockTrie(PrefixCache):
             policy=self.reuse) if state_manager is not None else None
         self.misses = MissTracker()
         if self.checkpoints is not None:
-            self.checkpoints.on_evict = lambda ck: self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
+            self.checkpoints.on_evict = self._on_evict
             self.checkpoints.on_change = self.kv.refresh
         self.stats = PrefixCacheStats()
+        # What the published checkpoints hold (bytes, and how many have a frozen block), kept up to date at
+        # publication, kept logits and eviction (the only way a published checkpoint dies) so that `snapshot` is O(1).
+        self._held_bytes = 0
+        self._num_partial = 0
+        # Published checkpoints still live that were published after the last `mark()` (a benchmark's window).
+        self._since_mark: set[NodeStateCheckpoint] = set()
+        self._partial_since_mark = 0
         self._paths: dict[int, list[Node]] = {}
         # Branch point of each admitted sequence: a checkpoint reserved there starts with one observed reuse (the
         # cached prompt it was found in shares it).
         self._junctions: dict[int, int] = {}
         self._clock = 0
-        self.policy = CheckpointPolicy(self, block_manager, state_manager, decode_state_interval=decode_state_interval,
-                                       prefill_state_interval=prefill_state_interval,
-                                       prefill_state_cap=prefill_state_cap, reply_checkpoints=reply_checkpoints)
+        self.policy = CheckpointPolicy(self, block_manager, state_manager, config)
 
     def tick(self) -> int:
         self._clock += 1
@@ -93,6 +105,14 @@ class BlockTrie(PrefixCache):
 
     # ---- matching ---------------------------------------------------------------------------------------------
     def match(self, seq: SchedulerSequence, peers: list[SchedulerSequence] = ()) -> PrefixMatch:
+        start = time.thread_time()
+        try:
+            return self._match(seq, peers)
+        finally:
+            self.stats.match_seconds += time.thread_time() - start
+            self.stats.match_calls += 1
+
+    def _match(self, seq: SchedulerSequence, peers: list[SchedulerSequence]) -> PrefixMatch:
         """The deepest reusable prefix of `seq`. At least one token is left to compute, except for a hybrid prompt
         whose prompt-end checkpoint kept its logits (an identical prompt then needs no forward at all).
 
@@ -106,9 +126,9 @@ class BlockTrie(PrefixCache):
         run. What was verified is memoized on the request."""
         tokens = seq.token_array()
         n, bs = len(tokens), self.block_size
-        ck, mm_limited = None, 0
+        ck, mm_limited, routes_limited = None, 0, 0
         if self.is_hybrid:
-            ck, mm_limited = self._find_checkpoint(seq, tokens, n if self.prompt_logits else n - 1)
+            ck, mm_limited, routes_limited = self._find_checkpoint(seq, tokens, n if self.prompt_logits else n - 1)
         path = self._cached_path(seq, tokens, list(ck.nodes) if ck is not None else [])
         if self.is_hybrid:
             hit = ck.step if ck is not None else 0
@@ -117,18 +137,21 @@ class BlockTrie(PrefixCache):
             while depth and not seq.is_prefix_cache_boundary_safe(depth * bs):
                 depth -= 1
                 mm_limited = min(len(path), (n - 1) // bs) * bs
+            if seq.routed_experts is not None and route_store.routed_depth(path, depth) < depth:
+                routes_limited, depth = depth * bs, route_store.routed_depth(path, depth)
             hit = depth * bs
         covered, evicted_until = self._coverage(seq, tokens, path)
         junction = 0
         if self.branch_checkpoints and self.is_hybrid:
             junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, path, peers, hit)), hit)
-        miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited)
+        miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited, routes_limited)
         return PrefixMatch(hit, path[:hit // bs], ck, junction, miss)
 
     def _find_checkpoint(self, seq: SchedulerSequence, tokens: np.ndarray, max_step: int
-                         ) -> tuple[NodeStateCheckpoint | None, int]:
-        """The deepest verified, usable checkpoint, and the deepest verified step rejected for a multimodal span."""
-        n, mm_limited = len(tokens), 0
+                         ) -> tuple[NodeStateCheckpoint | None, int, int]:
+        """The deepest verified, usable checkpoint, and the deepest verified steps rejected for a multimodal span
+        and (for a sequence that records routed experts) for routes the cache cannot replay."""
+        n, mm_limited, routes_limited = len(tokens), 0, 0
         memo = self.hasher.memo(seq)
         for ck in self.checkpoint_candidates(seq, max_step):
             step = ck.step
@@ -142,8 +165,11 @@ class BlockTrie(PrefixCache):
             if not seq.is_prefix_cache_boundary_safe(step):
                 mm_limited = max(mm_limited, step)
                 continue
-            return ck, mm_limited
-        return None, mm_limited
+            if seq.routed_experts is not None and not route_store.has_routes(ck.nodes, ck, step, self.block_size):
+                routes_limited = max(routes_limited, step)
+                continue
+            return ck, mm_limited, routes_limited
+        return None, mm_limited, routes_limited
 
     @staticmethod
     def _same_prefix(seq: SchedulerSequence, tokens: np.ndarray, ck: NodeStateCheckpoint) -> bool:
@@ -152,7 +178,7 @@ class BlockTrie(PrefixCache):
         checkpoint is published (only leaves are detached, and only after their checkpoints are released;
         `check_integrity` asserts it)."""
         return (ck.prefix_mm_identity == mm_identity_of(seq, 0, ck.step) and ck.anchor.attached
-                and equal_tokens(ck.token_ids, tokens[:ck.step]))
+                and ck.position_offset == seq.position_offset(ck.step) and equal_tokens(ck.token_ids, tokens[:ck.step]))
 
     def checkpoint_candidates(self, seq: SchedulerSequence, max_step: int) -> list[NodeStateCheckpoint]:
         """Published checkpoints whose prefix hashes equal the sequence's at their anchor and step (unverified),
@@ -281,12 +307,13 @@ class BlockTrie(PrefixCache):
         return junction if junction > hit else 0
 
     def _attribute(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], hit: int, covered: int,
-                   evicted_until: int, mm_limited: int) -> Counter:
+                   evicted_until: int, mm_limited: int, routes_limited: int = 0) -> Counter:
         bs = self.block_size
         first, last = hit // bs, min(covered, len(tokens)) // bs
         gap_anchors = self.hasher.block_keys(seq)[first:min(last, len(path)) + 1].tolist()
         other = self._other_adapter_coverage(seq, tokens) if len(self.kv.roots) > 1 else 0
-        return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other)
+        return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other,
+                                     routes_limited)
 
     def _other_adapter_coverage(self, seq: SchedulerSequence, tokens: np.ndarray) -> int:
         """Leading prompt tokens the trie holds under another adapter's root (its cached run of blocks, found by
@@ -351,6 +378,7 @@ class BlockTrie(PrefixCache):
 
     def on_admitted(self, seq: SchedulerSequence, match: PrefixMatch, first_admission: bool) -> None:
         now = self.tick()
+        route_store.replay(seq, match.nodes, match.checkpoint, match.num_tokens, self.block_size)
         self._paths[seq.seq_id] = list(match.nodes)
         if match.junction:
             self._junctions[seq.seq_id] = match.junction
@@ -401,6 +429,7 @@ class BlockTrie(PrefixCache):
                 self.block_manager.free([seq.block_ids[i]])
                 seq.block_ids[i] = node.block_id
             node.last_access = now
+            route_store.keep_block_routes(node, seq, i, bs)
             self.misses.note_attached_block(node.prefix_key)
             path.append(node)
             parent = node
@@ -428,7 +457,7 @@ class BlockTrie(PrefixCache):
             mm_identity=mm, tail_hash=tail_hash(tokens[start:step], mm), last_access=self.tick(),
             chunk_hash=chunk_hash, tail_sum=tail_sum, prefix_mm_identity=mm_identity_of(seq, 0, step),
             tail_bytes=tokens[step - step % self.block_size:].tobytes(),
-            num_hits=int(self._junctions.get(seq.seq_id) == step))
+            num_hits=int(self._junctions.get(seq.seq_id) == step), position_offset=seq.position_offset(step))
         return self.checkpoints.reserve(ck)
 
     def note_skipped_checkpoint(self, seq: SchedulerSequence, step: int) -> None:
@@ -448,8 +477,35 @@ class BlockTrie(PrefixCache):
         if (ck.step, ck.tail_hash) in anchor.checkpoints:
             self.checkpoints.release(ck)
             return
+        route_store.keep_checkpoint_routes(ck, seq, self.block_size)
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
+        self._held_bytes += self.checkpoints.bytes_held(ck)
+        self._num_partial += ck.is_partial
+        self._since_mark.add(ck)
+        self._partial_since_mark += ck.is_partial
+
+    def keep_logits(self, ck: NodeStateCheckpoint, logits) -> None:
+        """Keep a published prompt-end checkpoint's last-position logits (identical prompts sample from them)."""
+        before = self.checkpoints.bytes_held(ck)
+        ck.last_logits = logits
+        self._held_bytes += self.checkpoints.bytes_held(ck) - before
+
+    def _on_evict(self, ck: NodeStateCheckpoint) -> None:
+        self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
+        self._held_bytes -= self.checkpoints.bytes_held(ck)
+        self._num_partial -= ck.is_partial
+        if ck in self._since_mark:
+            self._since_mark.discard(ck)
+            self._partial_since_mark -= ck.is_partial
+
+    def mark(self) -> None:
+        self._since_mark, self._partial_since_mark = set(), 0
+
+    def routes_bytes(self) -> int:
+        """Host bytes of the routed experts kept by blocks and checkpoint tails (walks the trie; for statistics)."""
+        live = self.checkpoints.live() if self.checkpoints is not None else []
+        return route_store.bytes_held(self.kv.roots.values(), live)
 
     def plan_checkpoints(self, out: SchedulerOutput) -> None:
         self.policy.plan(out)
@@ -523,8 +579,14 @@ class BlockTrie(PrefixCache):
         """Every published checkpoint's recorded path is attached and is its anchor's path (matching relies on it
         instead of walking the trie)."""
         if self.checkpoints is not None:
-            for ck in self.checkpoints.live():
-                assert not ck.published or self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
+            published = [ck for ck in self.checkpoints.live() if ck.published]
+            for ck in published:
+                assert self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
+            held = sum(self.checkpoints.bytes_held(ck) for ck in published)
+            partial = sum(ck.is_partial for ck in published)
+            assert (self._held_bytes, self._num_partial) == (held, partial), 'checkpoint byte accounting drifted'
+            assert self._since_mark <= set(published), 'an evicted checkpoint is still counted since the mark'
+            assert self._partial_since_mark == sum(ck.is_partial for ck in self._since_mark)
 
     def owners(self) -> tuple[Counter, Counter]:
         blocks = self.kv.owners()
@@ -533,6 +595,19 @@ class BlockTrie(PrefixCache):
             ck_blocks, slots = self.checkpoints.owners()
             blocks.update(ck_blocks)
         return blocks, slots
+
+    def snapshot(self) -> PrefixCacheSnapshot:
+        s, cks = self.stats, self.checkpoints
+        return PrefixCacheSnapshot(
+            num_requests=s.num_requests, num_hits=s.num_hits, query_tokens=s.query_tokens, hit_tokens=s.hit_tokens,
+            logits_hits=s.logits_hits, branch_points=s.branch_points,
+            miss_reasons=MappingProxyType(dict(s.miss_reasons)),
+            live_checkpoints=self.num_checkpoints, partial_checkpoints=self._num_partial,
+            live_since_mark=len(self._since_mark), partial_since_mark=self._partial_since_mark,
+            checkpoint_bytes=self._held_bytes, checkpoints_saved=s.checkpoints_saved,
+            evicted_checkpoints=cks.num_evicted if cks is not None else 0, evicted_blocks=self.kv.num_evicted,
+            evictions_by_cause=MappingProxyType(dict(cks.evictions_by_cause) if cks is not None else {}),
+            match_calls=s.match_calls, match_seconds=s.match_seconds)
 
     @property
     def num_checkpoints(self) -> int:

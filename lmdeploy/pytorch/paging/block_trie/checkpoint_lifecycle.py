@@ -91,7 +91,7 @@ class StateCheckpointLifecycle:
 
     def _reprioritise(self, ck: NodeStateCheckpoint) -> None:
         """Priority as of now (a publication or a use); re-queued if evictable; the anchor's leaf follows."""
-        ck.priority = self.policy.priority(ck.num_hits, ck.step, self.bytes_held(ck), ck.last_access)
+        ck.priority = self.policy.priority(ck.num_hits, ck.step, self.device_bytes(ck), ck.last_access)
         if ck.published and ck.pin_count == 0:
             self._heap(ck).push(ck, ck.priority)
         if ck.published and self.on_change is not None:
@@ -116,6 +116,11 @@ class StateCheckpointLifecycle:
             self.block_manager.free([ck.frozen_block_id])
         if was_published and self.on_change is not None:
             self.on_change(anchor)
+
+    def device_bytes(self, ck: NodeStateCheckpoint) -> int:
+        """Device memory the checkpoint holds (what eviction frees): its state row and its frozen block. Kept
+        logits live on the host and compete for nothing on the device."""
+        return self.state_row_bytes + (self.kv_block_bytes if ck.is_partial else 0)
 
     def bytes_held(self, ck: NodeStateCheckpoint) -> int:
         logits = getattr(ck.last_logits, 'nbytes', 0) if ck.last_logits is not None else 0

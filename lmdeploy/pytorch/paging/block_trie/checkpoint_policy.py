@@ -3,9 +3,9 @@
 Owns no records (the trie and `StateCheckpointLifecycle` do); it decides and reserves. Called through `BlockTrie`
 (the prefix-cache contract, see `paging/prefix_cache.py`) in step order:
 - admission: `waits_for_peer` (branch points in flight), `admission_chunk` / `chunk` (a chunk ends at a branch
-  point), `allocate_slot` (slot allocation with eviction);
-- end of `schedule`: `plan` reserves at prefill and chunk ends, at branch points, at in-prefill cuts and at the
-  opt-in decode interval;
+  point, and at the end of the prompt's last image), `allocate_slot` (slot allocation with eviction);
+- end of `schedule`: `plan` reserves at prefill and chunk ends, at branch points (plus an aligned fallback at an
+  unaligned one's block floor), at in-prefill cuts and at the opt-in decode interval;
 - `commit`: `keep_prompt_logits`, then `plan_replies` (reply checkpoints of the sequences that stopped).
 Every reservation allocates its slot (and, for a step inside a block, its frozen block) or is skipped; it never
 preempts a sequence. Eviction itself (which checkpoint or leaf goes) belongs to the lifecycles, not here.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ....prefix_cache_config import PrefixCacheConfig
 from ...messages import SchedulerSequence
 from ..block_manager import BlockManager
 from ..prefix_cache import PrefixMatch, PromptLogits
@@ -27,18 +28,17 @@ if TYPE_CHECKING:
 class CheckpointPolicy:
 
     def __init__(self, trie: BlockTrie, block_manager: BlockManager, state_manager: StateManager | None,
-                 decode_state_interval: int = 0, prefill_state_interval: int = 0, prefill_state_cap: int = 0,
-                 reply_checkpoints: bool = False):
+                 config: PrefixCacheConfig):
         self.trie = trie
         self.block_manager = block_manager
         self.state_manager = state_manager
         self.block_size = trie.block_size
         # Block-aligned decode checkpoints every this many tokens (0 = off).
-        self.decode_state_interval = decode_state_interval
+        self.decode_state_interval = config.decode_state_interval
         # In-prefill checkpoints every this many tokens (0 = off), at most `prefill_state_cap` per prompt.
-        self.prefill_state_interval = prefill_state_interval
-        self.prefill_state_cap = prefill_state_cap
-        self.reply_checkpoints = reply_checkpoints
+        self.prefill_state_interval = config.prefill_state_interval
+        self.prefill_state_cap = config.prefill_state_cap
+        self.reply_checkpoints = config.reply_checkpoints
 
     # ---- branch points ----------------------------------------------------------------------------------------
     def waits_for_peer(self, seq: SchedulerSequence, match: PrefixMatch, out: SchedulerOutput) -> bool:
@@ -60,8 +60,21 @@ class CheckpointPolicy:
         return False
 
     def admission_chunk(self, seq: SchedulerSequence, match: PrefixMatch, n: int) -> int:
-        seq.checkpoint_hint = match.junction if match.junction > match.num_tokens else None
+        hints = [h for h in (match.junction, self.image_end_hint(seq, match.num_tokens)) if h is not None
+                 and h > match.num_tokens]
+        seq.checkpoint_hint = min(hints) if hints else None
         return cap_at_hint(seq, n, start=match.num_tokens)
+
+    def image_end_hint(self, seq: SchedulerSequence, after: int) -> int | None:
+        """The end of the prompt's last image when a chunk should end there to checkpoint it ("same images, new
+        question" then resumes exactly after the images): after `after`, before the prompt's end, not already
+        checkpointed. None otherwise."""
+        if not seq.mm_spans or not self.trie.is_hybrid:
+            return None
+        end = seq.mm_spans[-1].end
+        if not after < end < seq.num_prompt_tokens or not self.trie.wants_checkpoint(seq, end):
+            return None
+        return end
 
     # ---- slots ------------------------------------------------------------------------------------------------
     def allocate_slot(self) -> int | None:
@@ -84,9 +97,11 @@ class CheckpointPolicy:
         step = seq.num_computed + n
         at_branch_point = seq.checkpoint_hint == step
         if seq.checkpoint_hint is not None and step >= seq.checkpoint_hint:
-            seq.checkpoint_hint = None
+            seq.checkpoint_hint = self.image_end_hint(seq, step)  # a branch point before the last image end
         if n > 1 and not at_branch_point:
             self._plan_prefill_cuts(seq, n, out)
+        if at_branch_point:
+            self._plan_fallback(seq, step, out)
         if seq.num_computed >= seq.num_prompt_tokens and n == 1:
             interval = self.decode_state_interval
             if not interval or step % interval:
@@ -113,6 +128,20 @@ class CheckpointPolicy:
                 seq.num_prefill_checkpoints += 1
                 room -= 1
             step -= interval
+
+    def _plan_fallback(self, seq: SchedulerSequence, step: int, out: SchedulerOutput) -> None:
+        """An unaligned branch point also keeps an aligned checkpoint at its block floor (a state cut in the same
+        forward, no frozen block), in a free state row only: when KV pressure evicts the branch point's frozen
+        block, its hits resume there (`StateCheckpointLifecycle.fallback`) instead of at the previous checkpoint."""
+        floor = step - step % self.block_size
+        if floor <= seq.num_computed or floor == step or not self.trie.wants_checkpoint(seq, floor):
+            return
+        slot = self.state_manager.allocate()
+        if slot is None:
+            return
+        ck = self.trie.reserve_checkpoint(seq, floor, slot, None)
+        out.reserved.append(ReservedCheckpoint(seq, ck))
+        out.state_cuts.append(StateCut(seq, floor, slot))
 
     def reserve(self, seq: SchedulerSequence, step: int, plan: CopyPlan) -> None:
         """Reserve a checkpoint of `seq` at `step` with its save copies into `plan`, if wanted and affordable."""
@@ -155,7 +184,7 @@ class CheckpointPolicy:
             if ck.step == seq.num_computed and ck.published:
                 logits = prompt_logits(seq)
                 if logits is not None:
-                    ck.last_logits = logits
+                    self.trie.keep_logits(ck, logits)
 
 
 def cap_at_hint(seq: SchedulerSequence, n: int, start: int | None = None) -> int:

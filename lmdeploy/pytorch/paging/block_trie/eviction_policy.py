@@ -3,18 +3,23 @@
 Owns the priorities only (no resources): `StateCheckpointLifecycle` and `TrieKVLifecycle` keep their candidates in
 `LazyMinHeap`s keyed by these priorities, and `BlockTrie` evicts the lowest one across them.
 
-By value (the default), GreedyDual-Size-Frequency (Cherkasova 1998), in tokens of prefill saved per byte held:
+By value (the default), GreedyDual-Size-Frequency (Cherkasova 1998) with a sublinear saving, per byte of device
+memory held:
 
-    priority = L + (1 + hits) * tokens / bytes
+    priority = L + max(1, hits) * floor(log2(1 + tokens)) / bytes
 
-- `hits`: requests admitted on the item so far (restores of a checkpoint; matches through a dense-model block).
-  An item no request has used yet gets the credit of one use.
+- `hits`: requests admitted on the item so far (restores of a checkpoint; matches through a dense-model block;
+  a branch point starts with one). An item no request has used yet gets the credit of one use, and so does an
+  item used once: one reuse is what every chat reply or repeated prompt gets, and it predicts nothing more. From
+  the second hit on each hit adds credit.
 - `tokens`: the prefill a hit skips (a checkpoint's step; for a dense block the `block_size` tokens it adds to its
-  parent's prefix).
-- `bytes`: what the item holds (a checkpoint: state row, frozen block if partial, kept logits; a block: one block).
+  parent's prefix). Counted in bits (`floor(log2(1 + tokens))`): a deeper prefix saves more per hit but is shared
+  by fewer later prompts, so a 4000-token one-off must not outrank a 200-token system prompt that serves every
+  request; and items of the same magnitude tie, which leaves them to recency (the heap pops ties oldest first).
+- `bytes`: the device memory the item frees (a checkpoint: state row, plus its frozen block if partial; kept logits
+  live on the host; a block: one block).
 - `L` (the clock): the priority of the last evicted item. It only grows, so credit earned long ago is worth less
-  than fresh credit: observed reuse decays with eviction time, and an item that served `h` hits outlives about
-  `h` one-off items of its own size and depth evicted after its last hit.
+  than fresh credit: observed reuse decays with eviction time.
 
 A hybrid model's trie leaf is worth the most valuable checkpoint on it (evicting the leaf evicts them); a leaf with
 no checkpoint left holds KV no hybrid match can use and goes first.
@@ -94,7 +99,7 @@ class ReusePolicy:
     def priority(self, hits: int, tokens: int, nbytes: int, last_access: int) -> float:
         if self.lru:
             return float(last_access)
-        return self.clock + (1 + hits) * tokens / max(nbytes, 1)
+        return self.clock + max(1, hits) * math.floor(math.log2(1 + tokens)) / max(nbytes, 1)
 
     def on_evicted(self, priority: float) -> None:
         if not self.lru and priority > self.clock:

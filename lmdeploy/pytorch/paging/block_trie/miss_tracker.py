@@ -10,13 +10,15 @@ tokens into reasons; every uncached token gets exactly one:
 - `capacity`: a checkpoint there was wanted but could not be reserved (no free slot or block);
 - `multimodal`: the resume step would fall strictly inside a multimodal span;
 - `adapter`: the tokens are cached under another adapter;
-- `no_checkpoint`: the tokens are cached (KV) but no state checkpoint exists at a usable step.
+- `no_checkpoint`: the tokens are cached (KV) but no state checkpoint exists at a usable step;
+- `routes_missing`: a request that records routed experts would resume there, but the cache holds no routes for
+  some of the skipped positions (route_store.py), so it resumes at the deepest point whose routes it has.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-REASONS = ('novel', 'evicted', 'capacity', 'multimodal', 'adapter', 'no_checkpoint')
+REASONS = ('novel', 'evicted', 'capacity', 'multimodal', 'adapter', 'no_checkpoint', 'routes_missing')
 _MAX_ENTRIES = 1 << 16
 
 
@@ -63,20 +65,22 @@ class MissTracker:
         self.skipped_checkpoints.add(anchor_key)
 
     def attribute(self, num_prompt: int, hit: int, covered: int, evicted_until: int, mm_limited: int,
-                  gap_anchors: list[int], other_adapter: int) -> Counter:
+                  gap_anchors: list[int], other_adapter: int, routes_limited: int = 0) -> Counter:
         """Reasons for the prompt tokens `[hit, num_prompt)`.
 
         `covered`: tokens present in the trie (blocks and checkpoint tails); `evicted_until`: the end of a run of
         evicted blocks right after `covered` (== covered when none); `mm_limited`: the deepest verified step that
         was rejected for falling inside a multimodal span (0 when none); `gap_anchors`: keys of the nodes that
         anchor steps in `(hit, covered]`, looked up in the eviction / skip memories; `other_adapter`: tokens cached
-        under another adapter.
+        under another adapter; `routes_limited`: the deepest verified step rejected because its routed experts
+        cannot be replayed (0 when none).
         """
         reasons: Counter = Counter()
         cached_end = max(covered, hit)
-        if mm_limited > hit:
-            reasons['multimodal'] += mm_limited - hit
-            hit = mm_limited
+        for reason, limit in (('multimodal', mm_limited), ('routes_missing', routes_limited)):
+            if limit > hit:
+                reasons[reason] += limit - hit
+                hit = limit
         if cached_end > hit:
             reason = 'no_checkpoint'
             if self.evicted_checkpoints.contains_any(gap_anchors):

@@ -77,6 +77,9 @@ class Node:
     # Eviction (eviction_policy.py): matches that shared this block, and its priority as of its last use.
     num_hits: int = 0
     priority: float = 0.0
+    # Routed experts of the block's tokens, uint16 [block_size, num_moe_layers, top_k] (route_store.py); None when
+    # the sequence that cached it did not record them.
+    routes: np.ndarray | None = None
 
     @property
     def is_root(self) -> bool:
@@ -134,6 +137,9 @@ class NodeStateCheckpoint:
     # Logits of the last prompt position (a prompt-end checkpoint): an identical prompt samples its first token
     # from them instead of recomputing. Opaque to paging (a host tensor).
     last_logits: object | None = None
+    # Routed experts of the partial tail [step - step % block_size, step) (route_store.py); None when aligned or not
+    # recorded.
+    routes_tail: np.ndarray | None = None
     # Prefix hashes of `token_ids` (prefix_keys.py; the index prefilter): up to the last hash-chunk boundary before
     # `step`, and of the rest up to `step`. The multimodal identity of all of [0, step) (verified with the token ids,
     # it proves the whole prefix). The token bytes of [anchor end, step) (the anchor's continuation).
@@ -147,6 +153,9 @@ class NodeStateCheckpoint:
     # checkpoint it is the aligned fallback of), and its priority as of its last use.
     num_hits: int = 0
     priority: float = 0.0
+    # Rotary position minus token index at `step` (M-RoPE: the offset the images before it introduce); a resume
+    # continues at `step + position_offset`, and a sequence whose own offset there differs is not a hit.
+    position_offset: int = 0
 
     @property
     def published(self) -> bool:

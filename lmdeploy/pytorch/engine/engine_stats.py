@@ -1,0 +1,55 @@
+"""`EngineStats`: a frozen record of the engine's state at the end of one step, published once per step.
+
+Built on the engine thread from cheap reads (queue lengths, free-list sizes, the prefix cache's O(1) `snapshot()`,
+the vision-encoder cache's counters; only with routed experts kept in the cache, a walk of the trie for their
+bytes) and swapped in as one reference, so readers on other threads (`/metrics`, the benchmark, tests) never take a
+lock held by a step and never see a step half done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..paging.prefix_cache import PrefixCacheSnapshot
+from .vision_cache import VisionCacheStats
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    step: int                               # steps completed when this was published (0: before the first)
+    num_running: int                        # requests in the running batch
+    num_waiting: int                        # requests waiting to be scheduled
+    num_kv_blocks: int                      # KV blocks in the pool
+    num_free_kv_blocks: int                 # of those, on the free list
+    num_state_slots: int                    # usable recurrent-state rows (0 for dense models)
+    num_free_state_slots: int
+    prefix_cache: PrefixCacheSnapshot       # all zero with prefix caching off
+    vision_cache: VisionCacheStats | None   # None without a vision tower
+    # State rows only checkpoints use, and every row no running request holds (dummy and spare row excluded): how
+    # many checkpoints fit (0 and 0 with prefix caching off or a dense model).
+    checkpoint_rows: int = 0
+    checkpoint_capacity: int = 0
+    # Routed experts kept by the prefix cache (flag and caching on, else None): host bytes per cached token, in all.
+    routed_experts_bytes_per_token: int | None = None
+    routed_experts_cached_bytes: int | None = None
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def state_usage(self) -> float:
+        return 1.0 - self.num_free_state_slots / self.num_state_slots if self.num_state_slots else 0.0
+
+    def as_dict(self) -> dict:
+        """The flat dict of `Engine.stats`: prefix-cache counters and checkpoint rows, plus the vision cache's and the
+        routed experts' when there are any."""
+        out = self.prefix_cache.as_dict()
+        out.update(checkpoint_rows=self.checkpoint_rows, checkpoint_capacity=self.checkpoint_capacity)
+        if self.routed_experts_bytes_per_token is not None:
+            out.update(routed_experts_bytes_per_token=self.routed_experts_bytes_per_token,
+                       routed_experts_cached_bytes=self.routed_experts_cached_bytes)
+        if self.vision_cache is not None:
+            v = self.vision_cache
+            out.update(vision_cache_hits=v.hits, vision_cache_misses=v.misses, vision_cache_entries=v.entries,
+                       vision_cache_bytes=v.bytes)
+        return out

@@ -1,0 +1,198 @@
+"""Triton block-wise FP8 GEMM (W8A8) and per-token-group activation quantization; semantics of
+`kernels/default/blocked_fp8.py` (the torch reference).
+
+`quant_fp8`: one program per (row, group of `group_size` channels): scale = max(amax, 1e-10) / 448, q = x / scale.
+
+`blocked_gemm_fp8`: C[M, N] = sum over K blocks of (A_blk @ B_blk^T) * a_scale[m, kb] * b_scale[n // bn, kb], with
+BLOCK_K = bk (one scale per operand row per K step) and float32 accumulation; each program owns a BLOCK_M x BLOCK_N
+output tile and loads the weight scales of its columns once per K step. Edge tiles are masked (zeros add nothing).
+
+`torch_scaled_mm_blocked` is the alternative through torch's `_scaled_mm` with 1x128 / 128x128 block scales
+(cuBLAS, Hopper): which layouts it accepts differs between torch versions, so it is probed once against the
+reference and used only if one matches. `LMDEPLOY_FP8_GEMM=triton|torch` picks (default triton until the H200
+benchmark, `benchmark/bench_fp8_gemm.py`, says otherwise).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+
+
+@triton.jit
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
+                      BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (offs < cols)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + group, scale)
+
+
+def quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], float32 scales [M, ceil(K / group_size)])."""
+    assert x.dim() == 2 and x.stride(-1) == 1, f'bad activation {tuple(x.shape)} / {x.stride()}'
+    rows, cols = x.shape
+    groups = triton.cdiv(cols, group_size)
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows:
+        _quant_fp8_kernel[(rows, groups)](x, q, scale, cols, stride_x=x.stride(0), stride_q=q.stride(0),
+                                          stride_s=scale.stride(0), GROUP=group_size,
+                                          BLOCK=triton.next_power_of_2(group_size), FP8_MAX=FP8_MAX)
+    return q, scale
+
+
+@triton.jit
+def _blocked_gemm_fp8_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn,
+                             stride_bsn, stride_cm, BLOCK_SIZE_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    a_s_ptrs = a_s_ptr + rows.to(tl.int64) * stride_asm
+    b_s_ptrs = b_s_ptr + (cols // BLOCK_SIZE_N).to(tl.int64) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        a_s = tl.load(a_s_ptrs + kb, mask=row_mask, other=0.0)
+        b_s = tl.load(b_s_ptrs + kb, mask=col_mask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _gemm_blocks(rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): small row tiles for decode, larger ones for prefill."""
+    if rows <= 16:
+        return 16, 64, 4
+    if rows <= 64:
+        return 64, 64, 4
+    return 128, 128, 8
+
+
+def blocked_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                     block_size: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] FP8 (scales [M, ceil(K / bk)]) @ b [N, K] FP8 (scales [ceil(N / bn), ceil(K / bk)])^T -> [M, N]."""
+    rows, depth = a.shape
+    cols = b.shape[0]
+    block_n, block_k = block_size
+    assert b.shape[1] == depth and a.stride(-1) == 1 and b.stride(-1) == 1, 'bad FP8 operands'
+    assert a_scale.shape == (rows, triton.cdiv(depth, block_k)), f'bad a_scale {tuple(a_scale.shape)}'
+    assert b_scale.shape == (triton.cdiv(cols, block_n), triton.cdiv(depth, block_k)), \
+        f'bad b_scale {tuple(b_scale.shape)}'
+    out = torch.empty(rows, cols, dtype=out_dtype, device=a.device)
+    if rows == 0:
+        return out
+    block_m, tile_n, num_warps = _gemm_blocks(rows)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, tile_n))
+    _blocked_gemm_fp8_kernel[grid](a, a_scale, b, b_scale, out, rows, cols, depth, stride_am=a.stride(0),
+                                   stride_asm=a_scale.stride(0), stride_bn=b.stride(0), stride_bsn=b_scale.stride(0),
+                                   stride_cm=out.stride(0), BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n,
+                                   BLOCK_K=block_k, num_warps=num_warps, num_stages=3)
+    return out
+
+
+# ---- torch._scaled_mm with block scales ---------------------------------------------------------------------------
+def _scaled_mm_variants(a, a_scale, b, b_scale, out_dtype):
+    """Layouts torch versions have asked for: 1x128 activation scales outer-dim-major (column-major [M, K/128]),
+    128x128 weight scales as [N/128, K/128] or transposed."""
+    a_s = a_scale.t().contiguous().t()
+    yield lambda: torch._scaled_mm(a, b.t(), scale_a=a_s, scale_b=b_scale.t(), out_dtype=out_dtype)
+    yield lambda: torch._scaled_mm(a, b.t(), scale_a=a_s, scale_b=b_scale, out_dtype=out_dtype)
+    yield lambda: torch._scaled_mm(a, b.t(), scale_a=a_s, scale_b=b_scale.t().contiguous(), out_dtype=out_dtype)
+
+
+# (rows, depth, cols) the probe checks: one token, an odd number of K blocks, a batch that fills no tile evenly.
+# On the H200 (torch 2.11) a layout that passed a single 64x512x256 probe gave wrong results (inf) at one token and
+# CUBLAS_STATUS_NOT_SUPPORTED at K = 2176, so a layout must match the reference on every one of these.
+_PROBE_SHAPES = ((64, 512, 256), (1, 2048, 2048), (300, 2176, 640))
+
+
+@functools.cache
+def _scaled_mm_variant(device_index: int) -> int | None:
+    """Index of the first `_scaled_mm` layout that matches the reference on this device at every probe shape, or
+    None (then the Triton kernel serves every FP8 GEMM)."""
+    from ..default.blocked_fp8 import blocked_gemm_fp8 as reference
+    gen = torch.Generator(device=f'cuda:{device_index}').manual_seed(0)
+    device = torch.device('cuda', device_index)
+    f32 = torch.float32
+    cases = []
+    for rows, depth, cols in _PROBE_SHAPES:
+        a = torch.randn(rows, depth, device=device, generator=gen, dtype=f32)
+        b = (torch.randn(cols, depth, device=device, generator=gen, dtype=f32) * 0.05).to(FP8_DTYPE)
+        b_scale = torch.rand(-(-cols // 128), -(-depth // 128), device=device, generator=gen, dtype=f32) + 0.5
+        aq, a_scale = quant_fp8(a, 128)
+        cases.append((aq, a_scale, b, b_scale, reference(aq, a_scale, b, b_scale, (128, 128), torch.bfloat16).float()))
+    num_variants = len(list(_scaled_mm_variants(*cases[0][:4], torch.bfloat16)))
+    for index in range(num_variants):
+        if all(_variant_matches(index, case) for case in cases):
+            return index
+    return None
+
+
+def _variant_matches(index: int, case) -> bool:
+    aq, a_scale, b, b_scale, expected = case
+    try:
+        got = list(_scaled_mm_variants(aq, a_scale, b, b_scale, torch.bfloat16))[index]().float()
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return bool(torch.isfinite(got).all()) and torch.allclose(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def torch_scaled_mm_supported(device: torch.device) -> bool:
+    return device.type == 'cuda' and _scaled_mm_variant(device.index or 0) is not None
+
+
+def torch_scaled_mm_blocked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """`blocked_gemm_fp8` through torch for 128x128 blocks; raises if no layout works here."""
+    variant = _scaled_mm_variant(a.device.index or 0)
+    if variant is None:
+        raise RuntimeError('torch._scaled_mm has no block-wise FP8 layout that matches the reference here')
+    return list(_scaled_mm_variants(a, a_scale, b, b_scale, out_dtype))[variant]()
+
+
+def use_torch_scaled_mm(block_size: tuple[int, int]) -> bool:
+    """Whether FP8 linears take torch's `_scaled_mm`: asked for (`LMDEPLOY_FP8_GEMM=torch`), 128x128 blocks, and a
+    layout that matches the reference on the current device (probed once; call at construction, never inside a
+    CUDA graph capture)."""
+    return (os.environ.get('LMDEPLOY_FP8_GEMM', 'triton') == 'torch' and tuple(block_size) == (128, 128)
+            and torch.cuda.is_available()
+            and torch_scaled_mm_supported(torch.device('cuda', torch.cuda.current_device())))
+
+
+def linear_blocked_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                       bias: torch.Tensor | None, block_size: tuple[int, int], use_torch: bool = False
+                       ) -> torch.Tensor:
+    """y = x W^T (+ b) with an FP8 weight; x [..., K] bf16 / fp16, y in x's dtype. `use_torch`: the GEMM through
+    `torch_scaled_mm_blocked` (see `use_torch_scaled_mm`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    q, scale = quant_fp8(rows, block_size[1])
+    if use_torch:
+        out = torch_scaled_mm_blocked(q, scale, weight, weight_scale_inv, x.dtype)
+    else:
+        out = blocked_gemm_fp8(q, scale, weight, weight_scale_inv, block_size, x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])

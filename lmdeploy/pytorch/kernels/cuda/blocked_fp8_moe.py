@@ -1,0 +1,144 @@
+"""Triton fused MoE with block-wise FP8 experts (W8A8); semantics of `kernels/default/blocked_fp8.
+fused_moe_blocked_fp8`, structure of `kernels/cuda/moe.py` (same pair alignment, no host sync):
+
+1. x is quantized per token and group of bk channels (`quant_fp8`).
+2. Up GEMM: per (row block, column block of I), gate and up tiles of the expert's FP8 `gate_up_proj`, each K step
+   scaled by the tokens' activation scales and the columns' weight-block scales; `silu(gate) * up` stored in x's dtype
+   in sorted-row order.
+3. That intermediate is quantized per row group, then the down GEMM (scaled the same way) times the routing weight
+   writes one row per (token, expert) pair; the top_k rows of each token are summed.
+
+BLOCK_K equals the weight block's bk, so each K step reads one scale per operand row.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .blocked_fp8 import quant_fp8
+from .moe import _align_pairs, _block_sizes
+
+
+@triton.jit
+def _moe_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
+                       inter, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
+                       TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= NUM_EXPERTS:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    w_base = w_ptr + expert * stride_we + offs_k[:, None]
+    gate_ptrs = w_base + cols.to(tl.int64)[None, :] * stride_wn
+    up_ptrs = w_base + (cols + inter).to(tl.int64)[None, :] * stride_wn
+    xs_ptrs = xs_ptr + tokens * stride_xst
+    gate_s_ptrs = ws_ptr + expert * stride_wse + (cols // BLOCK_SIZE_N) * stride_wsn
+    up_s_ptrs = ws_ptr + expert * stride_wse + ((cols + inter) // BLOCK_SIZE_N) * stride_wsn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+        k_mask = offs_k < hidden - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & col_mask[None, :]
+        gate_w = tl.load(gate_ptrs, mask=b_mask, other=0.0)
+        up_w = tl.load(up_ptrs, mask=b_mask, other=0.0)
+        a_s = tl.load(xs_ptrs + kb, mask=row_mask, other=0.0)
+        gate_s = tl.load(gate_s_ptrs + kb, mask=col_mask, other=0.0)
+        up_s = tl.load(up_s_ptrs + kb, mask=col_mask, other=0.0)
+        acc_gate += tl.dot(a, gate_w) * a_s[:, None] * gate_s[None, :]
+        acc_up += tl.dot(a, up_w) * a_s[:, None] * up_s[None, :]
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr,
+                         num_pairs, hidden, inter, stride_at, stride_ast, stride_we, stride_wn, stride_wse,
+                         stride_wsn, stride_ot, NUM_EXPERTS: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= NUM_EXPERTS:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    as_ptrs = as_ptr + rows.to(tl.int64) * stride_ast
+    ws_ptrs = ws_ptr + expert * stride_wse + (cols // BLOCK_SIZE_N) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(inter, BLOCK_K)):
+        k_mask = offs_k < inter - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=row_mask, other=0.0)
+        w_s = tl.load(ws_ptrs + kb, mask=col_mask, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    route = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up_scale: torch.Tensor,
+                          down_scale: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    """x [T, H] bf16 / fp16; gate_up_proj [E, 2I, H] / down_proj [E, H, I] FP8 with scales [E, ceil(2I / bn),
+    ceil(H / bk)] / [E, ceil(H / bn), ceil(I / bk)]; I a multiple of bn. Returns [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, double_inter, _ = gate_up_proj.shape
+    inter = double_inter // 2
+    block_n, block_k = block_size
+    assert gate_up_proj.shape == (num_experts, 2 * inter, hidden) and down_proj.shape == (num_experts, hidden, inter)
+    assert inter % block_n == 0, f'intermediate size {inter} is not a multiple of the block rows {block_n}'
+    assert gate_up_scale.shape == (num_experts, 2 * inter // block_n, triton.cdiv(hidden, block_k))
+    assert down_scale.shape == (num_experts, triton.cdiv(hidden, block_n), triton.cdiv(inter, block_k))
+    assert gate_up_proj.stride(-1) == 1 and down_proj.stride(-1) == 1
+    if num_tokens == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    xq, x_scale = quant_fp8(x if x.stride(-1) == 1 else x.contiguous(), block_k)
+    num_pairs = num_tokens * top_k
+    block_m, tile_n, _ = _block_sizes(num_pairs, num_experts)
+    sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+
+    act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
+    _moe_up_fp8_kernel[(num_blocks, triton.cdiv(inter, tile_n))](
+        xq, x_scale, gate_up_proj, gate_up_scale, act, sorted_pairs, block_expert, num_pairs=num_pairs,
+        hidden=hidden, inter=inter, stride_xt=xq.stride(0), stride_xst=x_scale.stride(0),
+        stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1), stride_wse=gate_up_scale.stride(0),
+        stride_wsn=gate_up_scale.stride(1), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
+        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+    act_q, act_scale = quant_fp8(act, block_k)
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _moe_down_fp8_kernel[(num_blocks, triton.cdiv(hidden, tile_n))](
+        act_q, act_scale, down_proj, down_scale, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs,
+        hidden=hidden, inter=inter, stride_at=act_q.stride(0), stride_ast=act_scale.stride(0),
+        stride_we=down_proj.stride(0), stride_wn=down_proj.stride(1), stride_wse=down_scale.stride(0),
+        stride_wsn=down_scale.stride(1), stride_ot=per_pair.stride(0), NUM_EXPERTS=num_experts,
+        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)

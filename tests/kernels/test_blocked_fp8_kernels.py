@@ -1,0 +1,173 @@
+"""Block-wise FP8 kernels (`kernels/cuda/blocked_fp8*.py`) against their torch references
+(`kernels/default/blocked_fp8.py`), which in turn are checked against plain float math.
+
+* `test_cpu_*` run the Triton kernels on CPU tensors under the Triton interpreter (it handles float8_e4m3fn loads
+  and dots exactly), inside the subprocess `test_triton_fp8_kernels_interpreted` starts (TRITON_INTERPRET must be
+  set before Triton is imported). Shapes are tiny, blocks 16x16, with edge tiles on purpose. The interpreter's
+  float -> FP8 store drops the exponent carry when a value rounds up into the next binade (127.9 -> 64 instead of
+  128; seen with triton 3.9), so there the quantization kernel's scales are checked exactly and its FP8 values
+  only away from a carry, and the GEMM tests take the torch quantization; the GPU tests check all of it.
+* `@pytest.mark.gpu` tests run the same kernels on CUDA with the released 128x128 blocks.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from numeric import assert_close
+
+from lmdeploy.pytorch.kernels.default import blocked_fp8 as ref
+
+INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
+interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_triton_fp8_kernels_interpreted')
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_weight(*shape: int, block: tuple[int, int], gen: torch.Generator, device='cpu'):
+    """(FP8 weight, its float32 block scales) of a random weight."""
+    w = torch.randn(*shape, generator=gen).to(FP8).to(device)
+    grid = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    return w, (torch.rand(*grid, generator=gen) * 0.02 + 0.005).to(device)
+
+
+# ---- the references against plain float math (CPU) --------------------------------------------------------------
+def test_reference_quantization_round_trips_within_one_fp8_step():
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(0)) * 3
+    q, scale = ref.quant_fp8(x, 16)
+    assert q.dtype == FP8 and scale.shape == (5, 3)
+    back = q.float() * scale.repeat_interleave(16, dim=1)[:, :40]
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each group's largest value
+    amax = x.abs().view(5, -1).new_zeros(5, 3)
+    for g in range(3):
+        amax[:, g] = x[:, g * 16:(g + 1) * 16].abs().amax(dim=1)
+    assert ((back - x).abs() <= amax.repeat_interleave(16, dim=1)[:, :40] * 2 ** -4 + 1e-12).all()
+
+
+def test_reference_gemm_equals_float_math_on_dequantized_operands():
+    gen = torch.Generator().manual_seed(1)
+    a, a_scale = fp8_weight(7, 40, block=(1, 16), gen=gen)
+    b, b_scale = fp8_weight(24, 40, block=(16, 16), gen=gen)
+    a_real = a.double() * a_scale.double().repeat_interleave(16, dim=1)[:, :40]
+    b_real = b.double() * b_scale.double().repeat_interleave(16, 0)[:24].repeat_interleave(16, 1)[:, :40]
+    out = ref.blocked_gemm_fp8(a, a_scale, b, b_scale, (16, 16), torch.float32)
+    assert_close(out, (a_real @ b_real.T).float(), atol=1e-5, rtol=1e-5)
+
+
+# ---- Triton under the interpreter --------------------------------------------------------------------------------
+@interpreted
+@pytest.mark.parametrize('rows,cols', [(1, 16), (5, 40), (3, 33)], ids=['M1-K16', 'M5-K40', 'M3-K33'])
+def test_cpu_quant_fp8_matches_reference(rows, cols):
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 2
+    q, scale = cuda.quant_fp8(x, 16)
+    q_ref, scale_ref = ref.quant_fp8(x, 16)
+    assert torch.equal(scale, scale_ref)
+    carry = q_ref.float().abs().log2().frac() == 0  # a power of two: possibly reached by rounding up
+    assert torch.equal(q.float()[~carry], q_ref.float()[~carry])
+
+
+@pytest.fixture
+def torch_quantization(monkeypatch):
+    """The interpreted GEMM tests quantize activations with the torch reference (see the module docstring)."""
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8_moe as cuda_moe
+    monkeypatch.setattr(cuda, 'quant_fp8', ref.quant_fp8)
+    monkeypatch.setattr(cuda_moe, 'quant_fp8', ref.quant_fp8)
+
+
+@interpreted
+@pytest.mark.parametrize('rows,cols,depth', [(1, 32, 32), (5, 24, 40), (20, 48, 16)],
+                         ids=['M1-N32-K32', 'M5-N24-K40', 'M20-N48-K16'])
+def test_cpu_blocked_gemm_matches_reference(rows, cols, depth):
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    gen = torch.Generator().manual_seed(rows + cols)
+    a, a_scale = fp8_weight(rows, depth, block=(1, 16), gen=gen)
+    b, b_scale = fp8_weight(cols, depth, block=(16, 16), gen=gen)
+    out = cuda.blocked_gemm_fp8(a, a_scale, b, b_scale, (16, 16), torch.float32)
+    assert_close(out, ref.blocked_gemm_fp8(a, a_scale, b, b_scale, (16, 16), torch.float32), atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+def test_cpu_linear_blocked_fp8_matches_reference(torch_quantization):
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 40, generator=gen)
+    w, w_scale = fp8_weight(24, 40, block=(16, 16), gen=gen)
+    bias = torch.randn(24, generator=gen)
+    out = cuda.linear_blocked_fp8(x, w, w_scale, bias, (16, 16))
+    assert_close(out, ref.linear_blocked_fp8(x, w, w_scale, bias, (16, 16)), atol=1e-3, rtol=1e-3)
+
+
+def _moe_inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, block, device='cpu', seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(device)
+    gate_up, gate_up_scale = fp8_weight(num_experts, 2 * inter, hidden, block=block, gen=gen, device=device)
+    down, down_scale = fp8_weight(num_experts, hidden, inter, block=block, gen=gen, device=device)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return x, gate_up, down, weights.to(device), ids.to(device), gate_up_scale, down_scale
+
+
+@interpreted
+@pytest.mark.parametrize('num_tokens', [1, 7], ids=['T1', 'T7'])
+def test_cpu_fused_moe_blocked_fp8_matches_reference(num_tokens, torch_quantization):
+    from lmdeploy.pytorch.kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
+    args = _moe_inputs(num_tokens, hidden=40, inter=32, num_experts=4, top_k=2, block=(16, 16), seed=num_tokens)
+    out = fused_moe_blocked_fp8(*args, block_size=(16, 16))
+    assert_close(out, ref.fused_moe_blocked_fp8(*args, block_size=(16, 16)), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
+def test_triton_fp8_kernels_interpreted():
+    """Run the `test_cpu_*` tests in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported)."""
+    pytest.importorskip('triton')
+    env = {**os.environ, 'TRITON_INTERPRET': '1', 'CUDA_VISIBLE_DEVICES': ''}
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', 'test_cpu_']
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, f'interpreted kernels failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}'
+    assert ' passed' in proc.stdout and 'skipped' not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_quant_fp8_matches_reference_on_cuda():
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    x = torch.randn(300, 2176, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q, scale = cuda.quant_fp8(x.cuda(), 128)
+    q_ref, scale_ref = ref.quant_fp8(x, 128)
+    assert_close(scale.cpu(), scale_ref, atol=0, rtol=1e-6)
+    # the GPU's float32 division may differ in the last bit, which can flip a rounding tie: one FP8 step, rarely
+    # (0.13% of the elements on the H200)
+    diff = (q.cpu().float() - q_ref.float()).abs()
+    assert (diff <= q_ref.float().abs() * 2 ** -3 + 2 ** -9).all() and (diff > 0).float().mean() < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('rows', [1, 64, 300], ids=['M1', 'M64', 'M300'])
+@pytest.mark.parametrize('cols,depth', [(2048, 2048), (640, 2176)], ids=['N2048-K2048', 'N640-K2176'])
+def test_blocked_gemm_matches_reference_on_cuda(rows, cols, depth):
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, depth, generator=gen).to(torch.bfloat16).cuda()
+    w, w_scale = fp8_weight(cols, depth, block=(128, 128), gen=gen, device='cuda')
+    expected = ref.linear_blocked_fp8(x.cpu().float(), w.cpu(), w_scale.cpu(), None, (128, 128))
+    assert_close(cuda.linear_blocked_fp8(x, w, w_scale, None, (128, 128)), expected, atol=3e-2, rtol=3e-2)
+    if cuda.torch_scaled_mm_supported(torch.device('cuda', 0)) and cols % 128 == 0 and depth % 128 == 0:
+        got = cuda.linear_blocked_fp8(x, w, w_scale, None, (128, 128), use_torch=True)
+        assert_close(got, expected, atol=3e-2, rtol=3e-2, what='torch._scaled_mm')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('num_tokens', [1, 64, 513], ids=['T1', 'T64', 'T513'])
+def test_fused_moe_blocked_fp8_matches_reference_on_cuda(num_tokens):
+    from lmdeploy.pytorch.kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
+    args = _moe_inputs(num_tokens, hidden=2048, inter=512, num_experts=16, top_k=4, block=(128, 128), device='cuda',
+                       seed=num_tokens)
+    x, *rest = args
+    out = fused_moe_blocked_fp8(x.bfloat16(), *rest, block_size=(128, 128))
+    expected = ref.fused_moe_blocked_fp8(x.bfloat16().float().cpu(), *[t.cpu() for t in rest], block_size=(128, 128))
+    assert_close(out, expected, atol=5e-2, rtol=5e-2)
