@@ -91,7 +91,7 @@ def blocks_per_root(engine: Engine) -> Counter:
 
 
 def assert_warm_equals_cold(cold_engine: Engine, warm: Run) -> None:
-    cold = one(cold_engine, warm.prompt, warm.adapter)
+    cold = one(cold_engine, warm.prompt, warm.adapter, max_new_tokens=len(warm.generated))
     assert cold.cached == 0 and warm.generated == cold.generated
     assert_close(warm.logits, cold.logits[warm.cached:], atol=ATOL, rtol=0, what=f'warm under {warm.adapter}')
 
@@ -147,3 +147,26 @@ def test_same_name_with_other_weights_is_another_identity(setup, tmp_path):
     second = make_engine((path, {'a': other, 'b': adapters['b']}))
     assert first.adapters['a'].identity != second.adapters['a'].identity
     assert first.adapters['b'].identity == second.adapters['b'].identity
+
+
+def test_shipped_policies_keep_adapters_apart(setup):
+    # prompt-end logits, reply and branch checkpoints on: an identical prompt is a full hit under its own adapter
+    # only, and a follow-up resending prompt + reply reuses the reply checkpoint of its own adapter only
+    path, adapters = setup('qwen3_5')
+    engine = Engine(path, PytorchEngineConfig(device_type='cpu', block_size=B, kernel_block_size=8, num_gpu_blocks=96,
+                                              max_batch_size=8, enable_prefix_caching=True, adapters=adapters))
+    cold = make_engine(setup('qwen3_5'), cache=False)
+    prompt = ids(29, seed=7)
+    first = one(engine, prompt, 'a', max_new_tokens=4)
+    other = one(engine, prompt, 'b', max_new_tokens=4)
+    again = one(engine, prompt, 'a', max_new_tokens=4)
+    assert (first.cached, other.cached, again.cached) == (0, 0, 29)  # the kept logits serve a's prompt whole
+    assert again.generated == first.generated and other.generated != first.generated
+    assert_warm_equals_cold(cold, other)
+    follow = prompt + first.generated + ids(3, seed=8)
+    # a resumes from its reply checkpoint (prompt + reply minus its last token); b, whose reply differed, from its
+    # own prompt-end checkpoint, not from a's deeper one
+    for adapter, expected in (('b', 29), ('a', 29 + 3)):
+        run = one(engine, follow, adapter)
+        assert run.cached == expected
+        assert_warm_equals_cold(cold, run)

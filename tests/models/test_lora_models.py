@@ -1,7 +1,8 @@
 """LoRA adapters on the CPU engine against `peft` as the reference (tiny random Qwen3.5, Qwen3-Next, Qwen3).
 
 Adapters are made with peft (`init_lora_weights=False`, so B is not zero and a test against them can fail) with
-random ranks in [2, 8] and saved as PEFT folders; the engine loads the folders. Under teacher forcing the engine's
+random ranks in [2, 8] (one module of the first adapter at rank 9 through `rank_pattern`, the second adapter with
+rsLoRA scaling) and saved as PEFT folders; the engine loads the folders. Under teacher forcing the engine's
 float32 logits must equal `PeftModel`'s with the adapter active, and a batch mixing two adapters and the base
 model must equal peft's mixed batch (`adapter_names=[...]`, row by row).
 """
@@ -58,10 +59,10 @@ def load_reference(path: str, arch: str) -> torch.nn.Module:
 
 
 def save_adapter(base_path: str, arch: str, out: str, targets: list[str], rank: int, seed: int,
-                 use_rslora: bool = False) -> str:
+                 use_rslora: bool = False, rank_pattern: dict | None = None) -> str:
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank + seed % 3, target_modules=targets,
-                             init_lora_weights=False, use_rslora=use_rslora)
+                             init_lora_weights=False, use_rslora=use_rslora, rank_pattern=rank_pattern or {})
     peft.get_peft_model(load_reference(base_path, arch), config).save_pretrained(out)
     return out
 
@@ -85,8 +86,10 @@ def built(tiny_model_factory, tmp_path_factory):
             folders = {}
             for i, (adapter, targets) in enumerate(case.targets.items()):
                 out = str(tmp_path_factory.mktemp(f'{name}-{adapter}'))
+                # adapter 0: one module at another rank (peft's rank_pattern); adapter 1: rsLoRA scaling
+                pattern = {targets[-1]: 9} if i == 0 and len(targets) > 1 else None
                 folders[adapter] = save_adapter(base, case.arch, out, targets, rank=rng.randint(2, 8), seed=i + 1,
-                                                use_rslora=i == 1)
+                                                use_rslora=i == 1, rank_pattern=pattern)
             first, *rest = folders
             reference = peft.PeftModel.from_pretrained(load_reference(base, case.arch), folders[first],
                                                        adapter_name=first)
@@ -99,7 +102,7 @@ def built(tiny_model_factory, tmp_path_factory):
 
 def make_engine(built: Built, **overrides) -> Engine:
     config = dict(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
-                  max_prefill_token_num=256, adapters=built.adapters)
+                  max_prefill_token_num=256, adapters=built.adapters, max_lora_rank=16)
     config.update(overrides)
     return Engine(built.base_path, PytorchEngineConfig(**config))
 
@@ -207,3 +210,20 @@ def test_chunked_prefill_beside_decodes_under_mixed_adapters_matches_peft(built,
     for (tokens, logits), (_, adapter) in zip(results, requests):
         ref = peft_logits(b.reference, [tokens[:-1]], [adapter or '__base__'])[0]
         assert_close(logits, ref, atol=ATOL, rtol=0, what=f'{adapter} ({len(tokens)} tokens)')
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_lora_match_eager_in_bf16(built):
+    # bf16: hybrid prefills and decodes replay graphs (fla), whose static buffers must carry each row's adapter slot
+    b = built('qwen3_5')
+    adapters = ['a', None, 'b']
+    requests = [(prompt(9 + 4 * i, seed=70 + i), a) for i, a in enumerate(adapters)]
+    runs = []
+    for eager in (True, False):
+        engine = make_engine(b, device_type='cuda', dtype='bfloat16', eager_mode=eager)
+        runs.append(generate(engine, requests, max_new_tokens=5))
+        if not eager:
+            assert engine.agent.graph_runner.num_replays > 0
+    for (tokens_e, logits_e), (tokens_g, logits_g) in zip(*runs):
+        assert tokens_e == tokens_g
+        assert_close(logits_g, logits_e, atol=2e-2, rtol=2e-2, what='graph vs eager logits')

@@ -74,31 +74,43 @@ def _reference_pre_norm_hidden(path: str, name: str, ids: torch.Tensor) -> tuple
 DEVICES = ['cpu', pytest.param('cuda', marks=pytest.mark.gpu)]
 
 
-@pytest.mark.parametrize('device', DEVICES)
-@pytest.mark.parametrize('name', list(CASES))
-def test_mtp_head_logits_match_torch_reference(mtp_checkpoints, name, device):
-    """float32 on the default backend (CPU) and on the cuda backend (GPU)."""
-    path = mtp_checkpoints(name)
+def _head_outputs(path: str, name: str, device: str, ids: torch.Tensor | None = None):
+    """The prompt (drawn when None), the target's pre-norm hidden states and the head's draft logits (row t: x_{t+1}
+    and h_t at position t) on `device`, float32, on the host; and the cache engine the head's KV went into."""
     model, config = build_model(path, torch.device(device), 'float32', device, mtp=True)
     assert config.num_mtp_layers == 1 and model.mtp is not None
     assert isinstance(model.mtp.layers[0].mlp, SparseMoeBlock) == (name == 'qwen3_next')
     cache = CacheEngine(config, CacheConfig(block_size=BLOCK, kernel_block_size=BLOCK, num_blocks=4,
                                             num_state_slots=3), torch.device(device))
     assert len(cache.kv_caches) == config.num_attn_layers + 1
-    ids = torch.randint(0, config.vocab_size, (21,), generator=torch.Generator().manual_seed(0))
+    if ids is None:
+        ids = torch.randint(0, config.vocab_size, (21,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         inputs = _prefill_inputs(ids, torch.arange(len(ids))).to(device)
         normed, hidden = model.forward_with_hidden(_context(cache, inputs))
-        # row t: x_{t+1} and h_t at position t
         draft_inputs = _prefill_inputs(ids[1:], torch.arange(len(ids) - 1)).to(device)
         got = model.compute_logits(model.draft_hidden(hidden[:-1], _context(cache, draft_inputs))).cpu()
-        hidden = hidden.cpu()
-    want_hidden, ref = _reference_pre_norm_hidden(path, name, ids)
-    tol = 1e-4 if device == 'cpu' else 2e-3  # cuda: TF32 matmuls may be on
+    return ids, hidden.cpu(), got, cache
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', list(CASES))
+def test_mtp_head_logits_match_torch_reference(mtp_checkpoints, name, device):
+    """float32 on the default backend (CPU) against the torch reference, and on the cuda backend (GPU) against the
+    default backend: with fla-core installed (the GPU machine) transformers binds fla's kernels, which fail on CPU
+    tensors, so transformers cannot be the reference there; the CPU case ties the default backend to it."""
+    path = mtp_checkpoints(name)
+    ids, hidden, got, cache = _head_outputs(path, name, device)
+    if device == 'cpu':
+        want_hidden, ref = _reference_pre_norm_hidden(path, name, ids)
+        embed = ref.get_input_embeddings().weight
+        want = MTPReference(path).logits(want_hidden[:-1], ids[1:], torch.arange(len(ids) - 1), embed,
+                                         ref.get_output_embeddings().weight)
+        tol = 1e-4
+    else:
+        _, want_hidden, want, _ = _head_outputs(path, name, 'cpu', ids)
+        tol = 2e-3  # cuda: TF32 matmuls may be on
     torch.testing.assert_close(hidden, want_hidden, atol=tol, rtol=tol)
-    embed = ref.get_input_embeddings().weight
-    want = MTPReference(path).logits(want_hidden[:-1], ids[1:], torch.arange(len(ids) - 1), embed,
-                                     ref.get_output_embeddings().weight)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     # the head's KV went into its own pool layer (the last one), not over the target's
     k_mtp = cache.kv_caches[-1][0].reshape(-1, *cache.kv_caches[-1][0].shape[2:])[:len(ids) - 1]
