@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...kernels.default.expert_groups import expert_groups
+
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -13,22 +15,9 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
     float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype.
     """
-    num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(x)
-    if num_tokens == 0:
-        return out
-    flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
-    token_of = order // top_k
-    weights = topk_weights.reshape(-1)[order].to(x.dtype)
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.size(0)).tolist()
-    start = 0
-    for expert_id, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token_of[start:start + count]
+    for expert_id, rows, weights in expert_groups(topk_ids, topk_weights, gate_up_proj.size(0), x.dtype):
         gate, up = F.linear(x[rows], gate_up_proj[expert_id]).chunk(2, dim=-1)
         hidden = F.linear(F.silu(gate) * up, down_proj[expert_id])
-        out.index_add_(0, rows, hidden * weights[start:start + count, None])
-        start += count
+        out.index_add_(0, rows, hidden * weights)
     return out

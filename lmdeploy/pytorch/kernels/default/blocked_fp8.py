@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .expert_groups import expert_groups
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 _EPS = 1e-10
@@ -56,27 +58,16 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     """`backends/default/moe.fused_moe` with FP8 experts: gate_up_proj [E, 2I, H] / down_proj [E, H, I] FP8 with
     scales [E, ceil(2I / bn), ceil(H / bk)] / [E, ceil(H / bn), ceil(I / bk)]; x and the SwiGLU output are
     quantized per token group before each GEMM. Returns [T, H] in x's dtype."""
-    num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(x)
-    if num_tokens == 0:
+    if topk_ids.size(0) == 0:
         return out
     xq, x_scale = quant_fp8(x, block_size[1])
-    flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
-    token_of = order // top_k
-    weights = topk_weights.reshape(-1)[order].to(x.dtype)
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.size(0)).tolist()
-    start = 0
-    for expert_id, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token_of[start:start + count]
+    for expert_id, rows, weights in expert_groups(topk_ids, topk_weights, gate_up_proj.size(0), x.dtype):
         gate_up = blocked_gemm_fp8(xq[rows], x_scale[rows], gate_up_proj[expert_id], gate_up_scale[expert_id],
                                    block_size, x.dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         act = (F.silu(gate.float()) * up.float()).to(x.dtype)
         aq, a_scale = quant_fp8(act, block_size[1])
         hidden = blocked_gemm_fp8(aq, a_scale, down_proj[expert_id], down_scale[expert_id], block_size, x.dtype)
-        out.index_add_(0, rows, hidden * weights[start:start + count, None])
-        start += count
+        out.index_add_(0, rows, hidden * weights)
     return out
