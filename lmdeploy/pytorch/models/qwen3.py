@@ -42,8 +42,7 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = rotary(q, k, cos_sin)
-        out = self.attn(q, k, v, ctx)
+        out = self.attn(q, k, v, ctx, cos_sin=cos_sin)  # rotary inside (fused with the KV fill)
         return self.o_proj(out.flatten(-2))
 
 
@@ -57,8 +56,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rotary, cos_sin, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, cos_sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, cos_sin, ctx), residual=x)
+        return x + self.mlp(h)
 
 
 class Qwen3Model(nn.Module):

@@ -75,8 +75,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = rotary(q, k, cos_sin)
-        out = self.attn(q, k, v, ctx) * torch.sigmoid(gate)
+        out = self.attn(q, k, v, ctx, cos_sin=cos_sin) * torch.sigmoid(gate)  # rotary inside (fused with KV fill)
         return self.o_proj(out.flatten(-2))
 
 
@@ -146,8 +145,7 @@ class HybridDecoderLayer(nn.Module):
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, rotary, cos_sin, ctx)
-        x = x + h
-        h = self.post_attention_layernorm(x)
+        h, x = self.post_attention_layernorm(h, residual=x)
         if self.moe_index is None:
             return x + self.mlp(h)
         return x + self.mlp(h, ctx.routes_of(self.moe_index))

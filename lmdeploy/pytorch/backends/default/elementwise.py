@@ -14,6 +14,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return (x32 * w).to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream's add, then the next norm, with the sum in x's
+    dtype (the unfused pair of ops)."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps, zero_centered), new_residual
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rmsnorm(x) * silu(gate), normalised in float32 (the gated DeltaNet output norm)."""
     dtype = x.dtype
