@@ -23,6 +23,7 @@ from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
 from lmdeploy.pytorch.backends.default import moe as ref_moe
+from lmdeploy.pytorch.kernels.cuda import gated_delta_gating as cuda_gating
 from lmdeploy.pytorch.kernels.cuda import moe_routing as cuda_routing
 from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
 from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
@@ -172,6 +173,40 @@ def test_rotary_fill_kv_cache_matches_unfused_gpu(case, dtype):
 @pytest.mark.parametrize('case', ROTARY_FILL_CASES[:3], ids=lambda c: 'T{}-Hq{}-Hk{}-D{}-R{}-kbs{}'.format(*c))
 def test_cpu_rotary_fill_kv_cache(case, dtype):
     check_rotary_fill(case, dtype, 'cpu')
+
+
+# -------------------------------------------------------------------------------------- gated delta gating
+
+GATING_CASES = [(1, 4), (7, 32), (0, 8), (65, 48)]
+
+
+def check_gating(case, dtype, device: str) -> None:
+    num_tokens, num_heads = case
+    gen = torch.Generator().manual_seed(num_heads)
+    ba = randn(num_tokens, 2 * num_heads, gen=gen, dtype=dtype) * 4  # one fused projection: [b, a], strided views
+    b, a = ba.split(num_heads, dim=-1)
+    if num_tokens > 2:  # softplus's regimes: far below zero, near zero, past the threshold of 20
+        a[0], a[1], a[2] = -30.0, 1e-3, 25.0
+    A_log, dt_bias = randn(num_heads, gen=gen, dtype=dtype), randn(num_heads, gen=gen, dtype=dtype)
+    ref_g, ref_beta = ref_elementwise.gated_delta_gating(a, b, A_log, dt_bias)
+    g, beta = cuda_gating.gated_delta_gating(*(t.to(device) for t in (a, b, A_log, dt_bias)))
+    assert g.dtype == torch.float32 and beta.dtype == dtype and g.shape == beta.shape == a.shape
+    assert_close(g, ref_g, what='g', atol=1e-6, rtol=1e-5)
+    assert_close(beta, ref_beta, what='beta', **tol(dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('case', GATING_CASES, ids=lambda c: f'T{c[0]}-H{c[1]}')
+def test_gated_delta_gating_matches_torch_gpu(case, dtype):
+    check_gating(case, dtype, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('case', GATING_CASES[:3], ids=lambda c: f'T{c[0]}-H{c[1]}')
+def test_cpu_gated_delta_gating(case, dtype):
+    check_gating(case, dtype, 'cpu')
 
 
 # ------------------------------------------------------------------------------------------- fast launcher

@@ -22,6 +22,7 @@ class OpType(enum.Enum):
     SiluAndMul = enum.auto()
     PagedAttention = enum.auto()
     VisionAttention = enum.auto()
+    GatedDeltaGating = enum.auto()
     GatedDeltaRule = enum.auto()
     CausalConv1d = enum.auto()
     SoftmaxTopK = enum.auto()

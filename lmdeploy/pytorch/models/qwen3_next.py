@@ -21,7 +21,7 @@ from ..config import ModelConfig, StateSpec
 from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention
-from ..nn.gated_delta import CausalConv1d, GatedDeltaRule, gated_delta_gating
+from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
 from ..nn.linear import Embedding, Linear, MergedLinear
 from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
@@ -104,6 +104,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = CausalConv1d(self.conv_dim, cfg.linear_conv_kernel_dim, bias=False, activation='silu')
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.gating = GatedDeltaGating()
         self.gated_delta_rule = GatedDeltaRule(use_qk_l2norm=True)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(value_dim, cfg.hidden_size)
@@ -117,7 +118,7 @@ class GatedDeltaNet(nn.Module):
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        g, beta = gated_delta_gating(a, b, self.A_log, self.dt_bias)
+        g, beta = self.gating(a, b, self.A_log, self.dt_bias)
         out = self.gated_delta_rule(q, k, v, g, beta, states['recurrent'], ctx.inputs)
         out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         return self.out_proj(out.flatten(-2))

@@ -1,9 +1,10 @@
 """The `cuda` backend: Triton kernels (and fla-core for the gated delta rule); anything missing falls back to the
 `default` backend op by op.
 
-Fused small ops (one launch each): residual add + RMSNorm, the MoE router's softmax + top-k + renormalisation, and
-the attention layers' rotary + KV fill. `LMDEPLOY_FUSED_OPS=0` (read at import) builds the unfused sequences instead
-(same kernels one by one, torch for the adds and the router), for before/after measurements.
+Fused small ops (one launch each): residual add + RMSNorm, the MoE router's softmax + top-k + renormalisation, the
+attention layers' rotary + KV fill, and the gated DeltaNet gating (g, beta). `LMDEPLOY_FUSED_OPS=0` (read at
+import) builds the unfused sequences instead (same kernels one by one, torch for the adds, the router and the
+gating), for before/after measurements.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ...kernels.cuda import gated_delta_rule as _gdr
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
+from ...kernels.cuda.gated_delta_gating import gated_delta_gating
 from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.moe_routing import softmax_topk
@@ -28,6 +30,7 @@ from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
 from ..default import blocked_fp8_builder, causal_conv1d_builder, gated_delta_rule_builder
+from ..default.elementwise import gated_delta_gating as default_gated_delta_gating
 from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
@@ -129,6 +132,7 @@ _BUILDERS = {
     OpType.GatedRMSNorm: _const(gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
     OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
+    OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),
     OpType.MoE: _const(fused_moe),

@@ -111,6 +111,7 @@ _BUILDERS = {
     OpType.SiluAndMul: _const(elementwise.silu_and_mul),
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
+    OpType.GatedDeltaGating: _const(elementwise.gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.CausalConv1d: _build_causal_conv1d,
     OpType.SoftmaxTopK: _const(moe.softmax_topk),

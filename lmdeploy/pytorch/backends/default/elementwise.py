@@ -1,4 +1,5 @@
-"""Plain-torch implementations of the small per-token ops (norms, rotary, activations, linear, embedding)."""
+"""Plain-torch implementations of the small per-token ops (norms, rotary, gated DeltaNet gating, activations,
+linear, embedding)."""
 from __future__ import annotations
 
 import torch
@@ -29,6 +30,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     x32 = weight.float() * x32
     return (x32 * F.silu(gate.float())).to(dtype)
+
+
+def gated_delta_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) from the per-head projections a, b [T, H]: g = -exp(A_log) * softplus(a + dt_bias) in float32
+    (log-space decay, <= 0), beta = sigmoid(b)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid()
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
