@@ -24,6 +24,7 @@ from numeric import assert_close
 from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
 from lmdeploy.pytorch.backends.default import moe as ref_moe
 from lmdeploy.pytorch.kernels.cuda import gated_delta_gating as cuda_gating
+from lmdeploy.pytorch.kernels.cuda import moe_align as cuda_align
 from lmdeploy.pytorch.kernels.cuda import moe_routing as cuda_routing
 from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
 from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
@@ -173,6 +174,49 @@ def test_rotary_fill_kv_cache_matches_unfused_gpu(case, dtype):
 @pytest.mark.parametrize('case', ROTARY_FILL_CASES[:3], ids=lambda c: 'T{}-Hq{}-Hk{}-D{}-R{}-kbs{}'.format(*c))
 def test_cpu_rotary_fill_kv_cache(case, dtype):
     check_rotary_fill(case, dtype, 'cpu')
+
+
+# ------------------------------------------------------------------------------------------- MoE alignment
+
+# (tokens, top_k, experts, BLOCK_M)
+ALIGN_CASES = [(1, 2, 8, 16), (3, 4, 64, 16), (0, 2, 8, 16), (40, 10, 64, 32), (700, 8, 128, 64), (5, 3, 7, 16)]
+
+
+def check_align(case, device: str) -> None:
+    num_tokens, top_k, num_experts, block_m = case
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    # skewed routing (half the pairs on experts 0-2) so some experts get several blocks and some none
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]) \
+        if num_tokens else torch.zeros(0, top_k, dtype=torch.int64)
+    if num_tokens > 1:
+        ids[::2, 0] = torch.randint(0, 3, (ids[::2].shape[0],), generator=gen)
+        ids[::2] = torch.stack([row if len(set(row.tolist())) == top_k else torch.arange(top_k) for row in ids[::2]])
+    ref_pairs, ref_blocks = cuda_align.align_pairs_reference(ids, num_experts, block_m)
+    pairs, blocks = cuda_align.align_pairs(ids.to(device), num_experts, block_m)
+    pairs, blocks = pairs.cpu(), blocks.cpu()
+    assert pairs.shape == ref_pairs.shape and blocks.shape == ref_blocks.shape
+    if num_tokens == 0:
+        return
+    torch.testing.assert_close(blocks, ref_blocks, rtol=0, atol=0)
+    # same rows hold a pair, and each block's rows hold the same set of pairs (order within a run is free)
+    rows = pairs.view(-1, block_m)
+    ref_rows = ref_pairs.view(-1, block_m)
+    torch.testing.assert_close(rows.sort(dim=1).values, ref_rows.sort(dim=1).values, rtol=0, atol=0)
+    runs = [(pairs[ref_pairs < ids.numel()]), ref_pairs[ref_pairs < ids.numel()]]
+    assert sorted(runs[0].tolist()) == list(range(ids.numel())) and (pairs < ids.numel()).sum() == ids.numel()
+    torch.testing.assert_close(ids.reshape(-1)[runs[0]], ids.reshape(-1)[runs[1]], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', ALIGN_CASES, ids=lambda c: 'T{}-k{}-E{}-M{}'.format(*c))
+def test_moe_align_matches_torch_grouping_gpu(case):
+    check_align(case, 'cuda')
+
+
+@interpreted
+@pytest.mark.parametrize('case', ALIGN_CASES[:4] + ALIGN_CASES[5:], ids=lambda c: 'T{}-k{}-E{}-M{}'.format(*c))
+def test_cpu_moe_align(case):
+    check_align(case, 'cpu')
 
 
 # -------------------------------------------------------------------------------------- gated delta gating
