@@ -8,7 +8,7 @@ exactly one rank's shards), filled with the rank's part of every parameter under
   rule), then each parameter is sharded and copied to the rank's device. Host memory is therefore the full model
   per rank while loading (fine for the models one host serves in bf16 today; streaming each checkpoint tensor to its
   shard is the next step for the largest ones).
-Both refuse FP8 weights (the plan does not shard block scales yet).
+FP8 checkpoints load dequantized to the model dtype (the plan does not shard block scales yet).
 """
 from __future__ import annotations
 
