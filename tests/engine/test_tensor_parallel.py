@@ -17,7 +17,7 @@ import torch
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
-from lmdeploy.pytorch.nn.parallel import AllReduce
+from lmdeploy.pytorch.nn.parallel import reduction_points
 
 HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=4, num_key_value_heads=2)
 MODELS = {
@@ -183,6 +183,6 @@ def test_tp1_starts_no_process_and_attaches_no_group(tiny_model_factory):
     before = set(multiprocessing.active_children())
     engine = make(tiny_model_factory('qwen3'), 1)
     assert engine.tp_workers is None and set(multiprocessing.active_children()) == before
-    reductions = [m for m in engine.model.modules() if isinstance(m, AllReduce)]
+    reductions = reduction_points(engine.model)
     assert reductions and all(m.group is None for m in reductions)
     assert type(engine.agent).__name__ == 'ModelAgent'

@@ -8,8 +8,9 @@ expert, both partial, the gate replicated) is linear in the partials, so one red
 between two reductions is rank-local (column-parallel projections, per-head norms, attention, the recurrent rule);
 the embedding, the final norm and the head are replicated.
 
-`AllReduce` holds no parameter (the weight plan and checkpoints never see it). With no group attached (tp=1) its
-forward returns its input untouched: one attribute check, no collective and nothing different inside CUDA graphs.
+`AllReduce` is a plain callable attribute of its layer, not a module: it holds no parameter (the weight plan and
+checkpoints never see it) and costs no `nn.Module` call. With no group attached (tp=1) it returns its input
+untouched: one attribute check, no collective and nothing different inside CUDA graphs.
 """
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ import torch
 from torch import nn
 
 
-class AllReduce(nn.Module):
+class AllReduce:
     """Sum of the input over the tensor-parallel group attached by `attach_tp_group` (identity without one)."""
 
+    __slots__ = ('group',)
+
     def __init__(self):
-        super().__init__()
         self.group = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return x
         import torch.distributed as dist
@@ -32,10 +34,15 @@ class AllReduce(nn.Module):
         return x
 
 
+def reduction_points(model: nn.Module) -> list[AllReduce]:
+    """Every `AllReduce` held by a module of `model`."""
+    return [value for module in model.modules() for value in vars(module).values() if isinstance(value, AllReduce)]
+
+
 def attach_tp_group(model: nn.Module, group) -> int:
     """Make every `AllReduce` of `model` reduce over `group` (a `torch.distributed` process group); returns how
-    many there are (a model with none cannot run sharded, and the caller refuses it)."""
-    points = [m for m in model.modules() if isinstance(m, AllReduce)]
+    many there are."""
+    points = reduction_points(model)
     for point in points:
         point.group = group
     return len(points)
