@@ -15,12 +15,14 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from routes_reference import assert_routes_match, build_qwen3_next, reference_routes
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.paging.block_trie import route_store
 from lmdeploy.serve.async_engine import AsyncEngine
-from lmdeploy.serve.pipeline import Pipeline
 from lmdeploy.serve.openai.api_server import create_app
+from lmdeploy.serve.pipeline import Pipeline
 
 MODEL = 'tiny-moe'
 PROMPT = list(range(100, 113))
@@ -56,9 +58,9 @@ def serve(async_engine: AsyncEngine) -> tuple[str, uvicorn.Server, threading.Thr
         time.sleep(0.05)
 
 
-def live(path: str, flag: bool) -> Iterator[tuple[str, AsyncEngine]]:
+def live(path: str, flag: bool, cache: bool = False) -> Iterator[tuple[str, AsyncEngine]]:
     config = PytorchEngineConfig(device_type='cpu', block_size=16, max_batch_size=4, num_gpu_blocks=256,
-                                 enable_return_routed_experts=flag)
+                                 enable_return_routed_experts=flag, enable_prefix_caching=cache)
     async_engine = AsyncEngine(path, config, model_name=MODEL)
     url, server, thread = serve(async_engine)
     yield url, async_engine
@@ -75,6 +77,11 @@ def routed_server(moe):
 @pytest.fixture(scope='module')
 def plain_server(moe):
     yield from live(moe[0], False)
+
+
+@pytest.fixture(scope='module')
+def cached_server(moe):
+    yield from live(moe[0], True, cache=True)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -217,3 +224,30 @@ def test_a_text_stop_string_returns_routes_through_stream_and_pipe(routed_server
     assert stop not in response.text
     assert_cut_routes(response.routed_experts, num_kept, rows, moe)
     np.testing.assert_array_equal(last.routed_experts, response.routed_experts)
+
+
+# ---- /metrics: what the prefix cache keeps for routes --------------------------------------------------------------
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(f'{url}/metrics', timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith('lmdeploy:routed_experts')}
+
+
+def test_metrics_report_the_route_memory_the_prefix_cache_holds(cached_server, routed_server, plain_server):
+    url, async_engine = cached_server
+    long_prompt = list(range(100, 137))  # 2 full blocks of 16 + 5 tokens
+    client(url).completions.create(model=MODEL, prompt=long_prompt, max_tokens=3, temperature=0,
+                                   extra_body={'ignore_eos': True})  # did not ask: its routes are cached anyway
+    wait_idle(async_engine)
+    trie = async_engine.engine.scheduler.trie
+    held = route_store.bytes_held(trie.kv.roots.values(), trie.checkpoints.live())  # a walk of the cache
+    tails = sum(ck.step % 16 for ck in trie.checkpoints.live() if ck.routes_tail is not None)
+    assert held == (2 * 16 + tails) * 12 and tails > 0
+    deadline = time.monotonic() + 10
+    while scrape(url).get('lmdeploy:routed_experts_cache_bytes') != held:  # published at the end of a step
+        assert time.monotonic() < deadline, scrape(url)
+        time.sleep(0.02)
+    assert scrape(url) == {'lmdeploy:routed_experts_bytes_per_token': 3 * 2 * 2,  # MoE layers x top-k x uint16
+                           'lmdeploy:routed_experts_cache_bytes': held}
+    # without prefix caching nothing is kept, and without the flag nothing is recorded: no such metric
+    assert scrape(routed_server[0]) == {} and scrape(plain_server[0]) == {}
