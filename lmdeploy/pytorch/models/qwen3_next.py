@@ -26,6 +26,7 @@ from ..nn.linear import Embedding, Linear, MergedLinear
 from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
+from ..nn.parallel import AllReduce
 from ..nn.rotary import RotaryEmbedding
 from .mtp import MTPHead, mtp_num_layers_of
 from .weight_loading import StackedMapping, load_weights
@@ -139,6 +140,8 @@ class HybridDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.mixer_reduce = AllReduce()  # tensor parallelism: sums the ranks' partial outputs (nn/parallel.py)
+        self.mlp_reduce = AllReduce()
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -146,10 +149,10 @@ class HybridDecoderLayer(nn.Module):
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, rotary, cos_sin, ctx)
-        h, x = self.post_attention_layernorm(h, residual=x)
+        h, x = self.post_attention_layernorm(self.mixer_reduce(h), residual=x)
         if self.moe_index is None:
-            return x + self.mlp(h)
-        return x + self.mlp(h, ctx.routes_of(self.moe_index))
+            return x + self.mlp_reduce(self.mlp(h))
+        return x + self.mlp_reduce(self.mlp(h, ctx.routes_of(self.moe_index)))
 
 
 class HybridModel(nn.Module):
