@@ -201,8 +201,8 @@ def header(b) -> list[str]:
     lines.append('- floors (benchmark/real_depth_floors.py): prefill = max(FLOPs / matmul rate, bytes / copy rate), '
                  'FLOPs = 2 x active params x tokens + one token of logits + attention + gated delta rule; decode '
                  'roofline = batch / (bytes per step / copy rate): "weights" = the weights a step reads (experts the '
-                 'batch touches), "all" = + KV read + state read and written. "engine vs floor": TTFT / floor time (1.00 = '
-                 'at the floor); decode: share of the roofline, weights / all')
+                 'batch touches), "all" = + KV read + state read and written. "engine vs floor": TTFT / floor '
+                 'time (1.00 = at the floor); decode: share of the roofline, weights / all')
     return lines
 
 
