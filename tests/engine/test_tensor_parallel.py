@@ -186,3 +186,19 @@ def test_tp1_starts_no_process_and_attaches_no_group(tiny_model_factory):
     reductions = reduction_points(engine.model)
     assert reductions and all(m.group is None for m in reductions)
     assert type(engine.agent).__name__ == 'ModelAgent'
+
+
+def test_pipeline_at_tp2_answers_like_tp1_and_its_close_joins_the_worker(tiny_model_factory, no_leftover_workers):
+    """The user surface (pipeline -> engine loop thread -> TP engine): same greedy replies, and `close` (the
+    context manager's exit) leaves no worker behind."""
+    from lmdeploy import GenerationConfig, pipeline
+    path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
+    greedy = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    prompts = ['Hello there', 'How are you?']
+    replies = {}
+    for tp in (1, 2):
+        config = PytorchEngineConfig(device_type='cpu', tp=tp, block_size=BLOCK, kernel_block_size=8,
+                                     num_gpu_blocks=32, session_len=128)
+        with pipeline(path, config) as pipe:
+            replies[tp] = [(r.text, r.generate_token_len, r.finish_reason) for r in pipe(prompts, greedy)]
+    assert replies[2] == replies[1] and all(n == 8 for _, n, _ in replies[1])
