@@ -162,6 +162,19 @@ def test_a_killed_worker_fails_every_request_clearly_and_stops_the_engine(tiny_m
     assert worker.exitcode == -signal.SIGKILL
 
 
+def test_ctrl_c_reaching_the_workers_does_not_stop_the_engine(tiny_model_factory, no_leftover_workers):
+    """A terminal's Ctrl-C goes to every process of the group (`lmdeploy chat` uses it to stop a reply)."""
+    path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
+    engine = make(path, 2)
+    try:
+        os.kill(engine.tp_workers.workers[0].process.pid, signal.SIGINT)
+        time.sleep(0.5)
+        (tokens, _), = run(engine, prompts_of(6)[:1])
+        assert len(tokens) == 4 and engine.fatal_error is None
+    finally:
+        engine.close()
+
+
 def test_a_worker_dying_while_idle_stops_the_loop_and_refuses_new_requests(tiny_model_factory, no_leftover_workers):
     from lmdeploy.pytorch.engine.engine_loop import EngineLoop
     path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
