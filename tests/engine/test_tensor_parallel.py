@@ -215,3 +215,34 @@ def test_pipeline_at_tp2_answers_like_tp1_and_its_close_joins_the_worker(tiny_mo
         with pipeline(path, config) as pipe:
             replies[tp] = [(r.text, r.generate_token_len, r.finish_reason) for r in pipe(prompts, greedy)]
     assert replies[2] == replies[1] and all(n == 8 for _, n, _ in replies[1])
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tiny_model_factory):
+    """SIGKILL leaves no clean-up to the engine process: its workers see their command pipe close and exit."""
+    import subprocess
+    import sys
+    path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
+    script = ('import sys, time\n'
+              'from lmdeploy import PytorchEngineConfig\n'
+              'from lmdeploy.pytorch.engine.engine import Engine\n'
+              'if __name__ == "__main__":\n'
+              f'    e = Engine({path!r}, PytorchEngineConfig(device_type="cpu", tp=2, num_gpu_blocks=16))\n'
+              '    print(e.tp_workers.workers[0].process.pid, flush=True)\n'
+              '    time.sleep(120)\n')
+    proc = subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    start = time.monotonic()
+    while time.monotonic() - start < 30:
+        try:
+            with open(f'/proc/{worker_pid}/stat') as f:  # 'Z': exited, not yet reaped by init
+                if f.read().rsplit(')', 1)[1].split()[0] == 'Z':
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(worker_pid, signal.SIGKILL)
+    raise AssertionError('a worker outlived its killed engine process')
