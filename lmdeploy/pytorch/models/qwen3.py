@@ -43,8 +43,7 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = rotary(q, k, cos_sin)
-        out = self.attn(q, k, v, ctx)
+        out = self.attn(q, k, v, ctx, cos_sin=cos_sin)  # rotary inside (fused with the KV fill)
         return self.o_proj(out.flatten(-2))
 
 
@@ -60,8 +59,9 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp_reduce = AllReduce()
 
     def forward(self, x: torch.Tensor, rotary, cos_sin, ctx: StepContext) -> torch.Tensor:
-        x = x + self.attn_reduce(self.self_attn(self.input_layernorm(x), rotary, cos_sin, ctx))
-        return x + self.mlp_reduce(self.mlp(self.post_attention_layernorm(x)))
+        h = self.attn_reduce(self.self_attn(self.input_layernorm(x), rotary, cos_sin, ctx))
+        h, x = self.post_attention_layernorm(h, residual=x)
+        return x + self.mlp_reduce(self.mlp(h))
 
 
 class Qwen3Model(nn.Module):
