@@ -82,6 +82,7 @@ class Engine:
                                 record_routed_experts=engine_config.enable_return_routed_experts,
                                 cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
                                 max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
+                                max_prefill_tokens=engine_config.max_prefill_token_num,
                                 vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
                                 if self.model_config.image_token_id is not None else 0)
         self.agent.capture_cuda_graphs()

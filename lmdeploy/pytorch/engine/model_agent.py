@@ -19,7 +19,7 @@ from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
-from .cuda_graph import PREFILL_TOKEN_BUCKETS, CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
 from .vision_cache import VisionEncoderCache
 
@@ -42,9 +42,11 @@ class ModelAgent:
 
     def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
                  cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0, record_routed_experts: bool = False,
-                 has_lora: bool = False, vision_cache_bytes: int = 0):
+                 has_lora: bool = False, vision_cache_bytes: int = 0, max_prefill_tokens: int = 8192):
         """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
-        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence.
+        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence, and prefills /
+        mixed batches of up to `max_prefill_tokens` prompt tokens plus a decode batch, within the largest prefill
+        graph (`prefill_graph_tokens`).
         `record_routed_experts` (the engine flag) lets forwards record routed experts; graphs then always do.
         `has_lora`: the model has LoRA adapters attached (graphs then carry each row's adapter slot).
         `vision_cache_bytes > 0` keeps encoded images by content hash (`VisionEncoderCache`)."""
@@ -59,13 +61,14 @@ class ModelAgent:
         self.streams = DeviceStreams(device)
         self.graph_runner = None
         if cuda_graph_batch_size > 0 and device.type == 'cuda':
-            from ..backends.cuda import prefill_graphs_supported
+            from ..backends.cuda import graph_gdr_chunked, prefill_graphs_supported
             cfg = cache_engine.model_config
-            prefill_tokens = PREFILL_TOKEN_BUCKETS[-1] \
+            prefill_tokens = prefill_graph_tokens(max_prefill_tokens + cuda_graph_batch_size) \
                 if prefill_graphs_supported(getattr(torch, cfg.dtype), cfg.is_hybrid) else 0
             self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
                                                 device, max_prefill_tokens=prefill_tokens,
-                                                routes_shape=self.routes_shape, has_lora=has_lora)
+                                                routes_shape=self.routes_shape, has_lora=has_lora,
+                                                chunk_indices=cfg.is_hybrid and graph_gdr_chunked())
 
     def _context(self, inputs: ModelInputs, routed_experts: torch.Tensor | None = None) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,
