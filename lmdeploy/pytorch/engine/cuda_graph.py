@@ -338,17 +338,30 @@ class CUDAGraphRunner:
         keys = [GraphKey(size, size, True) for size in reversed(self.sizes)]
         keys += prefill_warm_keys(self.token_buckets, self.seq_buckets)
         for key in keys:
-            if key not in self.graphs and key not in self.failed:
-                self._fill(None, key)
-                static_inputs = self.static.view(key)
-                self.model(self._context(static_inputs))  # compile / autotune for exactly these shapes
-                self._capture_or_give_up(key, static_inputs)
+            if key in self.graphs or key in self.failed:
+                continue
+            if key.decode:
+                self._warm_and_capture(key)
+                continue
+            try:
+                self._warm_and_capture(key)
+            except Exception as exc:  # noqa: BLE001 - a prefill shape that cannot run here stays eager
+                self.failed.add(key)
+                torch.cuda.synchronize(self.device)
+                logger.warning('warming up a prefill CUDA graph for %s failed (%s: %s); that shape runs eagerly',
+                               key, type(exc).__name__, exc)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved
         logger.info('CUDA graphs at start-up: %d decode + %d prefill captured in %.2f s, %.0f MiB reserved',
                     len(self.graphs) - self.num_prefill_graphs, self.num_prefill_graphs, self.capture_seconds,
                     self.capture_bytes / 2**20)
+
+    def _warm_and_capture(self, key: GraphKey) -> None:
+        self._fill(None, key)
+        static_inputs = self.static.view(key)
+        self.model(self._context(static_inputs))  # compile / autotune for exactly these shapes
+        self._capture_or_give_up(key, static_inputs)
 
     def _capture_or_give_up(self, key: GraphKey, static_inputs: ModelInputs) -> None:
         """Capture `key`; a prefill capture that fails is logged and the key runs eagerly from then on (decode
