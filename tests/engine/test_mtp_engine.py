@@ -67,9 +67,10 @@ def _greedy(n: int) -> SamplingParams:
 def _run(engine, prompts, sampling, collect=False, after_step=None):
     """Drive the engine to idle (integrity after every step); returns each request's tokens (and logits)."""
     tokens = {}
-    ids = [engine.add_request(p, sampling, collect_logits=collect,
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    ids = [engine.add_request(p, s, collect_logits=collect,
                               callback=lambda o: tokens.setdefault(o.seq_id, []).extend(o.new_token_ids))
-           for p in prompts]
+           for p, s in zip(prompts, samplings)]
     while engine.has_work:
         engine.step()
         engine.check_integrity()
@@ -177,6 +178,14 @@ class _Recorder:
         return drafts
 
 
+def _trie_blocks(engine) -> dict[int, torch.Tensor]:
+    """Trie-owned KV blocks -> their bytes in every KV-pool layer (the MTP head's included)."""
+    blocks = sorted(engine.scheduler.prefix_cache.owners()[0])
+    pool, per = engine.cache_engine.kv_pool, engine.cache_config.pages_per_block
+    offsets = engine.scheduler.block_manager.resolve_gpu_block_offsets(blocks)
+    return {b: pool[:, int(o) * per:(int(o) + 1) * per].clone() for b, o in zip(blocks, offsets)}
+
+
 @pytest.mark.parametrize('prompt_len', [32, 37], ids=['aligned', 'unaligned'])
 def test_prefix_cache_hits_are_lossless_and_drafts_match_a_cold_run(mtp_model, prompt_len):
     """Request 1 leaves a prompt-end checkpoint at step `prompt_len` (block-aligned or not) and a reply checkpoint;
@@ -194,9 +203,15 @@ def test_prefix_cache_hits_are_lossless_and_drafts_match_a_cold_run(mtp_model, p
     engine = make_engine(path, cache=True, speculative_config=_spec())
     assert _run(engine, [first], _greedy(10)) == [plain[0]]
     engine.speculative.set_draft_override(warm)
-    hits = []
-    out = _run(engine, [second], _greedy(10), after_step=lambda e: hits.extend(
-        seq.num_cached for seq, _ in e._seqs.values()))
+    hits, cached = [], _trie_blocks(engine)
+
+    def after_step(e):
+        hits.extend(seq.num_cached for seq, _ in e._seqs.values())
+        now = _trie_blocks(e)
+        for block, data in cached.items():  # no forward writes a block the trie owns (the head's overlap row too)
+            if block in now:
+                assert torch.equal(now[block], data), f'trie block {block} was rewritten'
+    out = _run(engine, [second], _greedy(10), after_step=after_step)
     assert out == [plain[1]]
     assert hits and hits[0] == prompt_len  # resumed at request 1's prompt-end checkpoint
     assert warm.proposals == cold.proposals
@@ -252,3 +267,40 @@ def test_failed_verify_forward_and_aborts_leak_nothing(mtp_model):
     trie_blocks, trie_slots = engine.scheduler.prefix_cache.owners()
     assert engine.scheduler.block_manager.num_free + sum(1 for _ in trie_blocks) == free_blocks
     assert engine.scheduler.state_manager.num_free + len(trie_slots) == free_slots
+
+
+def test_rejection_sampling_through_the_engine_samples_the_target_distribution(mtp_model):
+    """Sampled requests (temperature 1, top-k 4): the first verified token t2 given the first token t1 is distributed
+    as the target's processed p(t2 | prompt, t1), computed from plain decoding's logits. Drafts are forced to the
+    target's most likely t2 (a point-mass draft), so both acceptance and the residual draw happen often."""
+    from lmdeploy.pytorch.engine.spec_decode import SampleParams, processed_probs
+    path = mtp_model()
+    prompt, top_k, n = _prompt(12, 30), 4, 480
+    params = SampleParams(1.0, top_k, 1.0, 0.0, None)
+    plain = make_engine(path)
+    _, (logits,) = _run(plain, [prompt], _greedy(1), collect=True)
+    first = processed_probs(logits[-1:], params)[0]
+    support = first.nonzero()[:, 0].tolist()
+    target = {}
+    for t1 in support:
+        _, (logits,) = _run(plain, [prompt + [t1]], _greedy(1), collect=True)
+        target[t1] = processed_probs(logits[-1:], params)[0]
+    engine = make_engine(path, max_batch_size=16, speculative_config=_spec(2))
+    engine.speculative.set_draft_override(
+        lambda seq, drafts: [int(target[seq.token_ids[len(prompt)]].argmax())] * 2)
+    runs = _run(engine, [prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=top_k,
+                                                      random_seed=i) for i in range(n)])
+    counts = {t1: torch.zeros_like(p) for t1, p in target.items()}
+    for run in runs:
+        counts[run[0]][run[1]] += 1
+    chi2, df = 0.0, 0
+    for t1, p in target.items():
+        total = counts[t1].sum()
+        keep = p > 0
+        assert counts[t1][~keep].sum() == 0  # nothing outside the target's support
+        expected = p[keep] * total
+        chi2 += float(((counts[t1][keep] - expected) ** 2 / expected.clamp_min(1e-9)).sum())
+        df += int(keep.sum()) - 1
+    stats = engine.stats
+    assert 0 < stats['spec_accepted_tokens'] < stats['spec_draft_tokens']
+    assert chi2 < df + 4 * (2 * df) ** 0.5, (chi2, df)  # about 4 sigma of a chi-square with df degrees

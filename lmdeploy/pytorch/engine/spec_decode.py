@@ -14,8 +14,9 @@ Owns no persistent state beyond the model and the pools it is given. Order, all 
    from the catch-up's last row, then K - 1 chained head steps (each reads the previous step's head output and
    draft) -> the drafts, on the host.
 
-A draft override (`set_draft_override`, for forced-acceptance tests and benchmarks) replaces the head's greedy
-proposals after the head ran, so the cost and every write of the head stay as they are.
+A draft override (`set_draft_override`, for forced-acceptance tests and benchmarks) replaces the head's proposals
+after the head ran, so the cost and every write of the head stay as they are. For a sampled request the overridden
+drafts count as drawn from a point mass (q one-hot), which keeps rejection sampling exact.
 """
 from __future__ import annotations
 
@@ -155,9 +156,10 @@ class SpeculativeDecoder:
         dists = [None if p is None else torch.stack([probs[s][i] for s in range(self.k)])
                  for i, p in enumerate(params)]
         if self.draft_override is not None:
-            seqs = [plan.seqs[i] for i in plan.drafting]
-            ids = [list(self.draft_override(seq, row)) if params[i] is None else row
-                   for i, (seq, row) in enumerate(zip(seqs, ids))]
+            ids = [list(self.draft_override(plan.seqs[i], row)) for i, row in zip(plan.drafting, ids)]
+            # a fixed proposal is a draw from a point mass: rejection sampling stays exact with q = one-hot
+            dists = [None if d is None else torch.nn.functional.one_hot(
+                torch.tensor(row, device=d.device), d.size(-1)).to(d.dtype) for d, row in zip(dists, ids)]
         return ids, dists
 
     @staticmethod
