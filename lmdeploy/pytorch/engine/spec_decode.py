@@ -124,7 +124,7 @@ class SpeculativeDecoder:
                 result = greedy_accept(drafts, chunk[None])
             else:
                 target = processed_probs(chunk, params[i])[None]
-                result = rejection_sample(drafts, plan.draft_probs[i][None], target, params[i].generator)
+                result = rejection_sample(drafts, plan.draft_probs[i][:d][None], target, params[i].generator)
             j = int(result.num_accepted[0])
             runs.append(result.tokens[0, :j + 1].tolist())
             accepted.append(j)

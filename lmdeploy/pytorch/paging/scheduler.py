@@ -48,6 +48,8 @@ class Scheduler:
                  num_draft_tokens: int = 0):
         self.config = scheduler_config
         self.num_draft_tokens = num_draft_tokens
+        # Trie blocks referenced by the forward in flight until its restore copies are queued (`block_pins`).
+        self._pinned_blocks: Counter = Counter()
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.pages_per_block)
@@ -122,11 +124,13 @@ class Scheduler:
             drafts = len(seq.draft_ids) if seq.num_remaining == 1 else 0
             n = 1 + drafts if seq.num_remaining == 1 else min(seq.num_remaining, budget)
             n = seq.fit_chunk_to_spans(seq.num_computed, self.prefix_cache.chunk(seq, n))
+            if drafts and n != 1 + drafts:  # (a decode is never capped; keep the verify piece whole or plain)
+                drafts, n = 0, min(n, 1)
             if n == 0 or not self._reserve_blocks(seq, n + self._draft_room, scheduled=out.seqs):
                 continue
             self._add_piece(out, seq, n, drafts)
             budget -= min(n, budget)
-        has_prefill = any(n > 1 for n in out.num_new_tokens)
+        has_prefill = any(n - out.drafts_of(row) > 1 for row, n in enumerate(out.num_new_tokens))
         index = 0
         while (index < len(self.waiting) and budget > 0
                and len(out.seqs) + len(out.logits_hits) < self.config.max_batch_size):
@@ -152,6 +156,10 @@ class Scheduler:
             has_prefill = True
         self._admitting = None
         self.prefix_cache.plan_checkpoints(out)
+
+    def _capped(self, num_tokens: int) -> int:
+        """Blocks are never reserved past `session_len` (sequences near it get no drafts: `SpeculativeStep`)."""
+        return min(num_tokens, self.config.session_len) if self.num_draft_tokens else num_tokens
 
     @property
     def _draft_room(self) -> int:
@@ -242,11 +250,13 @@ class Scheduler:
     def _drop_block_pins(self, out: SchedulerOutput) -> None:
         if out.block_pins:
             self.block_manager.free(out.block_pins)
+            self._pinned_blocks.subtract(out.block_pins)
+            self._pinned_blocks = +self._pinned_blocks
             out.block_pins = []
 
     # ---- admission --------------------------------------------------------------------------------------------
     def _num_blocks_needed(self, seq: SchedulerSequence, n: int) -> int:
-        total = -(-(seq.num_computed + n) // self.block_size)
+        total = -(-self._capped(seq.num_computed + n) // self.block_size)
         return max(0, total - len(seq.block_ids))
 
     def _match(self, seq: SchedulerSequence) -> PrefixMatch:
@@ -282,7 +292,8 @@ class Scheduler:
         shared = cache.acquire(seq, match)
         # The draft head recomputes position hit - 1; at an aligned hit that is the last shared block: copy it.
         copied = shared[-1:] if self.num_draft_tokens and match.num_tokens % self.block_size == 0 else []
-        need = -(-(match.num_tokens + n + self._draft_room) // self.block_size) - len(shared) + len(copied)
+        need = -(-self._capped(match.num_tokens + n + self._draft_room) // self.block_size) - len(shared) \
+            + len(copied)
         slots: list[int] = []
         ok = self.block_manager.can_allocate(need) or cache.evict_blocks(need)
         if ok and self.state_manager is not None:
@@ -295,6 +306,7 @@ class Scheduler:
         if copied:  # the shared reference is held until the copy is queued (dropped in `commit` / `cancel`)
             out.kv_restores.append((copied[0], seq.block_ids[len(shared) - 1]))
             out.block_pins.append(copied[0])
+            self._pinned_blocks[copied[0]] += 1
         seq.state_slot = slots[0] if slots else None
         seq.draft_slots = slots[1:]
         seq.needs_draft_overlap = bool(self.num_draft_tokens) and match.num_tokens > 0
@@ -369,6 +381,7 @@ class Scheduler:
         self.prefix_cache.check_integrity()
         cache_blocks, cache_slots = self.prefix_cache.owners()
         block_owners.update(cache_blocks)
+        block_owners.update(self._pinned_blocks)
         slot_owners.update(cache_slots)
         self.block_manager.check_integrity(block_owners)
         if self.state_manager is not None:
