@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from engines import engine_factory
 from lora_folders import write_model_adapter
 from numeric import assert_close
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 
@@ -41,12 +41,9 @@ def setup(tiny_model_factory, tmp_path_factory):
     return get
 
 
-def make_engine(setup_entry, cache: bool = True, **overrides) -> Engine:
-    path, adapters = setup_entry
-    config = dict(device_type='cpu', block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
-                  max_prefill_token_num=512, enable_prefix_caching=cache, adapters=adapters, **NO_POLICIES)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+# every engine here caches prefixes with the policies off (a call turns them on, or `cache=False` for a cold one)
+make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
+                             max_prefill_token_num=512, enable_prefix_caching=True, **NO_POLICIES)
 
 
 @dataclass
@@ -98,7 +95,8 @@ def assert_warm_equals_cold(cold_engine: Engine, warm: Run) -> None:
 
 @pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3'])
 def test_same_prompt_under_two_adapters_and_base_gives_three_chains(setup, arch):
-    engine = make_engine(setup(arch))
+    path, adapters = setup(arch)
+    engine = make_engine(path, adapters=adapters)
     identity = {None: None, **{name: a.identity for name, a in engine.adapters.items()}}
     prompt = ids(37, seed=1)  # 2 full blocks + 5 tokens
     for adapter in ('a', 'b', None):
@@ -114,7 +112,7 @@ def test_same_prompt_under_two_adapters_and_base_gives_three_chains(setup, arch)
     other = 37 if engine.model_config.is_hybrid else 32
     assert engine.stats['miss_reasons'] == {'novel': 3 * 37 - 2 * other, 'adapter': 2 * other}
 
-    cold = make_engine(setup(arch), cache=False)
+    cold = make_engine(path, cache=False, adapters=adapters)
     expected_hit = 37 if engine.model_config.is_hybrid else 32
     for adapter in ('b', None, 'a'):
         warm = one(engine, prompt + ids(6, seed=2), adapter)
@@ -125,8 +123,9 @@ def test_same_prompt_under_two_adapters_and_base_gives_three_chains(setup, arch)
 @pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3'])
 @pytest.mark.parametrize('prefix_len', [2 * B, 2 * B + 7], ids=['aligned', 'unaligned'])
 def test_a_hit_never_crosses_adapters(setup, arch, prefix_len):
-    engine = make_engine(setup(arch))
-    cold = make_engine(setup(arch), cache=False)
+    path, adapters = setup(arch)
+    engine = make_engine(path, adapters=adapters)
+    cold = make_engine(path, cache=False, adapters=adapters)
     prefix = ids(prefix_len, seed=3)
     first = one(engine, prefix, 'a')
     for adapter in ('b', None):
@@ -143,8 +142,8 @@ def test_a_hit_never_crosses_adapters(setup, arch, prefix_len):
 def test_same_name_with_other_weights_is_another_identity(setup, tmp_path):
     path, adapters = setup('qwen3_5')
     other = write_model_adapter(tmp_path / 'other', path, TARGETS['qwen3_5'], rank=3, seed=9)
-    first = make_engine((path, adapters))
-    second = make_engine((path, {'a': other, 'b': adapters['b']}))
+    first = make_engine(path, adapters=adapters)
+    second = make_engine(path, adapters={'a': other, 'b': adapters['b']})
     assert first.adapters['a'].identity != second.adapters['a'].identity
     assert first.adapters['b'].identity == second.adapters['b'].identity
 
@@ -153,9 +152,9 @@ def test_shipped_policies_keep_adapters_apart(setup):
     # prompt-end logits, reply and branch checkpoints on: an identical prompt is a full hit under its own adapter
     # only, and a follow-up resending prompt + reply reuses the reply checkpoint of its own adapter only
     path, adapters = setup('qwen3_5')
-    engine = Engine(path, PytorchEngineConfig(device_type='cpu', block_size=B, kernel_block_size=8, num_gpu_blocks=96,
-                                              max_batch_size=8, enable_prefix_caching=True, adapters=adapters))
-    cold = make_engine(setup('qwen3_5'), cache=False)
+    shipped = {policy: True for policy in NO_POLICIES}
+    engine = make_engine(path, adapters=adapters, max_prefill_token_num=8192, **shipped)
+    cold = make_engine(path, cache=False, adapters=adapters)
     prompt = ids(29, seed=7)
     first = one(engine, prompt, 'a', max_new_tokens=4)
     other = one(engine, prompt, 'b', max_new_tokens=4)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engines import engine_factory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'models'))
 from vl_helpers import draw_image, user_message  # noqa: E402
 
-from lmdeploy.messages import PytorchEngineConfig  # noqa: E402
 from lmdeploy.pytorch.engine.engine import Engine  # noqa: E402
 from lmdeploy.pytorch.engine.vision_cache import VisionEncoderCache  # noqa: E402
 from lmdeploy.pytorch.messages import SamplingParams  # noqa: E402
@@ -42,10 +42,12 @@ def vl(tiny_model_factory):
     return path, tokenizer
 
 
-def make_engine(path: str, **overrides) -> tuple[Engine, list[int]]:
-    config = dict(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=4)
-    config.update(overrides)
-    engine = Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=4)
+
+
+def counting_engine(path: str, **overrides) -> tuple[Engine, list[int]]:
+    """An engine whose `calls` list gets one entry (the number of images) per vision-tower call."""
+    engine = make_engine(path, **overrides)
     calls: list[int] = []
     encode = engine.model.encode_images
 
@@ -74,7 +76,7 @@ def run(engine: Engine, ids, spans) -> list[int]:
 
 
 def test_a_repeated_image_in_a_new_prompt_hits_the_encoder_cache(vl):
-    engine, calls = make_engine(vl[0])
+    engine, calls = counting_engine(vl[0])
     image = draw_image(31, (96, 64))
     first = run(engine, *prompt(vl, engine, 'Look at this:', image))
     assert calls == [1] and engine.stats['vision_cache_misses'] == 1
@@ -86,11 +88,11 @@ def test_a_repeated_image_in_a_new_prompt_hits_the_encoder_cache(vl):
     assert stats['vision_cache_bytes'] == engine.model.num_image_tokens(prompt(vl, engine, image)[1][0].data.grid_thw) \
         * engine.model_config.hidden_size * 4
     # Cached embeddings give the same tokens as a fresh engine without the cache.
-    cold, cold_calls = make_engine(vl[0], vision_encoder_cache_mb=0)
+    cold, cold_calls = counting_engine(vl[0], vision_encoder_cache_mb=0)
     assert run(cold, *prompt(vl, cold, 'Look at this:', image)) == first
     assert 'vision_cache_hits' not in cold.stats and cold_calls == [1]
 def test_a_prefix_hit_covering_the_image_skips_its_encoding(vl):
-    engine, calls = make_engine(vl[0], enable_prefix_caching=True, prefix_cache_state_budget=16,
+    engine, calls = counting_engine(vl[0], enable_prefix_caching=True, prefix_cache_state_budget=16,
                                 vision_encoder_cache_mb=0)
     image = draw_image(32, (64, 96))
     ids, spans = prompt(vl, engine, 'Look at this:', image, 'What is it?')

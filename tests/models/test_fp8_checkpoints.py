@@ -17,6 +17,7 @@ import types
 
 import pytest
 import torch
+from engines import engine_factory
 from numeric import assert_close
 from safetensors.torch import load_file, save_file
 
@@ -96,9 +97,8 @@ def fp8_checkpoints(tiny_model_factory, tmp_path_factory):
     return get
 
 
-def make_engine(path: str) -> Engine:
-    return Engine(path, PytorchEngineConfig(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=32,
-                                            max_batch_size=4, max_prefill_token_num=64))
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=32, max_batch_size=4,
+                             max_prefill_token_num=64)
 
 
 def engine_logits(engine: Engine, prompt: list[int], max_new_tokens: int = 4) -> tuple[list[int], torch.Tensor]:

@@ -10,11 +10,11 @@ import os
 
 import pytest
 import torch
+from engines import engine_factory
 from lora_folders import write_adapter
 from safetensors.torch import save_file
 
 from lmdeploy.messages import PytorchEngineConfig, UnknownAdapterError
-from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 from lmdeploy.pytorch.models.peft_adapter import load_peft_adapter
 
@@ -32,11 +32,7 @@ def qwen3_next(tiny_model_factory):
     return str(tiny_model_factory('qwen3_next', num_hidden_layers=2, layer_types=[LIN, FULL]))
 
 
-def engine(path: str, adapters: dict[str, str], **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=32, max_batch_size=4,
-                  adapters=adapters)
-    config.update(overrides)
-    return Engine(path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=32, max_batch_size=4)
 
 
 B_ONLY = {'model.layers.0.linear_attn.in_proj_b': (HIDDEN, 4)}
@@ -44,7 +40,7 @@ B_ONLY = {'model.layers.0.linear_attn.in_proj_b': (HIDDEN, 4)}
 
 def test_fused_slices_receive_only_their_rows(qwen3_5, tmp_path):
     # in_proj_b is rows [0, 4) of the engine's in_proj_ba; in_proj_a (rows [4, 8)) stays unadapted
-    e = engine(qwen3_5, {'ba': write_adapter(tmp_path / 'a', B_ONLY)})
+    e = make_engine(qwen3_5, adapters={'ba': write_adapter(tmp_path / 'a', B_ONLY)})
     stack = e.model.model.layers[0].linear_attn.in_proj_ba.lora
     slot = e.adapters['ba'].slot
     assert stack.slice_sizes == [4, 4] and stack.lora_b[slot, :4].abs().sum() > 0
@@ -54,8 +50,8 @@ def test_fused_slices_receive_only_their_rows(qwen3_5, tmp_path):
 
 def test_vision_language_key_layout_loads_like_the_text_layout(qwen3_5, tmp_path):
     vl = {'model.language_model.layers.0.linear_attn.in_proj_b': (HIDDEN, 4)}
-    a = engine(qwen3_5, {'x': write_adapter(tmp_path / 'text', B_ONLY)})
-    b = engine(qwen3_5, {'x': write_adapter(tmp_path / 'vl', vl)})
+    a = make_engine(qwen3_5, adapters={'x': write_adapter(tmp_path / 'text', B_ONLY)})
+    b = make_engine(qwen3_5, adapters={'x': write_adapter(tmp_path / 'vl', vl)})
     assert torch.equal(a.model.model.layers[0].linear_attn.in_proj_ba.lora.lora_b,
                        b.model.model.layers[0].linear_attn.in_proj_ba.lora.lora_b)
 
@@ -110,7 +106,7 @@ def test_non_lora_tensor_and_missing_half_are_refused(tmp_path):
 def test_a_module_the_engine_cannot_place_fails_start_up(qwen3_next, tmp_path, module, shape, message):
     path = write_adapter(tmp_path / 'x', {module: shape})
     with pytest.raises(ValueError, match=message):
-        engine(qwen3_next, {'x': path})
+        make_engine(qwen3_next, adapters={'x': path})
 
 
 def test_vision_tower_modules_fail_start_up(tiny_model_factory, tmp_path):
@@ -120,19 +116,19 @@ def test_vision_tower_modules_fail_start_up(tiny_model_factory, tmp_path):
         width = json.load(f)['vision_config']['hidden_size']
     adapter = write_adapter(tmp_path / 'v', {'model.visual.blocks.0.mlp.linear_fc1': (width, 4 * width)})
     with pytest.raises(ValueError, match='outside the decoder layers'):
-        engine(path, {'v': adapter})
+        make_engine(path, adapters={'v': adapter})
 
 
 def test_limits_on_resident_adapters_and_rank_fail_start_up(qwen3_5, tmp_path):
     path = write_adapter(tmp_path / 'r8', B_ONLY, rank=8)
     with pytest.raises(ValueError, match='rank 8 but max_lora_rank is 4'):
-        engine(qwen3_5, {'x': path}, max_lora_rank=4)
+        make_engine(qwen3_5, adapters={'x': path}, max_lora_rank=4)
     with pytest.raises(ValueError, match='max_loras'):
         PytorchEngineConfig(device_type='cpu', adapters={'x': path, 'y': path}, max_loras=1)
 
 
 def test_unknown_adapter_fails_that_request_only(qwen3_5, tmp_path):
-    e = engine(qwen3_5, {'x': write_adapter(tmp_path / 'x', B_ONLY)})
+    e = make_engine(qwen3_5, adapters={'x': write_adapter(tmp_path / 'x', B_ONLY)})
     with pytest.raises(UnknownAdapterError, match="unknown adapter 'y'"):
         e.add_request([1, 2, 3], SamplingParams(max_new_tokens=2), adapter_name='y')
     outputs = []

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engines import engine_factory
 from numeric import assert_close
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 
@@ -100,11 +100,8 @@ def built(tiny_model_factory, tmp_path_factory):
     return get
 
 
-def make_engine(built: Built, **overrides) -> Engine:
-    config = dict(device_type='cpu', block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
-                  max_prefill_token_num=256, adapters=built.adapters, max_lora_rank=16)
-    config.update(overrides)
-    return Engine(built.base_path, PytorchEngineConfig(**config))
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=8,
+                             max_prefill_token_num=256, max_lora_rank=16)
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -134,7 +131,7 @@ def peft_logits(reference, token_ids: list[list[int]], adapter_names: list[str])
 @pytest.mark.parametrize('name', list(CASES))
 def test_teacher_forced_logits_match_peft_per_adapter(built, name):
     b = built(name)
-    engine = make_engine(b)
+    engine = make_engine(b.base_path, adapters=b.adapters)
     p = prompt(19, seed=3)
     results = generate(engine, [(p, 'a'), (p, 'b'), (p, None)], max_new_tokens=4)
     for (tokens, logits), adapter in zip(results, ['a', 'b', '__base__']):
@@ -148,7 +145,7 @@ def test_teacher_forced_logits_match_peft_per_adapter(built, name):
 @pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next', 'qwen3'])
 def test_batch_mixing_two_adapters_and_base_matches_peft_rows(built, name):
     b = built(name)
-    engine = make_engine(b)
+    engine = make_engine(b.base_path, adapters=b.adapters)
     adapters = ['a', None, 'b', 'a', None]
     requests = [(prompt(13, seed=30 + i), adapter) for i, adapter in enumerate(adapters)]
     batches = []
@@ -172,7 +169,7 @@ def test_batch_mixing_two_adapters_and_base_matches_peft_rows(built, name):
 def test_cuda_engine_with_graphs_matches_peft_in_a_mixed_batch(built, name):
     # float32 on the GPU: the cuda backend's SGMV kernels, decode steps replayed from CUDA graphs
     b = built(name)
-    engine = make_engine(b, device_type='cuda', dtype='float32', eager_mode=False)
+    engine = make_engine(b.base_path, adapters=b.adapters, device_type='cuda', dtype='float32', eager_mode=False)
     adapters = ['b', 'a', None, 'a']
     results = generate(engine, [(prompt(11, seed=50 + i), a) for i, a in enumerate(adapters)], max_new_tokens=4)
     assert engine.agent.graph_runner is not None and engine.agent.graph_runner.num_replays > 0
@@ -182,8 +179,8 @@ def test_cuda_engine_with_graphs_matches_peft_in_a_mixed_batch(built, name):
         # With fla-core installed transformers binds fla's kernels, which fail on CPU tensors, so for hybrids the
         # reference is the CPU engine (default backend; checked against peft by the CPU tests), teacher-forced on
         # the GPU run's tokens in one mixed batch.
-        cpu = generate(make_engine(b), [(tokens[:-1], a) for (tokens, _), a in zip(results, adapters)],
-                       max_new_tokens=1)
+        forced = [(tokens[:-1], a) for (tokens, _), a in zip(results, adapters)]
+        cpu = generate(make_engine(b.base_path, adapters=b.adapters), forced, max_new_tokens=1)
         ref = [logits for _, logits in cpu]
     for row, (_, logits) in enumerate(results):
         assert_close(logits, ref[row], atol=1e-3, rtol=0, what=f'row {row} ({adapters[row]})')
@@ -194,7 +191,7 @@ def test_chunked_prefill_beside_decodes_under_mixed_adapters_matches_peft(built,
     # 7-token prefill chunks: forwards mix prefill pieces of different lengths with decode rows, so every row's
     # tokens must pick their own adapter (per-token slots from per-row ids and uneven q_lens)
     b = built(name)
-    engine = make_engine(b, max_prefill_token_num=7)
+    engine = make_engine(b.base_path, adapters=b.adapters, max_prefill_token_num=7)
     requests = [(prompt(length, seed=60 + i), adapter)
                 for i, (length, adapter) in enumerate([(3, 'b'), (17, 'a'), (9, None), (12, 'b')])]
     mixed = []
@@ -220,7 +217,7 @@ def test_cuda_graphs_with_lora_match_eager_in_bf16(built):
     requests = [(prompt(9 + 4 * i, seed=70 + i), a) for i, a in enumerate(adapters)]
     runs = []
     for eager in (True, False):
-        engine = make_engine(b, device_type='cuda', dtype='bfloat16', eager_mode=eager)
+        engine = make_engine(b.base_path, adapters=b.adapters, device_type='cuda', dtype='bfloat16', eager_mode=eager)
         runs.append(generate(engine, requests, max_new_tokens=5))
         if not eager:
             assert engine.agent.graph_runner.num_replays > 0

@@ -11,9 +11,9 @@ from typing import NamedTuple
 import pytest
 import torch
 import transformers
+from engines import engine_factory
 from numeric import assert_close
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 
@@ -98,10 +98,7 @@ def reference(checkpoint):
     return get
 
 
-def _engine(path: str, **config) -> Engine:
-    config.setdefault('block_size', 16)
-    config.setdefault('num_gpu_blocks', 64)
-    return Engine(path, PytorchEngineConfig(device_type='cpu', **config))
+make_engine = engine_factory(block_size=16, num_gpu_blocks=64)
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_new_tokens: int = NUM_NEW_TOKENS) -> list[EngineResult]:
@@ -160,7 +157,7 @@ def _assert_matches_reference(result: EngineResult, ref: Reference, what: str, r
 def test_teacher_forced_logits_match_transformers(checkpoint, reference, shape, prompt_len):
     ref = reference(shape, prompt_len)
     full = ref.prompt + ref.generated
-    (result,) = _run(_engine(checkpoint(shape)), [full], max_new_tokens=1)
+    (result,) = _run(make_engine(checkpoint(shape)), [full], max_new_tokens=1)
     # every position of prompt + reference continuation, each fed once
     assert_close(result.logits, ref.logits, atol=LOGITS_TOL, rtol=LOGITS_TOL, what=f'{shape} L{prompt_len}')
 
@@ -169,7 +166,7 @@ def test_teacher_forced_logits_match_transformers(checkpoint, reference, shape, 
 @pytest.mark.parametrize('shape', list(SHAPES))
 def test_greedy_tokens_match_transformers_greedy(checkpoint, reference, shape, prompt_len):
     ref = reference(shape, prompt_len)
-    (result,) = _run(_engine(checkpoint(shape), block_size=8), [ref.prompt])
+    (result,) = _run(make_engine(checkpoint(shape), block_size=8), [ref.prompt])
     _assert_matches_reference(result, ref, f'{shape} L{prompt_len}')
 
 
@@ -177,7 +174,7 @@ def test_greedy_tokens_match_transformers_greedy(checkpoint, reference, shape, p
 @pytest.mark.parametrize('shape', ['gqa-q4-kv2', 'head_dim32-hidden64-q4'])
 def test_mixed_length_batch_matches_each_prompt_alone(checkpoint, reference, shape):
     refs = [reference(shape, n) for n in (33, 1, 65, 7)]
-    engine = _engine(checkpoint(shape))
+    engine = make_engine(checkpoint(shape))
     alone = [_run(engine, [ref.prompt])[0] for ref in refs]
     batch = _run(engine, [ref.prompt for ref in refs])
     for ref, one, batched in zip(refs, alone, batch):
@@ -192,8 +189,8 @@ def test_chunked_prefill_matches_unchunked(checkpoint, reference, max_prefill_to
     shape = 'gqa-q4-kv2'
     refs = [reference(shape, n) for n in (65, 7, 33, 1)]
     prompts = [ref.prompt for ref in refs]
-    unchunked = _run(_engine(checkpoint(shape)), prompts)
-    chunked = _run(_engine(checkpoint(shape), max_prefill_token_num=max_prefill_token_num), prompts)
+    unchunked = _run(make_engine(checkpoint(shape)), prompts)
+    chunked = _run(make_engine(checkpoint(shape), max_prefill_token_num=max_prefill_token_num), prompts)
     for ref, whole, chunks in zip(refs, unchunked, chunked):
         what = f'L{len(ref.prompt)} max_prefill_token_num={max_prefill_token_num}'
         assert chunks.tokens == whole.tokens, f'{what}: chunked tokens differ from unchunked'
@@ -206,7 +203,7 @@ def test_chunked_prefill_matches_unchunked(checkpoint, reference, max_prefill_to
 def test_kernel_pages_smaller_than_blocks_match_reference(checkpoint, reference, block_size, kernel_block_size):
     shape = 'mha-q4-kv4'
     refs = [reference(shape, n) for n in (65, 33, 7, 1)]
-    engine = _engine(checkpoint(shape), block_size=block_size, kernel_block_size=kernel_block_size,
+    engine = make_engine(checkpoint(shape), block_size=block_size, kernel_block_size=kernel_block_size,
                      max_prefill_token_num=21)
     results = _run(engine, [ref.prompt for ref in refs])
     for ref, result in zip(refs, results):
@@ -220,7 +217,7 @@ def test_preempted_requests_recompute_to_the_same_outputs(checkpoint, reference,
     # Blocks of 8: a 30-token prompt takes 4 blocks (3 full + 6 tokens) and its decodes a 5th at position 32.
     # The pool has 9: two requests run (8 blocks), the first to cross position 32 takes the last free block and
     # the second has nobody behind it to preempt, so it preempts itself and is recomputed later.
-    engine = _engine(checkpoint(shape), block_size=8, kernel_block_size=kernel_block_size, num_gpu_blocks=9)
+    engine = make_engine(checkpoint(shape), block_size=8, kernel_block_size=kernel_block_size, num_gpu_blocks=9)
     preempted = []
     preempt = engine.scheduler.preempt
 
@@ -240,7 +237,7 @@ def test_mixed_chunking_paging_and_preemption_match_reference(checkpoint, refere
     refs = [reference(shape, n, seed) for seed, n in enumerate((7, 1, 33, 65, 33))]
     # 6 blocks of 16 (4 pages each) for 5 requests needing 1 + 1 + 3 + 5 + 3 blocks, prefills cut into chunks
     # of at most 7 tokens: growing chunks and decodes preempt the latest arrivals.
-    engine = _engine(checkpoint(shape), block_size=16, kernel_block_size=4, num_gpu_blocks=6,
+    engine = make_engine(checkpoint(shape), block_size=16, kernel_block_size=4, num_gpu_blocks=6,
                      max_prefill_token_num=7)
     preempted = []
     preempt = engine.scheduler.preempt
@@ -254,7 +251,7 @@ def test_mixed_chunking_paging_and_preemption_match_reference(checkpoint, refere
 # ---- request lifecycle -----------------------------------------------------------------------------------------
 def test_aborted_requests_release_their_blocks(checkpoint, reference):
     refs = [reference('gqa-q4-kv2', n) for n in (65, 33)]
-    engine = _engine(checkpoint('gqa-q4-kv2'), max_prefill_token_num=16)
+    engine = make_engine(checkpoint('gqa-q4-kv2'), max_prefill_token_num=16)
     reasons = {}
     seq_ids = [engine.add_request(ref.prompt, SamplingParams(max_new_tokens=50),
                                   lambda out: reasons.__setitem__(out.seq_id, out.finish_reason) if out.finished
@@ -275,7 +272,7 @@ def test_aborted_requests_release_their_blocks(checkpoint, reference):
 
 
 def test_zero_max_new_tokens_finishes_without_forward(checkpoint):
-    engine = _engine(checkpoint('gqa-q4-kv2'))
+    engine = make_engine(checkpoint('gqa-q4-kv2'))
     (result,) = _run(engine, [[1, 2, 3]], max_new_tokens=0)
     assert result.tokens == [] and result.finish_reason == 'length'
     assert result.logits.numel() == 0
@@ -284,7 +281,7 @@ def test_zero_max_new_tokens_finishes_without_forward(checkpoint):
 def test_generation_stops_at_session_len(checkpoint, reference):
     ref = reference('gqa-q4-kv2', 33)
     # 5 blocks of 8 tokens: session_len 40, so a 33-token prompt can grow by 7 tokens only.
-    engine = _engine(checkpoint('gqa-q4-kv2'), block_size=8, num_gpu_blocks=5)
+    engine = make_engine(checkpoint('gqa-q4-kv2'), block_size=8, num_gpu_blocks=5)
     assert engine.session_len == 40
     (result,) = _run(engine, [ref.prompt], max_new_tokens=NUM_NEW_TOKENS)
     assert result.finish_reason == 'length'
