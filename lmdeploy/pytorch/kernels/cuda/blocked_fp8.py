@@ -21,10 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 
 
+@fast_kernel
 @triton.jit
 def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
                       BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -53,6 +56,7 @@ def quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Ten
     return q, scale
 
 
+@fast_kernel
 @triton.jit
 def _blocked_gemm_fp8_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn,
                              stride_bsn, stride_cm, BLOCK_SIZE_N: tl.constexpr, BLOCK_M: tl.constexpr,
