@@ -21,6 +21,8 @@ from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
+from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
+from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
 
 
@@ -60,6 +62,7 @@ class ModelAgent:
         self._sample = backend.build(OpType.Sampling)
         self.streams = DeviceStreams(device)
         self.graph_runner = None
+        self.spec: SpeculativeDecoder | None = None
         if cuda_graph_batch_size > 0 and device.type == 'cuda':
             from ..backends.cuda import graph_gdr_chunked, prefill_graphs_supported
             cfg = cache_engine.model_config
@@ -69,6 +72,10 @@ class ModelAgent:
                                                 device, max_prefill_tokens=prefill_tokens,
                                                 routes_shape=self.routes_shape, has_lora=has_lora,
                                                 chunk_indices=cfg.is_hybrid and graph_gdr_chunked())
+
+    def enable_speculative(self, num_draft_tokens: int) -> None:
+        """Verify and draft with the model's MTP head (`forward_verify`, `draft`)."""
+        self.spec = SpeculativeDecoder(self.model, self.cache_engine, self._sample, num_draft_tokens)
 
     def _context(self, inputs: ModelInputs, routed_experts: torch.Tensor | None = None) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,
@@ -158,6 +165,34 @@ class ModelAgent:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             next_ids, logprobs = self._sample(logits, sampling)
             return ForwardOutput(next_ids.tolist(), logprobs, logits, _routes_to_host(routes))
+
+    @torch.inference_mode()
+    def forward_verify(self, inputs: ModelInputs, sampling: SamplingInputs,
+                       cache_inputs: CacheCheckpointInputs | None, plan: VerifyPlan,
+                       params: list[SampleParams | None], collect: bool
+                       ) -> tuple[VerifyOutput, CacheCheckpointInputs | None, torch.Tensor]:
+        """Speculative step, part 1 (`spec_decode`): restores, the target forward (eager: it keeps the pre-norm
+        hidden states), acceptance. Save copies wait for `draft`. Returns the verify output, the device copy plans
+        (for `draft`) and the logits at each sampled sequence's last real token."""
+        inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
+        with self.streams.forward():
+            self.restore(cache_inputs)
+            self.embed_images(inputs)
+            out = self.spec.verify(self._context(inputs), plan, sampling, params, collect)
+            return out, cache_inputs, out.first_logits
+
+    @torch.inference_mode()
+    def draft(self, fixups: CacheCheckpointInputs | None, plan: HeadPlan, hidden: torch.Tensor,
+              chains: list[ModelInputs], params: list[SampleParams | None],
+              cache_inputs: CacheCheckpointInputs | None) -> tuple[list[list[int]], list]:
+        """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies, drafts."""
+        fixups, head_inputs, *chains = self.streams.to_device(fixups, plan.inputs, *chains)
+        plan = plan._replace(inputs=head_inputs)
+        with self.streams.forward():
+            if fixups is not None:
+                self.cache_engine.copy_state_slots(fixups.state_restore_plan)
+            return self.spec.draft(self._context, plan, hidden, lambda step: self._context(chains[step - 1]),
+                                   params, lambda: self.save(cache_inputs))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> ForwardOutput:
