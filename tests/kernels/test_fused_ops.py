@@ -253,6 +253,35 @@ def test_cpu_gated_delta_gating(case, dtype):
     check_gating(case, dtype, 'cpu')
 
 
+# ------------------------------------------------------------------------- conv with per-forward indices
+
+def check_conv_with_shared_indices(device: str) -> None:
+    """The conv kernel given the per-forward index tensors (built once for every layer) equals its own build."""
+    from lmdeploy.pytorch.kernels.cuda import causal_conv1d as cuda_conv
+    gen = torch.Generator().manual_seed(7)
+    lens, channels, kernel = [5, 1, 9], 24, 4
+    cu = torch.tensor([0, 5, 6, 15], device=device)
+    x = randn(sum(lens), channels, gen=gen).to(device)
+    weight, pool = randn(channels, kernel, gen=gen).to(device), randn(4, channels, kernel - 1, gen=gen).to(device)
+    ids, fresh = torch.tensor([2, 0, 3], device=device), torch.tensor([False, True, False], device=device)
+    pool_a, pool_b = pool.clone(), pool.clone()
+    want = cuda_conv.causal_conv1d(x, weight, None, pool_a, ids, fresh, cu)
+    got = cuda_conv.causal_conv1d(x, weight, None, pool_b, ids, fresh, cu, fresh_i8=fresh.to(torch.int8),
+                                  seq_of_token=cuda_conv.seq_of_token_of(cu, x.shape[0]))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(pool_b, pool_a, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_conv_with_shared_indices_gpu():
+    check_conv_with_shared_indices('cuda')
+
+
+@interpreted
+def test_cpu_conv_with_shared_indices():
+    check_conv_with_shared_indices('cpu')
+
+
 # ------------------------------------------------------------------------------------------- fast launcher
 
 def test_launch_key_separates_every_triton_specialization():

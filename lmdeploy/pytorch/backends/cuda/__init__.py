@@ -29,7 +29,7 @@ from ...kernels.cuda.varlen_attention import varlen_attention
 from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
-from ..default import blocked_fp8_builder, causal_conv1d_builder, gated_delta_rule_builder
+from ..default import blocked_fp8_builder, gated_delta_rule_builder
 from ..default.elementwise import gated_delta_gating as default_gated_delta_gating
 from ..default.moe import softmax_topk as default_softmax_topk
 
@@ -126,6 +126,27 @@ def _build_gated_delta_rule(**kwargs):
     return forward
 
 
+def _conv_index(inputs, x: torch.Tensor) -> dict:
+    """The conv kernel's per-forward index tensors (fresh flags as int8, each token's sequence), built once per
+    forward for every gated DeltaNet layer. Under CUDA graph capture they are built inside the graph instead (a
+    memo from an eager warm-up on the same inputs would be replayed stale)."""
+    def build() -> dict:
+        num_tokens = x.shape[0]
+        seq = _conv.seq_of_token_of(inputs.cu_seqlens_q, num_tokens) \
+            if num_tokens != inputs.state_ids.shape[0] else None
+        return {'fresh_i8': inputs.is_fresh.to(device=x.device, dtype=torch.int8), 'seq_of_token': seq}
+    if torch.cuda.is_current_stream_capturing():
+        return build()
+    return inputs.derived(('conv_index', x.device, x.shape[0]), build)
+
+
+def _build_causal_conv1d(**_kwargs):
+    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
+        return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
+                                   inputs.cu_seqlens_q, activation=activation, **_conv_index(inputs, x))
+    return forward
+
+
 def _build_lora(**_kwargs):
     def forward(x, out, lora_a, lora_b, slice_sizes, inputs):
         return sgmv_lora(x, out, lora_a, lora_b, slice_sizes, inputs.lora_ids, inputs.cu_seqlens_q,
@@ -151,7 +172,7 @@ _BUILDERS = {
     OpType.AddRMSNorm: _const(add_rms_norm if _FUSED_OPS else _unfused_add_rms_norm),
     OpType.GatedRMSNorm: _const(gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
-    OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
+    OpType.CausalConv1d: _build_causal_conv1d,
     OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),
