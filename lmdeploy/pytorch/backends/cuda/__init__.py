@@ -43,10 +43,13 @@ def _const(fn):
 
 
 def _build_attention(**_kwargs):
-    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None):
-        if cos_sin is not None and _FUSED_OPS:  # one launch: the rotated K goes straight into the pool
-            q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping)
+    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None, qk_norm=None):
+        if cos_sin is not None and _FUSED_OPS:  # one launch: q/k norm, rotary, and K / V straight into the pool
+            q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping, qk_norm=qk_norm)
         else:
+            if qk_norm is not None:
+                q = rms_norm(q, qk_norm.q_weight, qk_norm.eps, qk_norm.zero_centered)
+                k = rms_norm(k, qk_norm.k_weight, qk_norm.eps, qk_norm.zero_centered)
             if cos_sin is not None:
                 q, k = apply_rotary(q, k, *cos_sin)
             fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
