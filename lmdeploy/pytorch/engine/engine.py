@@ -84,6 +84,8 @@ class Engine:
                                 max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
                                 vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
                                 if self.model_config.image_token_id is not None else 0)
+        # before the graphs, so they capture tuned tiles; the largest forward is a prefill chunk or a decode batch
+        self.agent.tune_kernels(max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
         self.agent.capture_cuda_graphs()
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
                                         self.cache_config.kernel_block_size,
