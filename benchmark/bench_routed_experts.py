@@ -80,7 +80,9 @@ def main() -> None:
     parser.add_argument('--prefix-caching', action='store_true', help='also run the "on + cache" mode')
     parser.add_argument('--eager-mode', action='store_true')
     args = parser.parse_args()
+    started = time.perf_counter()
     path = args.model or save_tiny_model(tempfile.mkdtemp(), arch='qwen3_next', config_overrides=SHAPES[args.shape])
+    print(f'checkpoint ready after {time.perf_counter() - started:.0f} s', flush=True)
     modes = [m for m in MODES if args.prefix_caching or not MODES[m][2]]
     engines = {}
     for mode in modes:
@@ -91,7 +93,8 @@ def main() -> None:
             session_len=args.prompt + args.decode + 8, cache_max_entry_count=0.3))
     config = next(iter(engines.values())).model_config
     print(f'model: {path} ({config.num_layers} layers, {config.num_moe_layers} MoE, top-{config.moe_top_k}), '
-          f'device {args.device}, batch {args.batch}, prompt {args.prompt}, decode {args.decode}')
+          f'device {args.device}, batch {args.batch}, prompt {args.prompt}, decode {args.decode}; engines ready '
+          f'after {time.perf_counter() - started:.0f} s', flush=True)
     g = torch.Generator().manual_seed(0)
     rates = {mode: [] for mode in modes}
     for rep in range(args.reps + 1):  # the first round warms up (kernels, graphs, allocator)
@@ -101,6 +104,9 @@ def main() -> None:
             rate = decode_rate(engines[mode], prompts, args.decode, MODES[mode][1])
             if rep:
                 rates[mode].append(rate)
+        if rep:  # progress, so that a run cut short still shows its rounds
+            print(f'round {rep}: ' + ', '.join(f'{m} {rates[m][-1]:.1f}' for m in modes)
+                  + f' tokens/s ({time.perf_counter() - started:.0f} s)', flush=True)
     best_off, median_off = max(rates['off']), statistics.median(rates['off'])
     print('| mode | decode tokens/s, best | median | best vs off | median vs off |')
     print('|---|---:|---:|---:|---:|')

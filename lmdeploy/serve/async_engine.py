@@ -152,13 +152,16 @@ class AsyncEngine:
 
     def stream(self, request: PreparedRequest) -> Iterator[Response]:
         """Incremental responses of one request (blocking); closing the iterator early aborts the request, and so
-        does a stop string (the engine may have run a step past it; those tokens are dropped)."""
+        does a stop string (the engine may have run a step past it; those tokens are dropped; a request that asked
+        for routed experts gets its final response once the engine's abort output brought them)."""
         outputs: queue.Queue[EngineOutput] = queue.Queue()
         builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
         seq_id = self.submit(request, outputs.put)
         try:
             while not builder.finished:
                 response = builder.update(outputs.get())
+                if builder.take_abort():
+                    self.abort(seq_id)
                 if response is not None:
                     yield response
         finally:
@@ -183,6 +186,8 @@ class AsyncEngine:
         def build(out: EngineOutput) -> None:  # on the detokenizer thread
             try:
                 item = builder.update(out)
+                if builder.take_abort():  # a stop string: the engine does not know (its abort output ends it)
+                    self.abort(out.seq_id)
             except Exception as exc:  # handed to the request's own coroutine
                 item = exc
             if item is not None:

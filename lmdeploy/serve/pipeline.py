@@ -49,22 +49,22 @@ class Pipeline:
         `n > 1` each prompt gives a list of its `n` responses instead of one."""
         single, requests, groups = self._prepare_all(prompts, gen_config, do_preprocess)
         done: queue.Queue = queue.Queue()
-        builders, seq_ids = {}, {}
+        builders = {}
         for request in requests:
             builder = ResponseBuilder(self.tokenizer, len(request.input_ids), request.gen_config, request.index)
             builders[request.index] = builder
-            seq_ids[request.index] = self.async_engine.submit(request, lambda out, b=builder: done.put((b, out)))
+            self.async_engine.submit(request, lambda out, b=builder: done.put((b, out)))
         show = use_tqdm if use_tqdm is not None else len(requests) >= _TQDM_THRESHOLD
         remaining = len(requests)
         with tqdm(total=remaining, disable=not show, desc='generating') as bar:
             while remaining:
                 builder, out = done.get()
                 response = builder.update(out)
+                if builder.take_abort():  # a stop string: the engine does not know
+                    self.async_engine.abort(out.seq_id)
                 if response is not None and builder.finished:
                     remaining -= 1
                     bar.update(1)
-                    if not builder.engine_finished:  # a stop string: the engine does not know
-                        self.async_engine.abort(seq_ids[builder.index])
         responses = [builders[i].final() for i in range(len(requests))]
         per_prompt = [[responses[i] for i in group] if requests[group[0]].requested_n > 1 else responses[group[0]]
                       for group in groups]
@@ -88,12 +88,12 @@ class Pipeline:
             while unfinished:
                 builder, out = merged.get()
                 response = builder.update(out)
+                if builder.take_abort():  # a stop string: the engine does not know
+                    self.async_engine.abort(out.seq_id)
                 if response is None:
                     continue
                 if builder.finished:
-                    seq_id = unfinished.pop(builder.index)
-                    if not builder.engine_finished:  # a stop string: the engine does not know
-                        self.async_engine.abort(seq_id)
+                    unfinished.pop(builder.index)
                 yield response
         finally:
             for seq_id in unfinished.values():

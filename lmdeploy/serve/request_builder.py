@@ -101,15 +101,23 @@ def make_sampling_params(gen: GenerationConfig, tokenizer: Tokenizer, eos_token_
 class ResponseBuilder:
     """Accumulates one request's engine outputs; `update` returns the incremental `Response`.
 
-    The request is `finished` when the engine finished it or when a stop string completed; in the latter case
-    `engine_finished` is still False and the caller aborts the engine request. Tokens after the one that
-    completed the stop string are dropped, so `generate_token_len` counts up to that token.
+    The request is `finished` when the engine finished it or when a stop string completed. A stop string is matched
+    on the text, which the engine does not see: once it completes, `take_abort()` says (once) that the caller must
+    abort the engine request. Tokens after the one that completed the stop string are dropped, so
+    `generate_token_len` counts up to that token. A request that asked for routed experts does not finish there:
+    the text before the stop string goes out at once, and the final response (`finish_reason` 'stop', no text)
+    waits for the engine's final output, which carries the routes.
+
+    Routed experts on the final response are rows `[0, input_len + generate_token_len - 1)`, whatever ended the
+    request: the rows of every returned token but the last (its forward, if the engine ran it before the abort,
+    sampled a dropped token, as the forward after an EOS would), never rows of dropped tokens.
     """
 
     def __init__(self, tokenizer: Tokenizer, input_len: int, gen: GenerationConfig, index: int = 0):
         self.detok = IncrementalDetokenizer(tokenizer, gen.stop_words)
         self.input_len = input_len
         self.index = index
+        self.wants_routes = gen.return_routed_experts
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = [] if gen.logprobs is not None else None
         self.cached_tokens = 0
@@ -118,16 +126,27 @@ class ResponseBuilder:
         self.error: str | None = None
         self.text = ''
         self.routed_experts = None
+        self._abort_taken = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def take_abort(self) -> bool:
+        """True once, after a stop string completed while the engine still runs the request: abort it then."""
+        if self.detok.stopped and not self.engine_finished and not self._abort_taken:
+            self._abort_taken = True
+            return True
+        return False
+
     def update(self, out: EngineOutput) -> Response | None:
-        """The new part of the response; None for outputs after the request finished."""
-        if self.finished:
+        """The new part of the response; None for outputs after the request finished (or, after a stop string,
+        for the engine's outputs before its final one)."""
+        if self.finished or (self.detok.stopped and not out.finished):
             self.engine_finished = self.engine_finished or out.finished
             return None
+        if self.detok.stopped:  # the engine's final output after a stop string: only its routes are new
+            return self._finish(out, '', [], [] if self.logprobs is not None else None)
         before = self.detok.num_tokens
         delta = self.detok.update(out.new_token_ids, final=out.finished)
         new_ids = list(out.new_token_ids[:self.detok.num_tokens - before])
@@ -138,17 +157,22 @@ class ResponseBuilder:
         self.cached_tokens = out.num_cached
         self.error = out.error or self.error
         self.text += delta
+        if out.finished or (self.detok.stopped and not self.wants_routes):
+            return self._finish(out, delta, new_ids, new_logprobs)
+        return Response(text=delta, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
+                        token_ids=new_ids, cached_tokens=self.cached_tokens, logprobs=new_logprobs,
+                        index=self.index, error=out.error)
+
+    def _finish(self, out: EngineOutput, delta: str, new_ids: list[int], new_logprobs) -> Response:
         self.engine_finished = out.finished
-        if self.detok.stopped:
-            self.finish_reason = 'stop'
-        elif out.finished:
-            self.finish_reason = out.finish_reason
-        if out.finished:
-            self.routed_experts = out.routed_experts
+        self.error = out.error or self.error
+        self.finish_reason = 'stop' if self.detok.stopped else out.finish_reason
+        if out.finished and out.routed_experts is not None:
+            self.routed_experts = out.routed_experts[:self.input_len + len(self.token_ids) - 1]
         return Response(text=delta, generate_token_len=len(self.token_ids), input_token_len=self.input_len,
                         finish_reason=self.finish_reason, token_ids=new_ids, cached_tokens=self.cached_tokens,
                         logprobs=new_logprobs, index=self.index, error=out.error,
-                        routed_experts=out.routed_experts if out.finished else None)
+                        routed_experts=self.routed_experts)
 
     def final(self) -> Response:
         return Response(text=self.text, generate_token_len=len(self.token_ids), input_token_len=self.input_len,

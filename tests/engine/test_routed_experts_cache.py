@@ -114,7 +114,7 @@ def test_missing_routes_recompute_from_the_deepest_provable_point(moe):
     block1 = trie.kv.root(None).children
     node0 = next(iter(block1.values()))
     node1 = next(iter(node0.children.values()))
-    node1.routes = None                                 # block [16, 32) lost its routes: 32 is no longer provable
+    trie.drop_block_routes(node1)                       # block [16, 32) lost its routes: 32 is no longer provable
     second = first[:32] + prompt(9, seed=11)
     before = dict(engine.stats['miss_reasons'])
     assert_warm_equals_cold(path, engine, second, cached=16, max_prefill_token_num=16)

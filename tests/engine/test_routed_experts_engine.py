@@ -146,6 +146,25 @@ def test_an_aborted_request_returns_the_rows_it_computed(qwen3_next):
     assert_routes_match(routes, reference_routes(model, (p + out.tokens)[:len(p) + 2]), 2)
 
 
+def test_a_request_aborted_while_preempted_returns_the_rows_it_computed(qwen3_next):
+    # a server's stop string aborts a request a step or two late: it may be preempted (num_computed 0) by then
+    path, model = qwen3_next
+    engine = Engine(path, engine_config())
+    p = prompt(8, seed=7)
+    out = Finished()
+    seq_id = engine.add_request(p, greedy(50), callback=out)
+    for _ in range(3):  # prefill, then two decodes: rows of 8 + 2 positions
+        engine.step()
+    seq, = engine.scheduler.running
+    engine.scheduler.preempt(seq)
+    engine.abort_request(seq_id)
+    engine.run_until_idle()
+    engine.check_integrity()
+    routes = out.final.routed_experts
+    assert routes.shape[0] == len(p) + 2
+    assert_routes_match(routes, reference_routes(model, (p + out.tokens)[:len(p) + 2]), 2)
+
+
 def test_pipeline_returns_routes_in_the_final_response(qwen3_5_moe):
     path, model = qwen3_5_moe
     with Pipeline(path, engine_config()) as pipe:

@@ -15,11 +15,14 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from routes_reference import assert_routes_match, build_qwen3_next, reference_routes
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.paging.block_trie import route_store
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.openai.api_server import create_app
+from lmdeploy.serve.pipeline import Pipeline
 
 MODEL = 'tiny-moe'
 PROMPT = list(range(100, 113))
@@ -55,9 +58,9 @@ def serve(async_engine: AsyncEngine) -> tuple[str, uvicorn.Server, threading.Thr
         time.sleep(0.05)
 
 
-def live(path: str, flag: bool) -> Iterator[tuple[str, AsyncEngine]]:
+def live(path: str, flag: bool, cache: bool = False) -> Iterator[tuple[str, AsyncEngine]]:
     config = PytorchEngineConfig(device_type='cpu', block_size=16, max_batch_size=4, num_gpu_blocks=256,
-                                 enable_return_routed_experts=flag)
+                                 enable_return_routed_experts=flag, enable_prefix_caching=cache)
     async_engine = AsyncEngine(path, config, model_name=MODEL)
     url, server, thread = serve(async_engine)
     yield url, async_engine
@@ -74,6 +77,11 @@ def routed_server(moe):
 @pytest.fixture(scope='module')
 def plain_server(moe):
     yield from live(moe[0], False)
+
+
+@pytest.fixture(scope='module')
+def cached_server(moe):
+    yield from live(moe[0], True, cache=True)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -125,3 +133,121 @@ def test_asking_without_the_engine_flag_is_a_400(plain_server):
         client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **ROUTED)
     out = client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     assert out.usage.completion_tokens >= 1
+
+
+# ---- a text stop string ends the reply: the engine is aborted, its abort output brings the routes ----------------
+STOP_RUN = 12
+
+
+def stop_case(async_engine: AsyncEngine) -> tuple[str, int, np.ndarray]:
+    """(a stop string that begins inside one token and ends inside the next, the number of reply tokens up to the
+    one completing it, the rows of the reply run without it). The cut is found on whole-prefix decodes, not by the
+    server's incremental detokenizer."""
+    reply, rows = engine_routes(async_engine, STOP_RUN)
+    decode_prefix = [async_engine.tokenizer.decode(reply[:j]) for j in range(len(reply) + 1)]
+    text = decode_prefix[-1]
+    for j in range(2, len(reply) - 2):
+        cut = len(decode_prefix[j])
+        stop = text[cut - 1:cut + 2]
+        if len(stop) == 3 and cut > len(decode_prefix[j - 1]) and text.find(stop) == cut - 1:
+            num_kept = next(k for k in range(j + 1, len(reply) + 1) if len(decode_prefix[k]) >= cut + 2)
+            assert num_kept < len(reply) - 1  # the engine had more to say: the server's stop cut it
+            return stop, num_kept, rows
+    raise AssertionError(f'no stop string inside {text!r}')
+
+
+def assert_cut_routes(routes: np.ndarray, num_kept: int, rows: np.ndarray, moe) -> None:
+    """Exactly the rows of the prompt and of the returned reply but its last token: those of the run without the
+    stop string, cut there, and transformers' routes of the same tokens."""
+    assert routes.shape == (len(PROMPT) + num_kept - 1, 3, 2)
+    np.testing.assert_array_equal(routes, rows[:len(PROMPT) + num_kept - 1])
+    reply = moe_reply(moe, num_kept)
+    assert_routes_match(routes, reference_routes(moe[1], (PROMPT + reply)[:-1]), 2)
+
+
+def moe_reply(moe, num_tokens: int) -> list[int]:
+    """transformers' greedy reply to PROMPT (the reference for the tokens whose routes are compared)."""
+    import torch
+    with torch.no_grad():
+        out = moe[1].generate(torch.tensor([PROMPT]), max_new_tokens=num_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def wait_idle(async_engine: AsyncEngine) -> None:
+    deadline = time.monotonic() + 10
+    while async_engine.engine.scheduler.has_unfinished:
+        assert time.monotonic() < deadline, 'the engine kept generating after the stop string'
+        time.sleep(0.01)
+    async_engine.engine.check_integrity()
+
+
+def test_a_text_stop_string_returns_the_routes_up_to_the_cut(routed_server, moe):
+    url, async_engine = routed_server
+    stop, num_kept, rows = stop_case(async_engine)
+    out = client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=STOP_RUN, stop=[stop], **ROUTED)
+    assert out.choices[0].finish_reason == 'stop' and out.usage.completion_tokens == num_kept
+    assert_cut_routes(decode(out.choices[0].model_extra['routed_experts']), num_kept, rows, moe)
+    wait_idle(async_engine)
+
+
+def test_a_streamed_text_stop_string_puts_the_routes_on_the_last_chunk(routed_server, moe):
+    url, async_engine = routed_server
+    stop, num_kept, rows = stop_case(async_engine)
+    chunks = list(client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=STOP_RUN, stop=[stop],
+                                                 stream=True, stream_options={'include_usage': True}, **ROUTED))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    carrying = [i for i, c in enumerate(choices) if (c.model_extra or {}).get('routed_experts')]
+    assert carrying == [len(choices) - 1] and choices[-1].finish_reason == 'stop'
+    assert stop not in ''.join(c.text for c in choices)
+    assert chunks[-1].usage.completion_tokens == num_kept
+    assert_cut_routes(decode(choices[-1].model_extra['routed_experts']), num_kept, rows, moe)
+    wait_idle(async_engine)
+
+
+def test_a_text_stop_string_returns_routes_through_stream_and_pipe(routed_server, moe):
+    _, async_engine = routed_server
+    stop, num_kept, rows = stop_case(async_engine)
+    gen = GenerationConfig(max_new_tokens=STOP_RUN, ignore_eos=True, return_routed_experts=True, stop_words=[stop])
+    streamed = list(async_engine.stream(async_engine.prepare(PROMPT, gen, do_preprocess=False)))
+    assert streamed[-1].finish_reason == 'stop' and streamed[-1].generate_token_len == num_kept
+    assert [r.routed_experts is None for r in streamed] == [True] * (len(streamed) - 1) + [False]
+    assert_cut_routes(streamed[-1].routed_experts, num_kept, rows, moe)
+    wait_idle(async_engine)
+    config = PytorchEngineConfig(device_type='cpu', block_size=16, max_batch_size=4, num_gpu_blocks=256,
+                                 enable_return_routed_experts=True)
+    with Pipeline(moe[0], config) as pipe:
+        response = pipe(PROMPT, gen, do_preprocess=False)
+        last = list(pipe.stream_infer([PROMPT], gen, do_preprocess=False))[-1]
+        wait_idle(pipe.async_engine)
+    assert response.finish_reason == 'stop' and response.generate_token_len == num_kept
+    assert stop not in response.text
+    assert_cut_routes(response.routed_experts, num_kept, rows, moe)
+    np.testing.assert_array_equal(last.routed_experts, response.routed_experts)
+
+
+# ---- /metrics: what the prefix cache keeps for routes --------------------------------------------------------------
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(f'{url}/metrics', timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith('lmdeploy:routed_experts')}
+
+
+def test_metrics_report_the_route_memory_the_prefix_cache_holds(cached_server, routed_server, plain_server):
+    url, async_engine = cached_server
+    long_prompt = list(range(100, 137))  # 2 full blocks of 16 + 5 tokens
+    client(url).completions.create(model=MODEL, prompt=long_prompt, max_tokens=3, temperature=0,
+                                   extra_body={'ignore_eos': True})  # did not ask: its routes are cached anyway
+    wait_idle(async_engine)
+    trie = async_engine.engine.scheduler.trie
+    held = route_store.bytes_held(trie.kv.roots.values(), trie.checkpoints.live())  # a walk of the cache
+    tails = sum(ck.step % 16 for ck in trie.checkpoints.live() if ck.routes_tail is not None)
+    assert held == (2 * 16 + tails) * 12 and tails > 0
+    deadline = time.monotonic() + 10
+    while scrape(url).get('lmdeploy:routed_experts_cache_bytes') != held:  # published at the end of a step
+        assert time.monotonic() < deadline, scrape(url)
+        time.sleep(0.02)
+    assert scrape(url) == {'lmdeploy:routed_experts_bytes_per_token': 3 * 2 * 2,  # MoE layers x top-k x uint16
+                           'lmdeploy:routed_experts_cache_bytes': held}
+    # without prefix caching nothing is kept, and without the flag nothing is recorded: no such metric
+    assert scrape(routed_server[0]) == {} and scrape(plain_server[0]) == {}

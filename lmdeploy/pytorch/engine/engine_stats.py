@@ -1,9 +1,9 @@
 """`EngineStats`: a frozen record of the engine's state at the end of one step, published once per step.
 
 Built on the engine thread from cheap reads (queue lengths, free-list sizes, the prefix cache's O(1) `snapshot()`,
-the vision-encoder cache's counters; only with routed experts kept in the cache, a walk of the trie for their
-bytes) and swapped in as one reference, so readers on other threads (`/metrics`, the benchmark, tests) never take a
-lock held by a step and never see a step half done.
+the vision-encoder cache's counters, the bytes of the routed experts the cache keeps) and swapped in as one
+reference, so readers on other threads (`/metrics`, the benchmark, tests) never take a lock held by a step and never
+see a step half done.
 """
 from __future__ import annotations
 

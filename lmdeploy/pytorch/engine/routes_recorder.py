@@ -3,7 +3,7 @@
 Owned by the `Engine`; runs on the engine thread. Order within a step: `wants(seqs)` sets the forward's
 `ModelInputs.record_routed_experts` -> the forward returns `[T, num_moe_layers, top_k]` rows in packed-batch order ->
 `store` writes each sequence's rows at its positions `[num_computed, num_computed + n)` (before the sequences
-advance) -> at finish `result` gives a requesting sequence's rows `[0, num_tokens - 1)`.
+advance) -> at finish `result` gives a requesting sequence's rows `[0, num_tokens - 1)` (fewer when aborted).
 
 A sequence records when its request asked, or when the prefix cache keeps routes (engine flag and prefix caching
 on: cached blocks and checkpoints then carry the routes of their tokens for later hits, and a hit replays them into
@@ -65,10 +65,11 @@ class RoutesRecorder:
 
     def result(self, seq: SchedulerSequence) -> np.ndarray | None:
         """What a finished request that asked returns: rows of every position a forward ran or a hit replayed,
-        `[0, min(num_computed, num_tokens - 1))` (a finished request computed all but its last token)."""
+        `[0, min(len(rows), num_tokens - 1))` (a finished request computed all but its last token). The rows it
+        recorded, not `num_computed`: a request aborted while preempted (a server's stop string may abort it a step
+        late) still returns the rows of the positions it computed before."""
         if not seq.sampling.return_routed_experts:
             return None
-        stop = min(seq.num_computed, seq.num_tokens - 1)
         if seq.routed_experts is None:  # no MoE layer: no column
-            return np.zeros((stop, *self.row_shape), dtype=ROUTE_DTYPE)
-        return seq.routed_experts.rows(0, stop)
+            return np.zeros((min(seq.num_computed, seq.num_tokens - 1), *self.row_shape), dtype=ROUTE_DTYPE)
+        return seq.routed_experts.rows(0, min(len(seq.routed_experts), seq.num_tokens - 1))

@@ -3,8 +3,8 @@
 Two sources:
 - request metrics (counts by finish reason, token counts, TTFT, latency) are recorded by the server as responses
   stream out, through one `RequestTracker` per request;
-- engine metrics (queue lengths, pool usage, prefix-cache counters) come from the engine's per-step statistics
-  record (`Engine.stats_snapshot`, frozen), read at scrape time by `EngineCollector`.
+- engine metrics (queue lengths, pool usage, prefix-cache counters, routed-experts memory) come from the engine's
+  per-step statistics record (`Engine.stats_snapshot`, frozen), read at scrape time by `EngineCollector`.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class EngineCollector:
         yield _gauge('lmdeploy:state_cache_usage_ratio', 'Fraction of recurrent-state slots in use (hybrid models)',
                      stats.state_usage)
         yield from _vision_cache_metrics(stats.vision_cache)
+        yield from _routed_experts_metrics(stats)
         cache = stats.prefix_cache
         yield CounterMetricFamily('lmdeploy:prefix_cache_query_tokens', 'Prompt tokens looked up in the prefix cache',
                                   value=cache.query_tokens)
@@ -62,6 +63,17 @@ def _vision_cache_metrics(cache) -> Iterator[Metric]:
                               value=cache.misses)
     yield _gauge('lmdeploy:vision_cache_entries', 'Encoded images held by the encoder cache', cache.entries)
     yield _gauge('lmdeploy:vision_cache_bytes', 'Device bytes held by the encoder cache', cache.bytes)
+
+
+def _routed_experts_metrics(stats) -> Iterator[Metric]:
+    if stats.routed_experts_bytes_per_token is None:
+        return  # routed experts off, or the prefix cache keeps none (caching off, or a dense model)
+    yield _gauge('lmdeploy:routed_experts_bytes_per_token',
+                 'Host bytes the prefix cache keeps per cached token for its routed experts',
+                 stats.routed_experts_bytes_per_token)
+    yield _gauge('lmdeploy:routed_experts_cache_bytes',
+                 'Host bytes of the routed experts the prefix cache holds (blocks and checkpoint tails)',
+                 stats.routed_experts_cached_bytes)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -89,6 +89,9 @@ class BlockTrie(PrefixCache):
         # publication, kept logits and eviction (the only way a published checkpoint dies) so that `snapshot` is O(1).
         self._held_bytes = 0
         self._num_partial = 0
+        # Routed experts kept by nodes and published checkpoints: counted where they are kept and where their owner
+        # is evicted (route_store.py), so that `routes_bytes` is O(1).
+        self._routes_bytes = 0
         # Published checkpoints still live that were published after the last `mark()` (a benchmark's window).
         self._since_mark: set[NodeStateCheckpoint] = set()
         self._partial_since_mark = 0
@@ -429,7 +432,7 @@ class BlockTrie(PrefixCache):
                 self.block_manager.free([seq.block_ids[i]])
                 seq.block_ids[i] = node.block_id
             node.last_access = now
-            route_store.keep_block_routes(node, seq, i, bs)
+            self._routes_bytes += route_store.keep_block_routes(node, seq, i, bs)
             self.misses.note_attached_block(node.prefix_key)
             path.append(node)
             parent = node
@@ -477,7 +480,7 @@ class BlockTrie(PrefixCache):
         if (ck.step, ck.tail_hash) in anchor.checkpoints:
             self.checkpoints.release(ck)
             return
-        route_store.keep_checkpoint_routes(ck, seq, self.block_size)
+        self._routes_bytes += route_store.keep_checkpoint_routes(ck, seq, self.block_size)
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
         self.stats.checkpoints_saved += 1
         self._held_bytes += self.checkpoints.bytes_held(ck)
@@ -494,6 +497,7 @@ class BlockTrie(PrefixCache):
     def _on_evict(self, ck: NodeStateCheckpoint) -> None:
         self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
         self._held_bytes -= self.checkpoints.bytes_held(ck)
+        self._routes_bytes -= route_store.tail_bytes(ck)
         self._num_partial -= ck.is_partial
         if ck in self._since_mark:
             self._since_mark.discard(ck)
@@ -503,9 +507,12 @@ class BlockTrie(PrefixCache):
         self._since_mark, self._partial_since_mark = set(), 0
 
     def routes_bytes(self) -> int:
-        """Host bytes of the routed experts kept by blocks and checkpoint tails (walks the trie; for statistics)."""
-        live = self.checkpoints.live() if self.checkpoints is not None else []
-        return route_store.bytes_held(self.kv.roots.values(), live)
+        """Host bytes of the routed experts kept by blocks and checkpoint tails (a running count, O(1))."""
+        return self._routes_bytes
+
+    def drop_block_routes(self, node: Node) -> None:
+        """Forget the routes `node` keeps: a recording request no longer takes a hit through it (`routes_missing`)."""
+        self._routes_bytes -= route_store.drop_block_routes(node)
 
     def plan_checkpoints(self, out: SchedulerOutput) -> None:
         self.policy.plan(out)
@@ -568,6 +575,7 @@ class BlockTrie(PrefixCache):
             self.checkpoints.evict(ck, 'kv_leaf')
         self.reuse.on_evicted(priority)
         self.misses.note_evicted_block(leaf.prefix_key)
+        self._routes_bytes -= route_store.block_bytes(leaf)
         self.kv.detach(leaf)
 
     def evict_slot(self) -> bool:
@@ -577,7 +585,9 @@ class BlockTrie(PrefixCache):
     # ---- invariants -------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every published checkpoint's recorded path is attached and is its anchor's path (matching relies on it
-        instead of walking the trie)."""
+        instead of walking the trie), and the running counts of what the cache holds are exact."""
+        live = self.checkpoints.live() if self.checkpoints is not None else []
+        assert self._routes_bytes == route_store.bytes_held(self.kv.roots.values(), live), 'route bytes drifted'
         if self.checkpoints is not None:
             published = [ck for ck in self.checkpoints.live() if ck.published]
             for ck in published:

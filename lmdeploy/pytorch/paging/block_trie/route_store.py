@@ -14,10 +14,12 @@ concatenation of those rows as the sequence's rows `[0, s)`. Only sequences that
 store or replay anything; with the flag off nodes and checkpoints hold None and cost nothing.
 
 A recording sequence can only take a hit whose rows all exist (`has_routes`); the matcher otherwise falls back to
-the deepest point it can prove (a shallower checkpoint, or fewer blocks) and counts the tokens in between under
-the miss reason `routes_missing`. Routes share their block's or checkpoint's lifetime, so today this happens only
-for blocks that were cached without routes. Speculative drafts never reach the cache (drafts are not checkpoints),
-so their routes are never stored or returned; when MTP lands, draft forwards must not write the sequence's rows.
+the deepest point it can prove (a shallower checkpoint, or fewer blocks) and counts the tokens in between under the
+miss reason `routes_missing`. Routes share their block's or checkpoint's lifetime, so today this happens only for
+blocks that were cached without routes. What the cache holds is counted where routes are kept and where their owner
+is evicted (`BlockTrie.routes_bytes`, O(1); `check_integrity` compares it with a walk). Speculative drafts never
+reach the cache (drafts are not checkpoints), so their routes are never stored or returned; when MTP lands, draft
+forwards must not write the sequence's rows.
 """
 from __future__ import annotations
 
@@ -29,20 +31,42 @@ from ...messages import SchedulerSequence
 from .node import Node, NodeStateCheckpoint
 
 
-def keep_block_routes(node: Node, seq: SchedulerSequence, index: int, block_size: int) -> None:
-    """At attach: block `index` of `seq` is (or was deduplicated onto) `node`; keep its rows if the node lacks them."""
+def keep_block_routes(node: Node, seq: SchedulerSequence, index: int, block_size: int) -> int:
+    """At attach: block `index` of `seq` is (or was deduplicated onto) `node`; keep its rows if the node lacks them.
+    Returns the bytes this adds to the cache."""
     rows = seq.routed_experts
     end = (index + 1) * block_size
-    if rows is not None and node.routes is None and len(rows) >= end:
-        node.routes = rows.rows(end - block_size, end)
+    if rows is None or node.routes is not None or len(rows) < end:
+        return 0
+    node.routes = rows.rows(end - block_size, end)
+    return node.routes.nbytes
 
 
-def keep_checkpoint_routes(ck: NodeStateCheckpoint, seq: SchedulerSequence, block_size: int) -> None:
-    """At publication: the rows of the checkpoint's partial tail (none for an aligned step)."""
+def keep_checkpoint_routes(ck: NodeStateCheckpoint, seq: SchedulerSequence, block_size: int) -> int:
+    """At publication: the rows of the checkpoint's partial tail (none for an aligned step). Returns the bytes this
+    adds to the cache."""
     rows = seq.routed_experts
     rem = ck.step % block_size
-    if rows is not None and rem and len(rows) >= ck.step:
-        ck.routes_tail = rows.rows(ck.step - rem, ck.step)
+    if rows is None or not rem or len(rows) < ck.step:
+        return 0
+    ck.routes_tail = rows.rows(ck.step - rem, ck.step)
+    return ck.routes_tail.nbytes
+
+
+def block_bytes(node: Node) -> int:
+    """Bytes of the routes `node` keeps (what its eviction frees)."""
+    return node.routes.nbytes if node.routes is not None else 0
+
+
+def tail_bytes(ck: NodeStateCheckpoint) -> int:
+    """Bytes of the routes `ck` keeps (what its eviction frees)."""
+    return ck.routes_tail.nbytes if ck.routes_tail is not None else 0
+
+
+def drop_block_routes(node: Node) -> int:
+    """Forget a block's routes (a recording request then cannot take a hit through it); returns the bytes freed."""
+    freed, node.routes = block_bytes(node), None
+    return freed
 
 
 def has_routes(nodes: Iterable[Node], ck: NodeStateCheckpoint | None, step: int, block_size: int) -> bool:
@@ -72,10 +96,11 @@ def replay(seq: SchedulerSequence, nodes: list[Node], ck: NodeStateCheckpoint | 
 
 
 def bytes_held(roots: Iterable[Node], checkpoints: Iterable[NodeStateCheckpoint]) -> int:
-    """Host bytes of the routes the cache keeps (walks the trie: for statistics, not for a hot path)."""
+    """Host bytes of the routes the cache keeps, by a walk of the trie (the integrity check's reference for the
+    running count `BlockTrie.routes_bytes`; not for a hot path)."""
     total, stack = 0, list(roots)
     while stack:
         node = stack.pop()
-        total += node.routes.nbytes if node.routes is not None else 0
+        total += block_bytes(node)
         stack.extend(node.children.values())
-    return total + sum(ck.routes_tail.nbytes for ck in checkpoints if ck.routes_tail is not None)
+    return total + sum(tail_bytes(ck) for ck in checkpoints)
