@@ -75,11 +75,10 @@ def linear_rows(tokens_list: list[int]) -> list[dict]:
 
 def tuned_tile(n: int, k: int, tokens: int) -> str:
     """The autotuner's choice for this (N, K, row bucket), as BLOCK_M x BLOCK_N / warps / stages."""
-    bucket = cuda_fp8.m_bucket(tokens)
-    for key, config in cuda_fp8._tuned_gemm_fp8_kernel.cache.items():
-        if tuple(key[:3]) == (n, k, bucket):
-            return f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}/w{config.num_warps}/s{config.num_stages}"
-    return 'fixed' if not cuda_fp8.AUTOTUNE else '?'
+    tile = cuda_fp8.tuned_tile(n, k, tokens, BLOCK, torch.bfloat16)
+    if tile is None:
+        return 'fixed' if not cuda_fp8.AUTOTUNE else 'untuned'
+    return f'{tile[0]}x{tile[1]}/w{tile[2]}/s{tile[3]}'
 
 
 def tune(tokens_list: list[int]) -> None:

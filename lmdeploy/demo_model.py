@@ -357,8 +357,11 @@ def save_tiny_model(path: str,
                     config_overrides: dict | None = None,
                     seed: int = 0,
                     perturb: bool = True,
-                    dtype: str = 'float32') -> str:
-    """Build a tiny random-weight HF checkpoint (model + tokenizer) of ``arch`` into ``path``; returns ``path``."""
+                    dtype: str = 'float32',
+                    weights: bool = True) -> str:
+    """Build a tiny random-weight HF checkpoint (model + tokenizer) of ``arch`` into ``path``; returns ``path``.
+    ``weights=False``: config, generation config and tokenizer only (the model is built on the meta device), for
+    ``load_format='dummy'`` at shapes too large to draw and save on the host."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f'Unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}.')
     if dtype not in ('float32', 'bfloat16', 'float16'):
@@ -367,13 +370,20 @@ def save_tiny_model(path: str,
     token_ids = _special_token_ids(tokenizer)
     text_kwargs = _text_kwargs(arch, len(tokenizer), token_ids, config_overrides)
     torch.manual_seed(seed)
-    model = _build_model(arch, text_kwargs, _vision_token_ids(tokenizer) if arch == 'qwen3_5_vl' else None)
-    if perturb:
+    with torch.device('cpu' if weights else 'meta'):
+        model = _build_model(arch, text_kwargs, _vision_token_ids(tokenizer) if arch == 'qwen3_5_vl' else None)
+    if perturb and weights:
         _perturb_(model)
     _set_generation_config(model, token_ids)
     model = model.to(getattr(torch, dtype)).eval()
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
+    if weights:
+        model.save_pretrained(path)
+    else:
+        model.config.dtype = getattr(torch, dtype)
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(path)
+        model.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     if arch == 'qwen3_5_vl':
         save_demo_image_processor(path)

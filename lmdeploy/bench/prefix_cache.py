@@ -68,12 +68,36 @@ def _modes(value: str) -> tuple[str, ...]:
     return modes
 
 
+def _workloads(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(value, tuple):
+        return value
+    groups = {'all': WORKLOADS, 'multimodal': MULTIMODAL_WORKLOADS}
+    names = tuple(dict.fromkeys(n for v in value.split(',') if v.strip() for n in groups.get(v.strip(), (v.strip(),))))
+    unknown = [n for n in names if n not in WORKLOADS + MULTIMODAL_WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f'unknown workload(s) {unknown or value!r}; choose from '
+                                         f'{", ".join(WORKLOADS + MULTIMODAL_WORKLOADS)}, all, multimodal')
+    return names
+
+
+def _pressure_modes(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(value, tuple):
+        return value
+    modes = tuple(m.strip() for m in value.split(',') if m.strip())
+    unknown = [m for m in modes if m not in PRESSURE_MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f'unknown pressure mode(s) {unknown}; choose from {", ".join(PRESSURE_MODES)}')
+    return ('full',) + tuple(m for m in PRESSURE_MODES[1:] if m in modes)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--model', default=None, help=f'HF folder (default: the {DEMO_ARCH} hybrid demo model)')
     parser.add_argument('--device', default=None, choices=['cpu', 'cuda'], help='default: cuda if available')
     parser.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
-    parser.add_argument('--workload', default='multi_turn', choices=WORKLOADS + MULTIMODAL_WORKLOADS + (
-        'all', 'multimodal'), help="'all': the text workloads; 'multimodal': the image workloads (a VL model)")
+    parser.add_argument('--workload', default='multi_turn', type=_workloads,
+                        help=f"one or more (comma-separated, run in that order) of {', '.join(WORKLOADS)}, "
+                             f"{', '.join(MULTIMODAL_WORKLOADS)}; 'all': the text workloads; 'multimodal': the "
+                             'image workloads (a VL model)')
     parser.add_argument('--mode', default='all', type=_modes,
                         help=f"'all', or one or more (comma-separated) of {', '.join(MODES)}")
     parser.add_argument('--requests', type=int, default=16, help='requests per workload')
@@ -94,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--pressure', default='', type=parse_pressures,
                         help="pressure axis: pool sizes in percent of each workload's working set, e.g. '100,50,25' "
                              f"(runs {', '.join(PRESSURE_MODES)} at each level after an unbounded run; default: off)")
+    parser.add_argument('--pressure-modes', default=','.join(PRESSURE_MODES), type=_pressure_modes,
+                        help='the modes the pressure axis runs at each level (comma-separated subset of '
+                             f"{', '.join(PRESSURE_MODES)}; `full` always runs)")
+    parser.add_argument('--load-format', default='auto', choices=['auto', 'safetensors', 'dummy'],
+                        help="'dummy': random weights from config.json alone (a full-size shape without weights)")
     parser.add_argument('--out', default=None, help='folder for report.md and hit_rate.png (and pressure.png)')
     parser.add_argument('--json', action='store_true', help='print one JSON summary as the last stdout line')
 
@@ -118,6 +147,8 @@ class BenchConfig:
     prefill_state_interval: int = 64
     # Pool sizes as shares of the working set (pressure.py); () = no pressure axis.
     pressures: tuple[float, ...] = ()
+    pressure_modes: tuple[str, ...] = PRESSURE_MODES
+    load_format: str = 'auto'
 
     def __post_init__(self):
         for name in ('num_requests', 'max_new_tokens', 'concurrency'):
@@ -129,7 +160,7 @@ class BenchConfig:
         from ..demo_model import get_demo_model_path
         device = args.device or ('cuda' if _has_cuda() else 'cpu')
         num_blocks = args.num_blocks if args.num_blocks is not None else _NUM_BLOCKS
-        workloads = {'all': WORKLOADS, 'multimodal': MULTIMODAL_WORKLOADS}.get(args.workload, (args.workload,))
+        workloads = _workloads(args.workload)
         demo = DEMO_VL_ARCH if set(workloads) & set(MULTIMODAL_WORKLOADS) else DEMO_ARCH
         return cls(model_path=args.model or get_demo_model_path(demo), device=device, dtype=args.dtype,
                    workloads=workloads,
@@ -140,7 +171,8 @@ class BenchConfig:
                    num_blocks=num_blocks, max_batch_size=args.max_batch_size, state_budget=args.state_budget,
                    decode_state_interval=args.decode_state_interval,
                    prefill_state_interval=args.prefill_state_interval,
-                   pressures=args.pressure if isinstance(args.pressure, tuple) else parse_pressures(args.pressure))
+                   pressures=args.pressure if isinstance(args.pressure, tuple) else parse_pressures(args.pressure),
+                   pressure_modes=_pressure_modes(args.pressure_modes), load_format=args.load_format)
 
     def engine_config(self, mode: str, pools: Pools | None = None) -> PytorchEngineConfig:
         if mode in ('full', 'full-aligned'):
@@ -151,7 +183,8 @@ class BenchConfig:
             policies = {mode.split('+', 1)[1]} if '+' in mode else set()
         pools = pools or Pools(self.num_blocks, self.state_budget, self.max_batch_size)
         return PytorchEngineConfig(
-            device_type=self.device, dtype=self.dtype, block_size=self.block_size, num_gpu_blocks=pools.num_blocks,
+            device_type=self.device, dtype=self.dtype, load_format=self.load_format, block_size=self.block_size,
+            num_gpu_blocks=pools.num_blocks,
             max_batch_size=pools.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
             enable_prefix_caching=mode != 'off', prefix_cache=PrefixCacheConfig(
                 checkpoint_mode='aligned' if mode in ('aligned', 'full-aligned') else 'exact',
@@ -451,18 +484,22 @@ def run_bench(config: BenchConfig, log=sys.stderr) -> list[RunResult]:
             ws = working_set(full.peak_kv_blocks, full.peak_checkpoints, full.max_request_tokens, config.block_size,
                              config.concurrency)
             for pressure in config.pressures:
-                for mode in PRESSURE_MODES:
+                for mode in config.pressure_modes:
                     result, workload = run_mode(config, name, mode, workload, pools_at(ws, pressure,
                                                                                        config.concurrency), pressure)
                     results.append(_report(result, log))
+            # This workload's pressure table now, so that a run cut short still leaves the workloads it finished.
+            done = [r for r in results if r.workload == name]
+            print(format_pressure_table(done), format_pressure_verdicts(done), sep='\n', file=log, flush=True)
     return compare_outputs(results)
 
 
 def _report(result: RunResult, log) -> RunResult:
     _release_device_memory()
     at = '' if result.pressure is None else f' @ {result.pressure:.0%}'
-    print(f'[bench] {result.workload}/{result.mode}{at}: hit rate {result.hit_rate:.3f} (oracle '
-          f'{result.oracle_hit_rate:.3f}), TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.wall_s:.1f} s, pools '
+    print(f'[bench] {result.workload}/{result.mode}{at}: hit rate {result.hit_rate:.3f} ({result.cached_tokens} of '
+          f'{result.prompt_tokens} tokens; oracle {result.oracle_hit_rate:.3f}), TTFT p50 {result.ttft_p50_ms:.1f} ms, '
+          f'{result.wall_s:.1f} s, pools '
           f'{result.num_blocks} blocks / {result.checkpoint_rows} ckpt rows, evicted {result.evictions_by_cause}',
           file=log, flush=True)
     return result

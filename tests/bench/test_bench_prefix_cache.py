@@ -48,6 +48,22 @@ def test_cli_wires_bench_prefix_cache():
     assert args.func is run_cli and args.mode == ('exact',) and args.block_size == 16
 
 
+def test_cli_takes_workload_lists_pressure_modes_and_dummy_weights():
+    from lmdeploy.bench.prefix_cache import BenchConfig
+    from lmdeploy.cli.entrypoint import build_parser
+    parse = build_parser().parse_args
+    args = parse(['bench', 'prefix-cache', '--workload', 'shared_system,all', '--pressure', '50',
+                  '--pressure-modes', 'aligned,full-lru', '--load-format', 'dummy', '--model', '/m', '--device', 'cpu'])
+    config = BenchConfig.from_args(args)
+    assert config.workloads == ('shared_system', *(w for w in workloads.WORKLOADS if w != 'shared_system'))
+    assert config.pressure_modes == ('full', 'full-lru', 'aligned')   # full always, in the table's order
+    assert config.engine_config('full').load_format == 'dummy'
+    with pytest.raises(SystemExit):
+        parse(['bench', 'prefix-cache', '--workload', 'shared_sys'])
+    with pytest.raises(SystemExit):
+        parse(['bench', 'prefix-cache', '--pressure-modes', 'exact'])
+
+
 def _run(mode: str, outputs: dict, margins: dict) -> RunResult:
     return RunResult(workload='w', mode=mode, num_requests=len(outputs), prompt_tokens=10, cached_tokens=0,
                      generated_tokens=0, hit_rate=0.0, oracle_hit_rate=0.5, ttft_p50_ms=1.0, ttft_p95_ms=1.0,

@@ -14,7 +14,8 @@ nothing is running or waiting, every block and slot is owned by the prefix cache
 everything.
 
 CI size: `test_soak` (~120 requests). Long: `pytest -m slow tests/engine/test_soak.py` or
-`python -m tests.engine.test_soak --long`
+`python -m tests.engine.test_soak --long`; under tensor parallelism (TP=2, two processes, gloo)
+`test_soak_tp2_matches_the_tp1_control` (short) and `test_soak_tp2_full_size` (`slow`), or `--tp 2`
 (`LMDEPLOY_SOAK_REQUESTS` sets the number of requests of the long run).
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ LONG_REQUESTS = 1200
 BLOCK_SIZE = 16
 VOCAB = 1000          # prompt token ids are drawn from [0, VOCAB); the tiny model's vocabulary is 1024
 TIE_TOL = 1e-3        # a greedy divergence where the control's top-2 logit gap is below this is a near tie
+# Head counts that divide over 2 ranks with n_v / n_k = 3 (the tiny model's defaults give 1 gated-delta key head)
+TP_HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=4, num_key_value_heads=2)
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ class Figures:
         return ', '.join(f'{k}={v}' for k, v in sorted(self.counts.items())) + f', seconds={self.seconds:.1f}'
 
 
-def make_engine(path: str, pool: Pool | None) -> Engine:
+def make_engine(path: str, pool: Pool | None, tp: int = 1) -> Engine:
     if pool is None:  # the cache-off control: roomy, batched
         config = PytorchEngineConfig(device_type='cpu', block_size=BLOCK_SIZE, kernel_block_size=8,
                                      num_gpu_blocks=512, max_batch_size=16, max_prefill_token_num=4096)
@@ -130,13 +133,21 @@ def make_engine(path: str, pool: Pool | None) -> Engine:
         config = PytorchEngineConfig(device_type='cpu', block_size=BLOCK_SIZE, kernel_block_size=8,
                                      num_gpu_blocks=pool.num_blocks, max_batch_size=pool.max_batch_size,
                                      max_prefill_token_num=pool.max_prefill, enable_prefix_caching=True,
-                                     prefix_cache_state_budget=pool.state_budget)
+                                     prefix_cache_state_budget=pool.state_budget, tp=tp)
     return Engine(path, config)
 
 
-def soak_pool(path: str, pool: Pool, num_requests: int, rng: random.Random, figures: Figures) -> list[Request]:
-    """Run `num_requests` through one cache-on engine; returns them all (finished or aborted)."""
-    engine = make_engine(path, pool)
+def soak_pool(path: str, pool: Pool, num_requests: int, rng: random.Random, figures: Figures,
+              tp: int = 1) -> list[Request]:
+    """Run `num_requests` through one cache-on engine (`tp` ranks); returns them all (finished or aborted)."""
+    engine = make_engine(path, pool, tp)
+    try:
+        return _drive(engine, pool, num_requests, rng, figures)
+    finally:
+        engine.close()
+
+
+def _drive(engine: Engine, pool: Pool, num_requests: int, rng: random.Random, figures: Figures) -> list[Request]:
     scheduler, trie = engine.scheduler, engine.scheduler.trie
     counts = figures.counts
     workload = Workload(rng, pool.max_tokens)
@@ -261,7 +272,8 @@ def compare(requests: list[Request], control: dict, figures: Figures) -> None:
                 break
 
 
-def soak(path: str, num_requests: int, seed: int = SEED) -> Figures:
+def soak(path: str, num_requests: int, seed: int = SEED, tp: int = 1) -> Figures:
+    """The soak with the cache-on engines on `tp` ranks; the control is always the TP=1 cache-off engine."""
     figures = Figures()
     start = time.perf_counter()
     threads = torch.get_num_threads()
@@ -271,7 +283,7 @@ def soak(path: str, num_requests: int, seed: int = SEED) -> Figures:
         requests = []
         for i, pool in enumerate(POOLS):
             share = num_requests // len(POOLS) + (i < num_requests % len(POOLS))
-            requests += soak_pool(path, pool, share, rng, figures)
+            requests += soak_pool(path, pool, share, rng, figures, tp)
         compare(requests, control_outputs(path, requests), figures)
     finally:
         torch.set_num_threads(threads)
@@ -295,6 +307,23 @@ def test_soak_long(tiny_model_factory):
     num_requests = int(os.environ.get('LMDEPLOY_SOAK_REQUESTS', LONG_REQUESTS))
     figures = soak(tiny_model_factory('qwen3_5'), num_requests)
     print(f'\nsoak ({num_requests} requests, seed {SEED}): {figures.line()}')
+
+
+# TP=2 (two processes, gloo): every output equals the TP=1 cache-off control, and no block or slot leaks. Each
+# pool starts a worker, so the CI run is short; the full-size one is `slow`.
+TP_CI_REQUESTS = 24
+
+
+def test_soak_tp2_matches_the_tp1_control(tiny_model_factory):
+    figures = soak(tiny_model_factory('qwen3_5', **TP_HYBRID), TP_CI_REQUESTS, tp=2)
+    assert figures.counts['completed'] > 0
+    print(f'\nsoak tp=2 ({TP_CI_REQUESTS} requests, seed {SEED}): {figures.line()}')
+
+
+@pytest.mark.slow
+def test_soak_tp2_full_size(tiny_model_factory):
+    figures = soak(tiny_model_factory('qwen3_5', **TP_HYBRID), CI_REQUESTS, tp=2)
+    print(f'\nsoak tp=2 ({CI_REQUESTS} requests, seed {SEED}): {figures.line()}')
 
 
 def test_request_that_fits_is_served_after_a_partial_hit(tiny_model_factory):
@@ -325,12 +354,13 @@ def main() -> None:
     parser.add_argument('--long', action='store_true', help=f'{LONG_REQUESTS} requests instead of {CI_REQUESTS}')
     parser.add_argument('--requests', type=int, default=None, help='number of requests (overrides --long)')
     parser.add_argument('--seed', type=int, default=SEED)
+    parser.add_argument('--tp', type=int, default=1, help='tensor-parallel ranks of the cache-on engines')
     args = parser.parse_args()
     default = int(os.environ.get('LMDEPLOY_SOAK_REQUESTS', LONG_REQUESTS)) if args.long else CI_REQUESTS
     num_requests = args.requests or default
     with tempfile.TemporaryDirectory() as tmp:
-        path = save_tiny_model(tmp, arch='qwen3_5')
-        figures = soak(path, num_requests, args.seed)
+        path = save_tiny_model(tmp, arch='qwen3_5', config_overrides=TP_HYBRID if args.tp > 1 else None)
+        figures = soak(path, num_requests, args.seed, args.tp)
     print(f'soak ({num_requests} requests, seed {args.seed}): {figures.line()}')
 
 

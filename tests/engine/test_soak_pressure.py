@@ -30,8 +30,8 @@ def test_soak_with_pressure_pools(tiny_model_factory, monkeypatch):
     peaks = {'blocks': 0, 'checkpoints': 0}
     make_engine = soak.make_engine
 
-    def measured(path, pool):
-        engine = make_engine(path, pool)
+    def measured(path, pool, tp=1):
+        engine = make_engine(path, pool, tp)
 
         def measure(stats):
             peaks['blocks'] = max(peaks['blocks'], stats.num_kv_blocks - stats.num_free_kv_blocks)

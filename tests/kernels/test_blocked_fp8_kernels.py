@@ -131,7 +131,8 @@ def test_autotuner_keys_on_kernel_arguments_and_prunes_by_bucket():
     pytest.importorskip('triton')
     from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
     tuner = cuda._tuned_gemm_fp8_kernel
-    assert list(tuner.keys) == ['N', 'K', 'M_BUCKET'] and set(tuner.keys) <= set(tuner.arg_names)
+    assert list(tuner.keys) == ['N', 'K', 'M_BUCKET', 'BLOCK_SIZE_N', 'BLOCK_K']
+    assert set(tuner.keys) <= set(tuner.arg_names)
     assert len(tuner.configs) == len(cuda.GEMM_TILES)
     for bucket in (16, 64, 1024):
         kept = cuda._prune_tiles(tuner.configs, {}, M_BUCKET=bucket)
@@ -219,8 +220,10 @@ def test_start_up_tuning_covers_every_bucket_so_forwards_only_look_up():
     device = torch.device('cuda', 0)
     shape = (384, 1152, (128, 128))
     assert cuda.tune_blocked_gemm_fp8({shape}, 300, torch.bfloat16, device) == 6  # buckets 16 ... 1024
+    for rows in (16, 32, 64, 128, 256, 1024):
+        assert cuda.tuned_tile(384, 1152, rows, (128, 128), torch.bfloat16) in cuda.tiles_for_bucket(rows)
+    assert cuda.tuned_tile(384, 1152, 4096, (128, 128), torch.bfloat16) is None  # past max_rows: not tuned
     tuner = cuda._tuned_gemm_fp8_kernel
-    assert {key[2] for key in tuner.cache if key[:2] == (384, 1152)} == {16, 32, 64, 128, 256, 1024}
     keys = len(tuner.cache)
     gen = torch.Generator().manual_seed(8)
     w, w_scale = fp8_weight(384, 1152, block=(128, 128), gen=gen, device='cuda')

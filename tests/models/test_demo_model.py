@@ -136,6 +136,18 @@ def test_overrides_and_dtype(tmp_path):
         save_tiny_model(str(tmp_path / 'bad'), 'qwen3', config_overrides={'vocab_size': 10})
 
 
+@pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_5_vl'])
+def test_a_config_only_folder_has_the_checkpoints_config_and_no_weights(tmp_path, arch):
+    overrides = {'num_hidden_layers': 8, 'hidden_size': 64}
+    full = save_tiny_model(str(tmp_path / 'full'), arch, config_overrides=overrides, dtype='bfloat16')
+    bare = save_tiny_model(str(tmp_path / 'bare'), arch, config_overrides=overrides, dtype='bfloat16', weights=False)
+    assert not [f for f in os.listdir(bare) if f.endswith('.safetensors')]
+    for name in ('config.json', 'generation_config.json'):
+        with open(os.path.join(full, name)) as a, open(os.path.join(bare, name)) as b:
+            assert json.load(a) == json.load(b), name
+    assert build_tokenizer(arch).encode(TEXTS[2]) == transformers.AutoTokenizer.from_pretrained(bare).encode(TEXTS[2])
+
+
 @pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5_vl'])
 def test_tokenizer_roundtrip(tiny_models, arch):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_models[arch])

@@ -408,9 +408,9 @@ def test_cuda_engine_start_up_tunes_every_fp8_linear_shape(tiny_model_factory, t
     path = quantize_checkpoint(tiny_model_factory('qwen3', num_hidden_layers=2), str(tmp_path / 'fp8'), block=[32, 32])
     engine = Engine(path, PytorchEngineConfig(device_type='cuda', dtype='bfloat16', block_size=16, num_gpu_blocks=32,
                                               max_batch_size=4, max_prefill_token_num=64, eager_mode=True))
-    tuned = {key[:3] for key in cuda._tuned_gemm_fp8_kernel.cache}
     shapes = fp8_linear_shapes(engine.model)
-    assert shapes and all({(n, k, b) for b in (16, 32, 64)} <= tuned for n, k, _ in shapes), (shapes, tuned)
+    assert shapes and all(cuda.tuned_tile(n, k, rows, block, torch.bfloat16) is not None
+                          for n, k, block in shapes for rows in (16, 32, 64)), shapes
 
 
 @pytest.mark.gpu

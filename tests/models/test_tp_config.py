@@ -1,4 +1,5 @@
-"""`tp` configuration: the flag, the head-divisibility checks, and the refusal of tp > 1 at engine start."""
+"""`tp` configuration: the flag, the head-divisibility checks, and the refusals at engine start (before any
+weight is read or any worker is spawned)."""
 from __future__ import annotations
 
 import time
@@ -57,19 +58,25 @@ def test_kv_heads_fewer_than_tp_are_replicated_evenly():
 
 
 @pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5', 'qwen3_next'])
-def test_engine_refuses_tp_above_one_before_loading_weights(tiny_model_factory, arch):
+def test_engine_refuses_a_tp_that_does_not_fit_before_loading_weights_or_spawning(tiny_model_factory, arch):
+    import multiprocessing
+
+    from lmdeploy.speculative_config import SpeculativeConfig
     path = tiny_model_factory(arch)
     start = time.perf_counter()
-    with pytest.raises(TensorParallelError, match='tp=2: tensor parallelism is not supported yet'):
-        Engine(path, PytorchEngineConfig(device_type='cpu', tp=2))
     with pytest.raises(TensorParallelError, match='does not divide the attention heads'):
         Engine(path, PytorchEngineConfig(device_type='cpu', tp=3))
+    with pytest.raises(TensorParallelError, match='tp=2: tensor parallelism cannot be combined with LoRA adapters'):
+        Engine(path, PytorchEngineConfig(device_type='cpu', tp=2, adapters={'a': '/nonexistent'}))
+    with pytest.raises(TensorParallelError, match='cannot be combined with speculative decoding'):
+        Engine(path, PytorchEngineConfig(device_type='cpu', tp=2,
+                                         speculative_config=SpeculativeConfig(method='mtp', num_speculative_tokens=1)))
     assert time.perf_counter() - start < 5
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith('lmdeploy-tp')]
 
 
 def test_cli_prints_the_tp_refusal_in_one_line(tiny_model_factory, capsys):
-    rc = main(['chat', tiny_model_factory('qwen3'), '--device', 'cpu', '--tp', '2'])
+    rc = main(['chat', tiny_model_factory('qwen3'), '--device', 'cpu', '--tp', '3'])
     assert rc == 2
-    assert capsys.readouterr().err.strip() == ('lmdeploy: error: tp=2: tensor parallelism is not supported yet (the '
-                                               'model divides over 2 ranks, but the multi-rank runtime is not '
-                                               'built); run with tp=1')
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('lmdeploy: error: tp=3 does not divide the attention heads') and '\n' not in err, err

@@ -5,7 +5,7 @@ Harness and geometry: `trie_harness.py`.
 from __future__ import annotations
 
 import pytest
-from trie_harness import live, make_scheduler, make_seq, run, step, tokens
+from trie_harness import SAMPLED, live, make_scheduler, make_seq, run, step, tokens
 
 from lmdeploy.pytorch.paging.block_trie.eviction_policy import LazyMinHeap
 
@@ -73,6 +73,44 @@ def test_an_evicted_partial_checkpoint_leaves_its_hits_to_the_aligned_fallback()
     resumed = make_seq(tokens(10) + [90])
     run(s, resumed)
     assert resumed.num_cached == 8
+
+
+def test_an_evicted_checkpoint_computed_again_inside_a_prompt_carries_its_hits_on():
+    s = make_scheduler(num_blocks=64, prefix_cache_value_eviction=True, prefix_cache_branch_checkpoints=True)
+    hot = tokens(8)
+    run(s, make_seq(hot))                        # prompt-end checkpoint at 8
+    for k in range(2):                           # two hits on it (each leaves a one-off at 9)
+        run(s, make_seq(hot + [50 + k]))
+    trie = s.trie
+    old = next(ck for ck in live(s) if ck.step == 8)
+    assert old.num_hits == 2
+    trie.checkpoints.evict(old, 'state')
+    # The next prompt sharing it recomputes [0, 8) and checkpoints the branch point there again: it would have hit
+    # the evicted one, so the new one has its 2 hits and the one this prompt missed (a fresh branch point has 1).
+    again = make_seq(hot + [60, 61])
+    run(s, again)
+    assert again.num_cached == 0
+    new = next(ck for ck in live(s) if ck.step == 8)
+    assert new is not old and new.num_hits == 3
+    run(s, make_seq(tokens(8, start=100) + [2]))
+    run(s, make_seq(tokens(8, start=100) + [1]))  # a branch point at 8 where nothing was evicted: its one sharer
+    assert next(ck for ck in live(s) if ck.step == 8 and ck.token_ids[0] == 100).num_hits == 1
+    s.check_integrity()
+
+
+def test_a_reply_checkpoint_computed_again_past_the_prompt_carries_no_hits():
+    # The same prompt decodes the same reply again: a checkpoint there serves the next turn, not this request.
+    s = make_scheduler(num_blocks=64, prefix_cache_value_eviction=True, prefix_cache_reply_checkpoints=True)
+    prompt = tokens(6)
+    run(s, make_seq(prompt, max_new_tokens=3))   # prompt end at 6, reply at 8
+    reply = next(ck for ck in live(s) if ck.step == 8)
+    run(s, make_seq(prompt + [SAMPLED] * 2 + [7]))  # the next turn hits the reply checkpoint
+    assert reply.num_hits == 1
+    s.trie.checkpoints.evict(reply, 'state')
+    for ck in [ck for ck in live(s) if ck.step == 6]:
+        s.trie.checkpoints.evict(ck, 'state')
+    run(s, make_seq(prompt, max_new_tokens=3))
+    assert next(ck for ck in live(s) if ck.step == 8).num_hits == 0
 
 
 def test_lazy_min_heap_pops_the_lowest_live_eligible_entry():

@@ -16,23 +16,26 @@ import numpy as np
 import torch
 
 from ...messages import PytorchEngineConfig, UnknownAdapterError
-from ..backends.selector import get_backend
 from ..config import SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..models.model_source import resolve_model_path
 from ..models.tp_geometry import check_tp_supported
+from ..models.tp_load import build_rank_model
+from ..nn.parallel import attach_tp_group
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
-from .cache_engine import CacheEngine
+from .agent_spec import AgentSpec, build_agent
 from .cache_sizing import free_memory_bytes, make_cache_config, session_len
 from .engine_stats import EngineStats
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
-from .model_agent import ModelAgent
 from .request import EngineOutput, OutputCallback
 from .routes_recorder import RoutesRecorder
+from .tp_agent import TPModelAgent
+from .tp_worker import WorkerSpec
+from .tp_workers import TensorParallelFailure, TPWorkers
 
 logger = logging.getLogger('lmdeploy')
 
@@ -53,12 +56,20 @@ class Engine:
         # a local folder, or a hub id resolved through huggingface_hub (`ModelNotFoundError`: one line to print)
         self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
                                              with_weights=engine_config.load_format != 'dummy')
-        check_tp_supported(self.model_path, engine_config.tp)  # before any weight is read
-        dtype = resolve_dtype(engine_config)
         speculative = engine_config.speculative_config
-        self.model, self.model_config = build_model(self.model_path, self.device, dtype, engine_config.device_type,
-                                                    engine_config.state_dtype, load_format=engine_config.load_format,
-                                                    mtp=speculative is not None)
+        check_tp_supported(self.model_path, engine_config.tp, adapters=bool(engine_config.adapters),
+                           speculative=speculative is not None)  # before any weight is read
+        dtype = resolve_dtype(engine_config)
+        # Tensor parallelism: ranks 1..tp-1 are worker processes (`tp_workers.py`); this process is rank 0.
+        self.tp_workers = self._start_workers(dtype) if engine_config.tp > 1 else None
+        try:
+            self._build(engine_config, dtype, speculative)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, engine_config: PytorchEngineConfig, dtype: str, speculative) -> None:
+        self.model, self.model_config = self._build_model(dtype)
         if speculative is not None:  # the model and its head load and are checked; drafting is the missing part
             raise NotImplementedError(f'speculative decoding (method {speculative.method!r}) is not supported yet: '
                                       'the MTP head loads, but the engine does not draft and verify with it')
@@ -66,26 +77,35 @@ class Engine:
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
             engine_config.max_lora_rank)
-        self.cache_config = make_cache_config(
-            self.model_config, engine_config, None if engine_config.num_gpu_blocks else free_memory_bytes(self.device))
+        free = None if engine_config.num_gpu_blocks else free_memory_bytes(self.device)
+        if self.tp_workers is not None:  # every rank reports; the pools are sized by the least free memory
+            least = self.tp_workers.finish_start(free or 0)
+            free = None if free is None else least
+        self.cache_config = make_cache_config(self.model_config, engine_config, free)
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
             session_len=session_len(self.model_config, self.cache_config, engine_config.session_len))
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid)
-        backend = get_backend(engine_config.device_type)
-        self.cache_engine = CacheEngine(self.model_config, self.cache_config, self.device, backend)
         use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
-        self.agent = ModelAgent(self.model, self.cache_engine, backend, self.device,
-                                record_routed_experts=engine_config.enable_return_routed_experts,
-                                cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
-                                max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
-                                vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
-                                if self.model_config.image_token_id is not None else 0)
+        agent_spec = AgentSpec(
+            self.cache_config, engine_config.device_type,
+            record_routed_experts=engine_config.enable_return_routed_experts,
+            cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
+            max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
+            vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
+            if self.model_config.image_token_id is not None else 0)
+        self.cache_engine, self.agent = build_agent(self.model, self.model_config, agent_spec, self.device)
         # before the graphs, so they capture tuned tiles; the largest forward is a prefill chunk or a decode batch
+        # (tp > 1 loads FP8 dequantized: the workers have no FP8 GEMM to tune)
         self.agent.tune_kernels(max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
+        self.wakeup = threading.Event()
+        if self.tp_workers is not None:
+            self.tp_workers.setup(agent_spec)
+            self.tp_workers.on_failure = self.wakeup.set
+            self.agent = TPModelAgent(self.agent, self.tp_workers)
         self.agent.capture_cuda_graphs()
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
                                         self.cache_config.kernel_block_size,
@@ -108,9 +128,40 @@ class Engine:
         self._generators: dict[int, torch.Generator] = {}
         self._collected_logits: dict[int, list[torch.Tensor]] = {}
         self._ids = itertools.count(1)
-        self.wakeup = threading.Event()
+        self._fatal: str | None = None
         self.last_step_idle = False
         self._snapshot = self._make_stats(0)
+
+    def _start_workers(self, dtype: str) -> TPWorkers:
+        cfg = self.engine_config
+        spec = WorkerSpec(self.model_path, dtype, cfg.state_dtype, cfg.load_format)
+        workers = TPWorkers.start(cfg.tp, cfg.device_type, spec)
+        if cfg.device_type == 'cuda':
+            self.device = torch.device('cuda', 0)
+        return workers
+
+    def _build_model(self, dtype: str):
+        cfg = self.engine_config
+        if self.tp_workers is None:
+            return build_model(self.model_path, self.device, dtype, cfg.device_type, cfg.state_dtype,
+                               load_format=cfg.load_format, mtp=cfg.speculative_config is not None)
+        model, model_config = build_rank_model(self.model_path, self.device, dtype, cfg.device_type, cfg.tp, 0,
+                                               cfg.state_dtype, cfg.load_format)
+        attach_tp_group(model, self.tp_workers.group)
+        return model, model_config
+
+    def close(self) -> None:
+        """Stop and join the tensor-parallel workers (nothing to do at tp=1); idempotent."""
+        workers, self.tp_workers = getattr(self, 'tp_workers', None), None
+        if workers is not None:
+            workers.close()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine stopped for good (a tensor-parallel rank failed), or None while it serves."""
+        if self._fatal is None and self.tp_workers is not None and self.tp_workers.error is not None:
+            self._fatal = self.tp_workers.error
+        return self._fatal
 
     @property
     def session_len(self) -> int:
@@ -160,6 +211,8 @@ class Engine:
         """Queue a request; returns its id. Raises `ValueError` for invalid input (nothing is queued then): the
         prompt, every sampling parameter against the ranges the sampling kernels accept, an unknown adapter, and
         image spans (`mm_spans`: the prompt's images, placeholder ranges with pixels, grid and content hash)."""
+        if self.fatal_error is not None:
+            raise RuntimeError(f'the engine has stopped: {self.fatal_error}')
         token_ids = list(token_ids)
         identity = self.adapter_identity(adapter_name)
         self.validate_prompt(token_ids)
@@ -246,6 +299,9 @@ class Engine:
         outputs = [out for seq_id, command in commands for out in self._run_command(seq_id, command)]
         for out in outputs:
             self._deliver(out)
+        if self.fatal_error is not None:
+            self.last_step_idle = True
+            return outputs + self._fail_everything(self.fatal_error)
         sched = self.scheduler.schedule()
         for seq, error in sched.rejected:  # faults while scheduling fail their own requests
             logger.error('request %d: %s', seq.seq_id, error)
@@ -274,10 +330,14 @@ class Engine:
         try:
             result, sampled = self._forward(sched, rejected)
             rows = self._sampled_rows(result, sampled) + self._sample_logits_hits(sched.logits_hits, rejected)
-        except Exception as exc:  # the engine keeps serving
+        except Exception as exc:  # the engine keeps serving (unless a tensor-parallel rank failed)
             logger.exception('forward failed')
-            return self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
-                                      for seq in self.scheduler.cancel(sched)])
+            outputs = self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
+                                         for seq in self.scheduler.cancel(sched)])
+            if isinstance(exc, TensorParallelFailure):
+                self._fatal = str(exc)
+                outputs += self._fail_everything(self._fatal)
+            return outputs
         if result is not None:
             self.routes.store(sched.seqs, sched.num_new_tokens, result.routed_experts)
         updates = self.scheduler.update(sched, rows)
@@ -328,6 +388,11 @@ class Engine:
             return None if row is None else logits[row].to('cpu', dtype)
         return prompt_logits
 
+    def _fail_everything(self, error: str) -> list[EngineOutput]:
+        """The engine stopped for good: fail every waiting and running request with `error`."""
+        failed = [*self.scheduler.waiting, *self.scheduler.running]
+        return self._deliver_all([self._fail(seq, f'the engine has stopped: {error}') for seq in failed])
+
     def _copy(self, plan: ReplyPlan) -> bool:
         """Queue the reply checkpoints' save copies; False when they failed (their checkpoints are dropped)."""
         if not plan.has_copies:
@@ -335,8 +400,10 @@ class Engine:
         try:
             self.agent.copy_only(self.inputs_maker.make_cache_inputs(plan))
             return True
-        except Exception:
+        except Exception as exc:
             logger.exception('reply checkpoint copies failed')
+            if isinstance(exc, TensorParallelFailure):
+                self._fatal = str(exc)
             return False
 
     def _sample_logits_hits(self, hits, rejected: list[tuple[SchedulerSequence, str]]) -> list[SampledToken]:

@@ -35,6 +35,9 @@ class EngineLoop:
     def _loop(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
+            if engine.fatal_error is not None and not engine.has_work:
+                logger.critical('the engine stopped: %s', engine.fatal_error)
+                return  # the thread ends: watchdogs see a dead engine, `add_request` refuses with the reason
             if not engine.has_work:
                 engine.wakeup.wait(timeout=0.5)
                 engine.wakeup.clear()
@@ -68,6 +71,8 @@ class EngineLoop:
         return self._thread.ident
 
     def close(self) -> None:
+        """Stop the thread, then the engine's tensor-parallel workers (if any)."""
         self._stop.set()
         self.engine.wakeup.set()
         self._thread.join(timeout=30)
+        self.engine.close()

@@ -62,14 +62,29 @@ def fill_dummy_(model: nn.Module, seed: int = 0) -> None:
     for name, param in model.named_parameters():
         if gen is None or gen.device != param.device:
             gen = torch.Generator(param.device).manual_seed(seed)
-        flat = param.data.view(-1)
-        if name.endswith('_scale_inv'):
-            flat.fill_(_DUMMY_FP8_SCALE)
-            continue
-        bound = 2.0 if param.dtype == FP8_DTYPE else _DUMMY_RANGE
-        draw_dtype = torch.bfloat16 if param.dtype == FP8_DTYPE else param.dtype
-        for start in range(0, flat.numel(), _DUMMY_CHUNK):
-            piece = flat[start:start + _DUMMY_CHUNK]
-            values = torch.empty(piece.shape, dtype=draw_dtype, device=param.device)
-            values.uniform_(-bound, bound, generator=gen)
-            piece.copy_(values)
+        _draw_into_(name, param.data, gen)
+
+
+def draw_dummy_(model: nn.Module, device: torch.device, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, values) of every parameter of `model` (which may live on meta), each drawn on `device` in turn
+    exactly as `fill_dummy_` would fill that model on `device`; one full parameter exists at a time (tensor
+    parallelism shards each before the next is drawn)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.empty(param.shape, dtype=param.dtype, device=device)
+        _draw_into_(name, values, gen)
+        yield name, values
+
+
+def _draw_into_(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
+    flat = tensor.view(-1)
+    if name.endswith('_scale_inv'):
+        flat.fill_(_DUMMY_FP8_SCALE)
+        return
+    bound = 2.0 if tensor.dtype == FP8_DTYPE else _DUMMY_RANGE
+    draw_dtype = torch.bfloat16 if tensor.dtype == FP8_DTYPE else tensor.dtype
+    for start in range(0, flat.numel(), _DUMMY_CHUNK):
+        piece = flat[start:start + _DUMMY_CHUNK]
+        values = torch.empty(piece.shape, dtype=draw_dtype, device=tensor.device)
+        values.uniform_(-bound, bound, generator=gen)
+        piece.copy_(values)

@@ -13,6 +13,7 @@ from ..nn.attention import PagedAttention
 from ..nn.linear import Embedding, Linear, MergedLinear
 from ..nn.lora import lora_step
 from ..nn.norm import RMSNorm
+from ..nn.parallel import AllReduce
 from ..nn.rotary import RotaryEmbedding
 from .weight_loading import load_weights
 
@@ -42,8 +43,7 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = rotary(q, k, cos_sin)
-        out = self.attn(q, k, v, ctx)
+        out = self.attn(q, k, v, ctx, cos_sin=cos_sin)  # rotary inside (fused with the KV fill)
         return self.o_proj(out.flatten(-2))
 
 
@@ -55,10 +55,13 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_reduce = AllReduce()  # tensor parallelism: sums the ranks' partial outputs (nn/parallel.py)
+        self.mlp_reduce = AllReduce()
 
     def forward(self, x: torch.Tensor, rotary, cos_sin, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, cos_sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.attn_reduce(self.self_attn(self.input_layernorm(x), rotary, cos_sin, ctx))
+        h, x = self.post_attention_layernorm(h, residual=x)
+        return x + self.mlp_reduce(self.mlp(h))
 
 
 class Qwen3Model(nn.Module):

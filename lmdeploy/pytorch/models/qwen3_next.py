@@ -21,11 +21,12 @@ from ..config import ModelConfig, StateSpec
 from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention
-from ..nn.gated_delta import CausalConv1d, GatedDeltaRule, gated_delta_gating
+from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
 from ..nn.linear import Embedding, Linear, MergedLinear
 from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
+from ..nn.parallel import AllReduce
 from ..nn.rotary import RotaryEmbedding
 from .mtp import MTPHead, mtp_num_layers_of
 from .weight_loading import StackedMapping, load_weights
@@ -75,8 +76,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = rotary(q, k, cos_sin)
-        out = self.attn(q, k, v, ctx) * torch.sigmoid(gate)
+        out = self.attn(q, k, v, ctx, cos_sin=cos_sin) * torch.sigmoid(gate)  # rotary inside (fused with KV fill)
         return self.o_proj(out.flatten(-2))
 
 
@@ -105,6 +105,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = CausalConv1d(self.conv_dim, cfg.linear_conv_kernel_dim, bias=False, activation='silu')
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.gating = GatedDeltaGating()
         self.gated_delta_rule = GatedDeltaRule(use_qk_l2norm=True)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(value_dim, cfg.hidden_size)
@@ -118,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        g, beta = gated_delta_gating(a, b, self.A_log, self.dt_bias)
+        g, beta = self.gating(a, b, self.A_log, self.dt_bias)
         out = self.gated_delta_rule(q, k, v, g, beta, states['recurrent'], ctx.inputs)
         out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         return self.out_proj(out.flatten(-2))
@@ -139,6 +140,8 @@ class HybridDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.mixer_reduce = AllReduce()  # tensor parallelism: sums the ranks' partial outputs (nn/parallel.py)
+        self.mlp_reduce = AllReduce()
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -146,11 +149,10 @@ class HybridDecoderLayer(nn.Module):
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, rotary, cos_sin, ctx)
-        x = x + h
-        h = self.post_attention_layernorm(x)
+        h, x = self.post_attention_layernorm(self.mixer_reduce(h), residual=x)
         if self.moe_index is None:
-            return x + self.mlp(h)
-        return x + self.mlp(h, ctx.routes_of(self.moe_index))
+            return x + self.mlp_reduce(self.mlp(h))
+        return x + self.mlp_reduce(self.mlp(h, ctx.routes_of(self.moe_index)))
 
 
 class HybridModel(nn.Module):

@@ -71,17 +71,18 @@ def tp_geometry(hf_config, tp: int) -> TPGeometry:
                       linear_num_value_heads=lin_v)
 
 
-def check_tp_supported(model_path: str, tp: int) -> None:
-    """Engine start: the model's heads must divide over `tp` ranks (`TensorParallelError` naming the count that
-    does not), and `tp > 1` is refused until the multi-rank runtime exists (never a half-working path). tp=1
-    reads nothing."""
+def check_tp_supported(model_path: str, tp: int, *, adapters: bool = False, speculative: bool = False) -> None:
+    """Engine start, before any weight is read or any process is spawned: the model's heads must divide over `tp`
+    ranks (`TensorParallelError` naming the count that does not), and `tp > 1` is refused with what it cannot be
+    combined with yet (LoRA adapters, speculative decoding: their layers are not sharded). tp=1 reads nothing."""
     if tp == 1:
         return
     from .loader import load_hf_config
     tp_geometry(load_hf_config(model_path), tp)
-    raise TensorParallelError(
-        f'tp={tp}: tensor parallelism is not supported yet (the model divides over {tp} ranks, but the multi-rank '
-        'runtime is not built); run with tp=1')
+    for used, what in ((adapters, 'LoRA adapters'), (speculative, 'speculative decoding')):
+        if used:
+            raise TensorParallelError(f'tp={tp}: tensor parallelism cannot be combined with {what} yet; run with '
+                                      'tp=1')
 
 
 def rank_hf_config(hf_config, tp: int):

@@ -2,7 +2,8 @@
 
 Both stateful ops continue every sequence from its row of the state pool (`ctx.inputs.state_ids`, or from zeros
 when `ctx.inputs.is_fresh`) and leave the state after the fed tokens in that row, so chunked prefill, decode and
-mixed batches all compose. Implementations come from the backend (`OpType.CausalConv1d`, `OpType.GatedDeltaRule`).
+mixed batches all compose. Implementations come from the backend (`OpType.CausalConv1d`, `OpType.GatedDeltaRule`,
+`OpType.GatedDeltaGating`).
 
 In-prefill checkpoints (`ctx.inputs.state_cuts`) also leave the state at chosen steps inside a prefill in other
 pool rows, without splitting the forward: the conv history at a cut is the K-1 conv inputs before it (read from the
@@ -16,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..backends.base import OpType
@@ -77,12 +77,16 @@ def save_conv_cuts(x: torch.Tensor, conv_state: torch.Tensor, inputs: ModelInput
     conv_state[idx['dst']] = torch.where(idx['from_x'][:, None, :], from_x, hist)
 
 
-def gated_delta_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, beta) from the per-head projections a, b [T, H]: g = -exp(A_log) * softplus(a + dt_bias) in float32
-    (log-space decay, <= 0), beta = sigmoid(b)."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, b.sigmoid()
+class GatedDeltaGating(nn.Module):
+    """`gated_delta_gating` from the backend (the `cuda` backend fuses its eight small ops into one launch)."""
+
+    def __init__(self):
+        super().__init__()
+        self._impl = current_backend().build(OpType.GatedDeltaGating)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._impl(a, b, A_log, dt_bias)
 
 
 class GatedDeltaRule(nn.Module):

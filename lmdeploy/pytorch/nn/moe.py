@@ -24,15 +24,11 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self._impl = current_backend().build(OpType.SoftmaxTopK)  # softmax + top-k + renormalisation, fused
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
-        logits = torch.nn.functional.linear(x, self.weight)
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
+        return self._impl(torch.nn.functional.linear(x, self.weight), self.top_k, self.norm_topk_prob)
 
 
 class FusedExperts(nn.Module):

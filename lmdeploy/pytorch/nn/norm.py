@@ -1,4 +1,5 @@
-"""RMSNorm variants: plain, zero-centred (scale 1 + w) and gated (w * norm(x) * silu(gate))."""
+"""RMSNorm variants: plain, zero-centred (scale 1 + w), gated (w * norm(x) * silu(gate)), and fused with the
+residual stream's add (`RMSNorm(x, residual)`)."""
 from __future__ import annotations
 
 import torch
@@ -15,10 +16,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
         self.zero_centered = zero_centered
-        self._impl = current_backend().build(OpType.RMSNorm)
+        backend = current_backend()
+        self._impl = backend.build(OpType.RMSNorm)
+        self._add_impl = backend.build(OpType.AddRMSNorm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._impl(x, self.weight, self.eps, self.zero_centered)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual) in one op (the sum in x's dtype)."""
+        if residual is None:
+            return self._impl(x, self.weight, self.eps, self.zero_centered)
+        return self._add_impl(x, residual, self.weight, self.eps, self.zero_centered)
 
 
 class GatedRMSNorm(nn.Module):

@@ -1,6 +1,14 @@
 """The `cuda` backend: Triton kernels (and fla-core for the gated delta rule); anything missing falls back to the
-`default` backend op by op."""
+`default` backend op by op.
+
+Fused small ops (one launch each): residual add + RMSNorm, the MoE router's softmax + top-k + renormalisation, the
+attention layers' rotary + KV fill, and the gated DeltaNet gating (g, beta). `LMDEPLOY_FUSED_OPS=0` (read at
+import) builds the unfused sequences instead (same kernels one by one, torch for the adds, the router and the
+gating), for before/after measurements.
+"""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -10,16 +18,22 @@ from ...kernels.cuda import gated_delta_rule as _gdr
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
+from ...kernels.cuda.gated_delta_gating import gated_delta_gating
 from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
+from ...kernels.cuda.moe_routing import softmax_topk
 from ...kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
-from ...kernels.cuda.rms_norm import gated_rms_norm, rms_norm
-from ...kernels.cuda.rotary import apply_rotary
+from ...kernels.cuda.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
+from ...kernels.cuda.rotary import apply_rotary, rotary_fill_kv_cache
 from ...kernels.cuda.varlen_attention import varlen_attention
 from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
 from ..default import blocked_fp8_builder, causal_conv1d_builder, gated_delta_rule_builder
+from ..default.elementwise import gated_delta_gating as default_gated_delta_gating
+from ..default.moe import softmax_topk as default_softmax_topk
+
+_FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
 
 
 def _const(fn):
@@ -29,13 +43,23 @@ def _const(fn):
 
 
 def _build_attention(**_kwargs):
-    def forward(q, k, v, k_cache, v_cache, inputs, scale):
-        fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
+    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None):
+        if cos_sin is not None and _FUSED_OPS:  # one launch: the rotated K goes straight into the pool
+            q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping)
+        else:
+            if cos_sin is not None:
+                q, k = apply_rotary(q, k, *cos_sin)
+            fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
         if inputs.is_decode:
             return paged_decode_attention(q, k_cache, v_cache, inputs.block_tables, inputs.kv_lens, scale)
         return paged_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.cu_seqlens_q,
                                        inputs.q_lens, inputs.kv_lens, inputs.max_seqlen_q, scale)
     return forward
+
+
+def _unfused_add_rms_norm(x, residual, weight, eps, zero_centered=False):
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps, zero_centered), new_residual
 
 
 def _build_vision_attention(**_kwargs):
@@ -111,10 +135,13 @@ _BUILDERS = {
     OpType.VisionAttention: _build_vision_attention,
     OpType.CacheBlockCopy: _const(copy_packed_cache),
     OpType.RMSNorm: _const(rms_norm),
+    OpType.AddRMSNorm: _const(add_rms_norm if _FUSED_OPS else _unfused_add_rms_norm),
     OpType.GatedRMSNorm: _const(gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
     OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
+    OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
+    OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),
     OpType.MoE: _const(fused_moe),
     OpType.LinearBlockedF8: _build_linear_blocked_f8,
     OpType.MoEBlockedF8: blocked_fp8_builder(fused_moe_blocked_fp8),

@@ -1,6 +1,8 @@
 """The `default` backend: plain torch, runs on CPU and GPU. Every other backend falls back to it."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ...kernels.default import blocked_fp8 as _fp8
@@ -22,7 +24,9 @@ def _const(fn):
 
 
 def _build_attention(**_kwargs):
-    def forward(q, k, v, k_cache, v_cache, inputs, scale):
+    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None):
+        if cos_sin is not None:
+            q, k = elementwise.apply_rotary(q, k, *cos_sin)
         _attn.fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
         return _attn.paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.q_lens_list,
                                      inputs.kv_lens_list, scale)
@@ -83,7 +87,16 @@ def _build_lora(**_kwargs):
     return forward
 
 
-_build_gated_delta_rule = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule)
+def _host_seq_bounds(inputs, _device) -> dict:
+    """The torch chunked kernel loops over sequences: hand it their bounds from the host (no read-back), when the
+    inputs carry their lengths there."""
+    if len(inputs.q_lens_list) != inputs.cu_seqlens_q.numel() - 1:
+        return {}
+    return {'seq_bounds': [0, *itertools.accumulate(inputs.q_lens_list)]}
+
+
+_build_gated_delta_rule = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule,
+                                                   chunk_kwargs=_host_seq_bounds)
 _build_causal_conv1d = causal_conv1d_builder(_conv.causal_conv1d)
 
 
@@ -92,13 +105,16 @@ _BUILDERS = {
     OpType.Linear: _const(elementwise.linear),
     OpType.LinearBlockedF8: blocked_fp8_builder(_fp8.linear_blocked_fp8),
     OpType.RMSNorm: _const(elementwise.rms_norm),
+    OpType.AddRMSNorm: _const(elementwise.add_rms_norm),
     OpType.GatedRMSNorm: _const(elementwise.gated_rms_norm),
     OpType.ApplyRotary: _const(elementwise.apply_rotary),
     OpType.SiluAndMul: _const(elementwise.silu_and_mul),
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
+    OpType.GatedDeltaGating: _const(elementwise.gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.CausalConv1d: _build_causal_conv1d,
+    OpType.SoftmaxTopK: _const(moe.softmax_topk),
     OpType.MoE: _const(moe.fused_moe),
     OpType.MoEBlockedF8: blocked_fp8_builder(_fp8.fused_moe_blocked_fp8),
     OpType.Sampling: _const(sampling.sample),

@@ -1,4 +1,5 @@
-"""Plain-torch implementations of the small per-token ops (norms, rotary, activations, linear, embedding)."""
+"""Plain-torch implementations of the small per-token ops (norms, rotary, gated DeltaNet gating, activations,
+linear, embedding)."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return (x32 * w).to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream's add, then the next norm, with the sum in x's
+    dtype (the unfused pair of ops)."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps, zero_centered), new_residual
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rmsnorm(x) * silu(gate), normalised in float32 (the gated DeltaNet output norm)."""
     dtype = x.dtype
@@ -21,6 +30,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     x32 = weight.float() * x32
     return (x32 * F.silu(gate.float())).to(dtype)
+
+
+def gated_delta_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) from the per-head projections a, b [T, H]: g = -exp(A_log) * softplus(a + dt_bias) in float32
+    (log-space decay, <= 0), beta = sigmoid(b)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid()
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

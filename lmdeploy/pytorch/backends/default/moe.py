@@ -8,6 +8,16 @@ import torch.nn.functional as F
 from ...kernels.default.expert_groups import expert_groups
 
 
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's tail: float32 softmax over logits [T, E], the top-k (descending), divided by their sum when
+    `renormalize` -> (weights [T, k] in logits' dtype, expert ids [T, k] int64)."""
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts.

@@ -25,10 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 
 
+@fast_kernel
 @triton.jit
 def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
                       BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -58,9 +61,9 @@ def quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Ten
 
 
 @triton.jit(do_not_specialize=['M', 'M_BUCKET'])  # one compiled kernel per tile for every row count
-def _blocked_gemm_fp8_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, M_BUCKET, stride_am, stride_asm,
-                             stride_bn, stride_bsn, stride_cm, BLOCK_SIZE_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _blocked_gemm_fp8(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, M_BUCKET, stride_am, stride_asm, stride_bn,
+                      stride_bsn, stride_cm, BLOCK_SIZE_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # M_BUCKET (`m_bucket(M)`) is only the autotuning key: every M of a bucket runs the bucket's tuned tile
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,10 +141,21 @@ def _autotune_options() -> dict:
     return {name: value for name, value in (('do_bench', _quick_bench), ('cache_results', True)) if name in params}
 
 
+# Launches with an explicit tile take the cheap path (`launch.fast_kernel`); the autotuner only chooses a key's tile
+# once (it times the tiles and runs the best), then `_TUNED` holds the choice and later calls launch it directly.
+_blocked_gemm_fp8_kernel = fast_kernel(_blocked_gemm_fp8)
 _tuned_gemm_fp8_kernel = triton.autotune(
     configs=[triton.Config({'BLOCK_M': m, 'BLOCK_N': n}, num_warps=w, num_stages=s) for m, n, w, s in GEMM_TILES],
-    key=['N', 'K', 'M_BUCKET'], prune_configs_by={'early_config_prune': _prune_tiles},
-    **_autotune_options())(_blocked_gemm_fp8_kernel)
+    key=['N', 'K', 'M_BUCKET', 'BLOCK_SIZE_N', 'BLOCK_K'], prune_configs_by={'early_config_prune': _prune_tiles},
+    **_autotune_options())(_blocked_gemm_fp8)
+# (N, K, row bucket, block_size, out dtype) -> the tuned (BLOCK_M, BLOCK_N, num_warps, num_stages)
+_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def tuned_tile(cols: int, depth: int, rows: int, block_size: tuple[int, int], out_dtype: torch.dtype
+               ) -> tuple[int, int, int, int] | None:
+    """The autotuner's tile for this GEMM key, or None before it is tuned."""
+    return _TUNED.get((cols, depth, m_bucket(rows), tuple(block_size), out_dtype))
 
 
 def blocked_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -166,9 +180,14 @@ def blocked_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
                 stride_asm=a_scale.stride(0), stride_bn=b.stride(0), stride_bsn=b_scale.stride(0),
                 stride_cm=out.stride(0), BLOCK_SIZE_N=block_n, BLOCK_K=block_k)
     if tile is None and AUTOTUNE:
-        grid = lambda meta: (triton.cdiv(rows, meta['BLOCK_M']), triton.cdiv(cols, meta['BLOCK_N']))  # noqa: E731
-        _tuned_gemm_fp8_kernel[grid](a, a_scale, b, b_scale, out, **args)
-        return out
+        key = (cols, depth, m_bucket(rows), (block_n, block_k), out_dtype)
+        tile = _TUNED.get(key)
+        if tile is None:  # first call of this key: time the tiles (the tuner runs the best one on these operands)
+            grid = lambda meta: (triton.cdiv(rows, meta['BLOCK_M']), triton.cdiv(cols, meta['BLOCK_N']))  # noqa: E731
+            _tuned_gemm_fp8_kernel[grid](a, a_scale, b, b_scale, out, **args)
+            best = _tuned_gemm_fp8_kernel.best_config
+            _TUNED[key] = (best.kwargs['BLOCK_M'], best.kwargs['BLOCK_N'], best.num_warps, best.num_stages)
+            return out
     block_m, tile_n, num_warps, num_stages = tile or fixed_tile(rows)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, tile_n))
     _blocked_gemm_fp8_kernel[grid](a, a_scale, b, b_scale, out, **args, BLOCK_M=block_m, BLOCK_N=tile_n,

@@ -17,9 +17,11 @@ import triton
 import triton.language as tl
 
 from .blocked_fp8 import quant_fp8
+from .launch import fast_kernel
 from .moe import _align_pairs, _block_sizes
 
 
+@fast_kernel
 @triton.jit
 def _moe_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
                        inter, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
@@ -66,6 +68,7 @@ def _moe_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_pairs_ptr, 
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@fast_kernel
 @triton.jit
 def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr,
                          num_pairs, hidden, inter, stride_at, stride_ast, stride_we, stride_wn, stride_wse,

@@ -25,7 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
 
+
+@fast_kernel
 @triton.jit
 def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token_ptr, cu_seqlens_ptr, state_ids_ptr,
                         fresh_ptr, num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1,
@@ -62,6 +65,7 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
              mask=out_mask)
 
 
+@fast_kernel
 @triton.jit
 def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens_ptr, state_ids_ptr, fresh_ptr,
                           channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1, stride_s2, stride_ot,

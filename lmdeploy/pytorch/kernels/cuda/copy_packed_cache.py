@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 # Bytes one program moves: 64 KiB = 128 B per thread at 16 warps (the best of the H200 launch-shape sweep in
 # benchmark/bench_copy_packed_cache.py: ~92% of a device-to-device copy at kernel block sizes 16 and 64).
 _CHUNK_BYTES = 65536
@@ -23,6 +25,7 @@ _MAX_GRID_Y = 65535
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
+@fast_kernel
 @triton.jit
 def _copy_blocks_kernel(cache_ptr, src_ptr, dst_ptr, stride_row, block_words, num_chunks, BLOCK: tl.constexpr):
     pid = tl.program_id(0)

@@ -11,11 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 # Elements of one K (or V) tile a program moves; V doubles it.
 _TILE_ELEMS = 4096
 _MAX_GRID_Y = 65535
 
 
+@fast_kernel
 @triton.jit
 def _fill_kv_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_kt, stride_kh, stride_vt, stride_vh,

@@ -19,7 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
 
+
+@fast_kernel
 @triton.jit
 def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seq_slots_ptr, cu_seqlens_ptr, in_features, stacked_rank,
                         stride_xt, stride_as, stride_ar, stride_yt, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -50,6 +53,7 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seq_slots_ptr, cu_seqlens_ptr, in_f
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@fast_kernel
 @triton.jit
 def _sgmv_expand_kernel(y_ptr, b_ptr, out_ptr, seq_slots_ptr, cu_seqlens_ptr, rank, out_features,
                         stride_yt, stride_bs, stride_bo, stride_ot, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -2,7 +2,7 @@
 
 Algorithm (no host sync; every size comes from host-side shapes):
 
-1. Align: the ``N = T * top_k`` (token, expert) pairs are sorted by expert and each expert's run is padded to a
+1. Align: the ``N = T * top_k`` (token, expert) pairs are grouped by expert and each expert's run is padded to a
    multiple of ``BLOCK_M``, giving ``sorted_pairs`` (pair index, or the sentinel ``N`` in padding) and one expert
    id per block of ``BLOCK_M`` rows (``E`` for blocks past the end, whose programs exit at once). At most
    ``cdiv(N, BLOCK_M) + min(E, N)`` blocks are ever needed, so buffers are sized by that bound.
@@ -20,7 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+from .moe_align import align_pairs
 
+
+@fast_kernel
 @triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
                    stride_xt, stride_we, stride_wn, stride_wk, stride_ot, TOP_K: tl.constexpr,
@@ -63,6 +67,7 @@ def _moe_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, nu
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@fast_kernel
 @triton.jit
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
                      inter, stride_at, stride_we, stride_wn, stride_wk, stride_ot, NUM_EXPERTS: tl.constexpr,
@@ -96,24 +101,9 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block
 
 
 def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring."""
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    num_pairs = flat.numel()
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    expert_of_sorted = flat[order]
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of_sorted]
-    dest = (padded_end - padded)[expert_of_sorted] + rank
-    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
-    sorted_pairs[dest] = order
-    block_starts = torch.arange(max_blocks, device=device, dtype=torch.int64) * block_m
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
-    return sorted_pairs, block_expert
+    """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring, in
+    three launches (`moe_align.py`; its `align_pairs_reference` is the torch form)."""
+    return align_pairs(topk_ids, num_experts, block_m)
 
 
 def _block_sizes(num_pairs: int, num_experts: int) -> tuple[int, int, int]:

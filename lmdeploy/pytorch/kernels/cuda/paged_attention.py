@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 _LOG2E = 1.4426950408889634
 _MAX_GRID_YZ = 65535
 
@@ -65,6 +67,7 @@ def _attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, 
     return acc, l_i, m_new
 
 
+@fast_kernel
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, cu_seqlens_q_ptr, q_lens_ptr,
                     kv_lens_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_co, stride_ch,
@@ -113,6 +116,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, cu
     tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
+@fast_kernel
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
                          stride_qb, stride_qh, stride_cp, stride_co, stride_ch, stride_bt,
@@ -158,6 +162,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_l
     tl.store(part_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
+@fast_kernel
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, o_ptr, kv_lens_ptr,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,

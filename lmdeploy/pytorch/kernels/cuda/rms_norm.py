@@ -1,7 +1,9 @@
-"""Triton RMSNorm (plain, zero-centred, gated); semantics of `backends/default/elementwise.py`.
+"""Triton RMSNorm (plain, zero-centred, gated, residual-add); semantics of `backends/default/elementwise.py`.
 
 One program normalises one row of the last dimension in float32 and writes a new contiguous tensor of the input's
 shape and dtype. Leading dimensions are flattened into rows (copying only when they cannot be viewed as rows).
+With a residual, the row is first `x + residual` rounded to the input dtype (what the unfused `x + residual` in
+that dtype produces); that sum is stored as the new residual and is what gets normalised.
 """
 from __future__ import annotations
 
@@ -9,14 +11,23 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
 
+
+@fast_kernel
 @triton.jit
-def _rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, stride_x, stride_gate, stride_out, dim, eps,
-                     ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stride_gate, stride_res,
+                     stride_res_out, stride_out, dim, eps, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
+    x = x.to(tl.float32)
     x = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
@@ -35,31 +46,44 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            zero_centered: bool) -> torch.Tensor:
+            zero_centered: bool, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normed, new residual or None)."""
     dim = x.shape[-1]
     assert weight.shape == (dim,), f'weight {tuple(weight.shape)} does not match the last dim {dim}'
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if x.numel() == 0:
-        return out
+        return out, res_out
     x_rows = _as_rows(x)
     gate_rows = _as_rows(gate) if gate is not None else x_rows
+    res_rows = _as_rows(residual) if residual is not None else x_rows
+    res_out_rows = res_out.view(-1, dim) if res_out is not None else x_rows
     out_rows = out.view(-1, dim)
     block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(x_rows.shape[0],)](
-        x_rows, gate_rows, weight.contiguous(), out_rows,
-        stride_x=x_rows.stride(0), stride_gate=gate_rows.stride(0), stride_out=out_rows.stride(0),
-        dim=dim, eps=float(eps), ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None, BLOCK=block,
+        x_rows, gate_rows, res_rows, res_out_rows, weight if weight.stride(0) == 1 else weight.contiguous(),
+        out_rows, stride_x=x_rows.stride(0), stride_gate=gate_rows.stride(0), stride_res=res_rows.stride(0),
+        stride_res_out=res_out_rows.stride(0), stride_out=out_rows.stride(0), dim=dim, eps=float(eps),
+        ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
     )
-    return out
+    return out, res_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
     """RMSNorm in float32; `zero_centered` scales by (1 + weight) as Qwen3-Next/Qwen3.5 do."""
-    return _launch(x, None, weight, eps, zero_centered)
+    return _launch(x, None, weight, eps, zero_centered)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype, in one launch."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype, \
+        f'residual {tuple(residual.shape)} {residual.dtype} != x {tuple(x.shape)} {x.dtype}'
+    return _launch(x, None, weight, eps, zero_centered, residual)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rmsnorm(x) * silu(gate), normalised in float32 (the gated DeltaNet output norm)."""
     assert gate.shape == x.shape, f'gate {tuple(gate.shape)} != x {tuple(x.shape)}'
-    return _launch(x, gate, weight, eps, False)
+    return _launch(x, gate, weight, eps, False)[0]

@@ -12,9 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 _LOG2E = 1.4426950408889634
 
 
+@fast_kernel
 @triton.jit
 def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, stride_qn, stride_qh, stride_kn, stride_kh,
                              stride_vn, stride_vh, stride_on, stride_oh, head_dim, qk_scale,

@@ -113,16 +113,18 @@ def chunk_gated_delta_rule(
     is_fresh: torch.Tensor,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    seq_bounds: list[int] | None = None,
 ) -> torch.Tensor:
     """Chunked (prefill) gated delta rule over packed varlen sequences; see the module docstring.
 
-    Loops over sequences (host sync on ``cu_seqlens``) and over chunks within a sequence; everything inside a
-    chunk is batched over heads. Returns ``[T, H, Dv]`` in ``v.dtype`` and updates ``state`` in place.
+    Loops over sequences and over chunks within a sequence; everything inside a chunk is batched over heads.
+    ``seq_bounds`` (host ints, ``cu_seqlens`` on the host) avoids reading the bounds back from the device.
+    Returns ``[T, H, Dv]`` in ``v.dtype`` and updates ``state`` in place.
     """
     q, k, vf, g, beta = _prepare_inputs(q, k, v, g, beta, use_qk_l2norm)
     states = _load_states(state, state_ids, is_fresh)
     out = torch.zeros_like(vf)
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist() if seq_bounds is None else seq_bounds
     finals = []
     for b in range(len(bounds) - 1):
         bos, eos = bounds[b], bounds[b + 1]

@@ -481,7 +481,9 @@ class BlockTrie(PrefixCache):
             self.checkpoints.release(ck)
             return
         self._routes_bytes += route_store.keep_checkpoint_routes(ck, seq, self.block_size)
-        self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick())
+        # Recomputed inside the prompt, an evicted checkpoint at this step would have been this request's hit.
+        in_prompt = ck.step < seq.num_prompt_tokens or (self.prompt_logits and ck.step == seq.num_prompt_tokens)
+        self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick(), revives=in_prompt)
         self.stats.checkpoints_saved += 1
         self._held_bytes += self.checkpoints.bytes_held(ck)
         self._num_partial += ck.is_partial

@@ -6,11 +6,13 @@ a pinned one (restore copies pending) is never evicted or released. The publishe
 heaps (partial, aligned) ordered by `ReusePolicy` priority (eviction_policy.py): state pressure takes the lowest of
 either; KV pressure compares the lowest partial one with the lowest trie leaf (`BlockTrie.evict_blocks`). When a
 partial checkpoint goes, an aligned checkpoint at its block floor on the same anchor (its fallback: the same prefix
-up to the block boundary) inherits its hits.
+up to the block boundary) inherits its hits. An evicted checkpoint's hits are remembered by its prefix (anchor
+key, step, tail hash; the last `_MAX_GHOSTS` evictions): one computed again there for a prompt it would have served
+carries them on.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from ..block_manager import BlockManager
@@ -18,6 +20,9 @@ from ..state_manager import StateManager
 from .checkpoint_index import StateCheckpointIndex
 from .eviction_policy import LazyMinHeap, ReusePolicy
 from .node import CheckpointState, Node, NodeStateCheckpoint
+
+# Evicted checkpoints whose hits are remembered (`StateCheckpointLifecycle.publish`).
+_MAX_GHOSTS = 1 << 14
 
 
 class StateCheckpointLifecycle:
@@ -42,6 +47,8 @@ class StateCheckpointLifecycle:
         self._aligned: LazyMinHeap[NodeStateCheckpoint] = LazyMinHeap()
         self.num_evicted = 0
         self.evictions_by_cause: Counter = Counter()
+        # (anchor prefix key, step, tail hash) of recently evicted checkpoints -> their hits.
+        self._ghosts: OrderedDict[tuple[int, int, int], int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -56,9 +63,12 @@ class StateCheckpointLifecycle:
         self._live.add(ck)
         return ck
 
-    def publish(self, ck: NodeStateCheckpoint, nodes: tuple[Node, ...], anchor: Node, now: int) -> None:
+    def publish(self, ck: NodeStateCheckpoint, nodes: tuple[Node, ...], anchor: Node, now: int,
+                revives: bool = False) -> None:
         """The save copies are queued: fix the anchor and its path `nodes` (empty for a root anchor) and make the
-        checkpoint matchable."""
+        checkpoint matchable. `revives`: it was computed for a prompt that a checkpoint at the same prefix would
+        have served (its step lies within that prompt); if one was evicted there recently, the new one carries its
+        hits on, plus the hit this prompt missed."""
         assert ck.state == CheckpointState.RESERVED
         assert (nodes[-1] if nodes else anchor) is anchor and anchor.attached
         ck.anchor, ck.nodes, ck.block_ids = anchor, nodes, tuple(n.block_id for n in nodes)
@@ -67,6 +77,9 @@ class StateCheckpointLifecycle:
         anchor.checkpoints[(ck.step, ck.tail_hash)] = ck
         anchor.add_continuation(ck.tail_bytes)
         self.index.add(ck)
+        missed = self._ghosts.pop((anchor.prefix_key, ck.step, ck.tail_hash), None)
+        if revives and missed is not None:
+            ck.num_hits = max(ck.num_hits, missed + 1)
         self._reprioritise(ck)
 
     def pin(self, ck: NodeStateCheckpoint, now: int) -> None:
@@ -144,6 +157,9 @@ class StateCheckpointLifecycle:
         if self.on_evict is not None:
             self.on_evict(ck)
         self.policy.on_evicted(ck.priority)
+        self._ghosts[(ck.anchor.prefix_key, ck.step, ck.tail_hash)] = ck.num_hits
+        if len(self._ghosts) > _MAX_GHOSTS:
+            self._ghosts.popitem(last=False)
         fallback = self.fallback(ck) if ck.num_hits else None
         self.release(ck)
         self.num_evicted += 1

@@ -11,7 +11,10 @@ memory held:
 - `hits`: requests admitted on the item so far (restores of a checkpoint; matches through a dense-model block;
   a branch point starts with one). An item no request has used yet gets the credit of one use, and so does an
   item used once: one reuse is what every chat reply or repeated prompt gets, and it predicts nothing more. From
-  the second hit on each hit adds credit.
+  the second hit on each hit adds credit. Observed reuse outlives an eviction: a checkpoint computed again inside
+  a prompt, at the prefix of one evicted recently (the last 16K evictions are remembered), starts with that one's
+  hits plus the hit the prompt missed (`StateCheckpointLifecycle.publish`; a ghost entry, as ARC and 2Q keep). A
+  checkpoint computed past its prompt (a reply decoded again) would not have served that request and starts afresh.
 - `tokens`: the prefill a hit skips (a checkpoint's step; for a dense block the `block_size` tokens it adds to its
   parent's prefix). Counted in bits (`floor(log2(1 + tokens))`): a deeper prefix saves more per hit but is shared
   by fewer later prompts, so a 4000-token one-off must not outrank a 200-token system prompt that serves every

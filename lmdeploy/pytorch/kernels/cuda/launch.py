@@ -1,0 +1,115 @@
+"""Cheap launches of our Triton kernels: after the first compile of a specialization, call its compiled handle.
+
+`JITFunction.__call__` (`kernel[grid](...)`) binds arguments, computes Triton's specialization of every argument,
+hashes it with the options into a cache key, checks the kernel's globals and builds launch metadata on every call:
+tens of microseconds of Python per launch, for kernels whose device time is often a few microseconds. `FastKernel`
+wraps a `@triton.jit` function and keeps its own cache from a cheaper key to the `CompiledKernel`; a hit calls
+`CompiledKernel.run` directly, the way Triton's own launcher does after its lookup.
+
+Key (invariant: two calls with the same key have the same Triton specialization, so they may share a binary):
+- the current device and the launch options (`num_warps`, `num_stages`, ...);
+- every constexpr parameter's value;
+- every tensor's dtype and whether its data pointer is 16-byte aligned (Triton's pointer specialization);
+- every int's width class (i32 / i64 / u64), whether it equals 1 and whether it is divisible by 16 (Triton
+  specializes ints on both);
+- the type of every other value (floats, bools, None).
+The key is at least as fine as Triton's, so a hit never runs a binary compiled for another specialization. A miss
+launches through `JITFunction` (compiling if needed) and stores the `CompiledKernel` it returns.
+
+Under `TRITON_INTERPRET=1` (CPU tests) `triton.jit` builds an interpreted function; `FastKernel` then always takes
+the normal path. So does any call while a Triton launch hook is installed (profilers such as proton), so hooks
+still see every launch, and every call when the environment sets `LMDEPLOY_FAST_LAUNCH=0` (read at import; for
+before/after measurements, `benchmark/bench_host_per_layer.py`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+_INT32_MIN, _INT32_MAX, _UINT64_MIN = -(2 ** 31), 2 ** 31 - 1, 2 ** 63
+_ENABLED = os.environ.get('LMDEPLOY_FAST_LAUNCH', '1') != '0'
+
+
+def _arg_key(arg: Any) -> Any:
+    """The part of Triton's specialization an argument decides (see the module docstring)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    if arg.__class__ is int:
+        return arg == 1, arg & 15 == 0, _INT32_MIN <= arg <= _INT32_MAX, arg >= _UINT64_MIN
+    return arg.__class__
+
+
+def _has_hook(hook: Any) -> bool:
+    """Whether a Triton launch hook is installed (a non-empty `HookChain` in Triton >= 3.5, a callable before)."""
+    return hook is not None and getattr(hook, 'calls', True) != []
+
+
+class FastKernel:
+    """A `@triton.jit` kernel launched as `kernel[grid](*args, **kwargs)`, like the function it wraps."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        # Interpreted kernels (TRITON_INTERPRET=1) and anything that is not a plain JITFunction take the normal path.
+        self.is_fast = _ENABLED and isinstance(fn, JITFunction)
+        if self.is_fast:
+            self.arg_names: list[str] = list(fn.arg_names)
+            self.is_constexpr = [p.is_constexpr for p in fn.params]
+            self.defaults = {name: param.default for name, param in fn.signature.parameters.items()
+                             if param.default is not param.empty}
+        self._compiled: dict[tuple, Any] = {}
+        self._current_device = self._current_stream = None  # the active driver's functions, bound at first launch
+
+    @property
+    def num_compiled(self) -> int:
+        """Specializations this wrapper holds a compiled handle for (tests read it)."""
+        return len(self._compiled)
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def launch(*args, **kwargs):
+            return self.launch(grid, *args, **kwargs)
+        return launch
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[list, dict]:
+        """(every parameter's value in signature order, the remaining launch options)."""
+        values = list(args)
+        for name in self.arg_names[len(args):]:
+            if name in kwargs:
+                values.append(kwargs.pop(name))
+            elif name in self.defaults:
+                values.append(self.defaults[name])
+            else:
+                raise TypeError(f'{self.fn.__name__}: missing argument {name!r}')
+        return values, kwargs
+
+    def launch(self, grid: tuple[int, ...], *args, **kwargs) -> None:
+        hooks = triton.knobs.runtime
+        if not self.is_fast or _has_hook(hooks.launch_enter_hook) or _has_hook(hooks.launch_exit_hook):
+            self.fn[grid](*args, **kwargs)
+            return
+        if self._current_device is None:
+            active = triton.runtime.driver.active
+            self._current_device, self._current_stream = active.get_current_device, active.get_current_stream
+        values, options = self._bind(args, kwargs)
+        device = self._current_device()
+        key = (device, tuple(sorted(options.items())),
+               tuple(v if c else _arg_key(v) for v, c in zip(values, self.is_constexpr)))
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*values, **options)
+            if hasattr(kernel, 'result'):  # asynchronous compilation hands back a future
+                kernel = kernel.result()
+            self._compiled[key] = kernel
+            return
+        num = len(grid)
+        kernel.run(grid[0], grid[1] if num > 1 else 1, grid[2] if num > 2 else 1, self._current_stream(device),
+                   kernel.function, kernel.packed_metadata, None, None, None, *values)
+
+
+def fast_kernel(fn: Any) -> FastKernel:
+    """Decorator over `@triton.jit`: `@fast_kernel @triton.jit def _kernel(...)`. Only for kernels launched from the
+    host; a `@triton.jit` helper called from other kernels must stay a plain JITFunction."""
+    return FastKernel(fn)

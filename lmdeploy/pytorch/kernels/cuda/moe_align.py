@@ -1,0 +1,112 @@
+"""Triton MoE alignment: group the (token, expert) pairs by expert in three launches instead of ~20 torch ops.
+
+Contract (`moe.py` step 1, `align_pairs_reference` below): for the ``N = T * top_k`` pairs (flattened ``topk_ids``)
+and ``BLOCK_M``, each expert's pairs occupy a run of ``sorted_pairs`` that starts at the sum of the previous
+experts' counts rounded up to ``BLOCK_M`` and is padded with the sentinel ``N`` to a multiple of ``BLOCK_M``;
+``block_expert[b]`` is the expert of rows ``[b * BLOCK_M, (b + 1) * BLOCK_M)``, or ``E`` past the last run. Buffers
+hold ``max_blocks = cdiv(N, BLOCK_M) + min(E, N)`` blocks (the bound of the module docstring of `moe.py`).
+
+Within an expert's run the pairs' order is not specified (the scatter takes ranks with atomics); the expert GEMMs
+compute every row independently and write each pair's result to row ``pair``, so the MoE output does not depend
+on it. Launches: count (atomic histogram), offsets (one program: padded prefix sums, ``block_expert``, sentinel
+fill), scatter (each pair takes the next row of its expert's run).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import fast_kernel
+
+_PAIRS_PER_PROGRAM = 1024
+_COMPARE_ELEMS = 4096  # blocks x experts compared per step of the offsets program
+_FILL = 1024  # sentinel elements per step of the offsets program
+
+
+@fast_kernel
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    tl.atomic_add(counts_ptr + expert, 1, mask=mask)
+
+
+@fast_kernel
+@triton.jit
+def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_experts, num_pairs, max_blocks,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    counts = tl.load(counts_ptr + experts, mask=valid, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + experts, ends - padded, mask=valid)
+    for b0 in range(0, max_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        # searchsorted(ends, block start, right=True): experts whose run ends at or before the block's first row
+        done = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & valid[None, :]
+        tl.store(block_expert_ptr + blocks, tl.sum(done.to(tl.int64), axis=1), mask=blocks < max_blocks)
+    total = max_blocks * BLOCK_M
+    sentinel = tl.full([FILL], 0, tl.int64) + num_pairs
+    for s0 in range(0, total, FILL):
+        rows = s0 + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + rows, sentinel, mask=rows < total)
+
+
+@fast_kernel
+@triton.jit
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    row = tl.atomic_add(cursor_ptr + expert, 1, mask=mask)
+    tl.store(sorted_pairs_ptr + row, offs.to(tl.int64), mask=mask)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [max_blocks * BLOCK_M] int64, block_expert [max_blocks] int64); see the module docstring."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.contiguous()
+    num_pairs = flat.numel()
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int64, device=device)
+    if num_pairs == 0:
+        return sorted_pairs, block_expert
+
+    counts = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)  # [counts, cursors]
+    cursor = counts[num_experts:]
+    grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
+    _count_kernel[grid](flat, counts, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
+    block_e = triton.next_power_of_2(num_experts)
+    _offsets_kernel[(1,)](counts, cursor, block_expert, sorted_pairs, num_experts, num_pairs, max_blocks,
+                          BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(1, _COMPARE_ELEMS // block_e), FILL=_FILL,
+                          num_warps=4)
+    _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
+    return sorted_pairs, block_expert
+
+
+def align_pairs_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same contract in torch ops (stable order within an expert's run); the tests' reference."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    expert_of_sorted = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of_sorted]
+    dest = (padded_end - padded)[expert_of_sorted] + rank
+    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pairs[dest] = order
+    block_starts = torch.arange(max_blocks, device=device, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    return sorted_pairs, block_expert

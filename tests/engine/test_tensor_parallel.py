@@ -1,0 +1,188 @@
+"""Tensor parallelism on the CPU: real two-process runs (rank 0 in the test process, rank 1 a spawned worker, gloo
+between them) against the same engine at TP=1, which is the reference (itself tested against transformers).
+
+The models have n_v / n_k = 3 (gated delta) so a rank's q, k, v sections differ from a plain chunk of the fused
+rows, and Qwen3 runs with grouped KV heads (2 over 2 ranks) and with one KV head replicated on both ranks. Each
+TP=2 engine costs a worker start (a few seconds): the module keeps them few and closes every one."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from lmdeploy import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.messages import SamplingParams
+from lmdeploy.pytorch.nn.parallel import reduction_points
+
+HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=4, num_key_value_heads=2)
+MODELS = {
+    'qwen3_5': ('qwen3_5', HYBRID),
+    'qwen3_next': ('qwen3_next', HYBRID),
+    'qwen3_gqa': ('qwen3', dict(num_attention_heads=6, num_key_value_heads=2)),
+    'qwen3_kv_replicated': ('qwen3', dict(num_attention_heads=4, num_key_value_heads=1)),
+}
+BLOCK = 16
+RTOL, ATOL = 1e-4, 1e-4   # float32 (as against transformers); TP=2 only reorders the row-parallel sums
+
+
+def make(path: str, tp: int, **overrides) -> Engine:
+    config = dict(device_type='cpu', tp=tp, block_size=BLOCK, kernel_block_size=8, num_gpu_blocks=48,
+                  max_batch_size=4, max_prefill_token_num=32)
+    return Engine(path, PytorchEngineConfig(**{**config, **overrides}))
+
+
+def run(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 4) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy tokens and the logits of every fed token, per prompt (all submitted at once: one batch)."""
+    results = []
+    for prompt in prompts:
+        tokens: list[int] = []
+        seq_id = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens),
+                                    callback=lambda out, tokens=tokens: tokens.extend(out.new_token_ids),
+                                    collect_logits=True)
+        results.append((seq_id, tokens))
+    engine.run_until_idle()
+    return [(tokens, engine.pop_collected_logits(seq_id)) for seq_id, tokens in results]
+
+
+def prompts_of(seed: int, lengths=(45, 21)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture
+def no_leftover_workers():
+    yield
+    children = [p for p in multiprocessing.active_children() if p.name.startswith('lmdeploy-tp')]
+    assert not children, f'tensor-parallel workers outlived their engine: {children}'
+
+
+@pytest.mark.parametrize('case', list(MODELS))
+def test_tp2_logits_equal_tp1_under_teacher_forcing(tiny_model_factory, case, no_leftover_workers):
+    """Two prompts batched, prefilled in 32-token chunks, then decoded: every fed token's logits agree."""
+    arch, overrides = MODELS[case]
+    path = tiny_model_factory(arch, **overrides)
+    prompts = prompts_of(1)
+    reference = run(make(path, 1), prompts)
+    engine = make(path, 2)
+    try:
+        got = run(engine, prompts)
+        engine.check_integrity()
+    finally:
+        engine.close()
+    for (ref_tokens, ref_logits), (tokens, logits) in zip(reference, got):
+        assert tokens == ref_tokens
+        assert logits.shape == ref_logits.shape and logits.shape[0] > 0
+        torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
+
+
+def _rank_slice_of_state(full: dict[str, torch.Tensor], text, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """The TP=1 state rows of one layer cut to rank `rank`'s heads (written out here, not taken from the plan):
+    conv channels are the rank's chunk of each of the q, k, v sections; recurrent state its value heads."""
+    key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+    value_dim = text.linear_num_value_heads * text.linear_value_head_dim
+    conv = full['conv']  # [rows, conv_dim, K - 1]
+    parts, start = [], 0
+    for size in (key_dim, key_dim, value_dim):
+        width = size // tp
+        parts.append(conv[:, start + rank * width:start + (rank + 1) * width])
+        start += size
+    heads = text.linear_num_value_heads // tp
+    recurrent = full['recurrent'][:, rank * heads:(rank + 1) * heads]
+    return {'conv': torch.cat(parts, dim=1), 'recurrent': recurrent}
+
+
+def test_tp2_prefix_hit_at_a_non_aligned_step_equals_cold_and_restores_each_ranks_head_slice(
+        tiny_model_factory, no_leftover_workers):
+    from lmdeploy.pytorch.models.loader import load_hf_config
+    path = tiny_model_factory('qwen3_5', **HYBRID)
+    first = prompts_of(2, lengths=(37,))[0]          # its end checkpoint sits at step 37 (not a block multiple)
+    second = first + prompts_of(3, lengths=(11,))[0]
+    cold = run(make(path, 1), [second])[0]
+    tp1 = make(path, 1, enable_prefix_caching=True)
+    run(tp1, [first], max_new_tokens=1)
+    engine = make(path, 2, enable_prefix_caching=True)
+    try:
+        run(engine, [first], max_new_tokens=1)
+        tokens: list[int] = []
+        cached = []
+        seq_id = engine.add_request(second, SamplingParams(max_new_tokens=4),
+                                    callback=lambda out: (tokens.extend(out.new_token_ids),
+                                                          cached.append(out.num_cached)),
+                                    collect_logits=True)
+        engine.run_until_idle()
+        hit_logits = engine.pop_collected_logits(seq_id)
+        run(tp1, [second])
+        ranks = engine.agent.rank_state_caches()
+        engine.check_integrity()
+    finally:
+        engine.close()
+    hit = cached[-1]
+    assert hit % BLOCK and 0 < hit < len(second), f'expected a hit at a non-aligned step, got {hit}'
+    assert tokens == cold[0]
+    torch.testing.assert_close(hit_logits, cold[1][hit:], rtol=RTOL, atol=ATOL)
+    # Both engines made the same scheduling decisions: every state row (checkpoints, the restored runtime rows)
+    # of each rank is the TP=1 row's head slice.
+    text = load_hf_config(path)
+    tp1_state = tp1.cache_engine.state_caches
+    assert len(ranks) == 2 and len(ranks[0]) == len(tp1_state) > 0
+    for rank, layers in enumerate(ranks):
+        for full, mine in zip(tp1_state, layers):
+            want = _rank_slice_of_state(full, text, rank, 2)
+            assert mine['conv'].abs().sum() > 0
+            torch.testing.assert_close(mine['conv'], want['conv'], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(mine['recurrent'], want['recurrent'], rtol=RTOL, atol=ATOL)
+
+
+def test_a_killed_worker_fails_every_request_clearly_and_stops_the_engine(tiny_model_factory, no_leftover_workers):
+    path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
+    engine = make(path, 2)
+    try:
+        outs = []
+        engine.add_request(prompts_of(4)[0], SamplingParams(max_new_tokens=50), callback=outs.append)
+        engine.step()
+        engine.step()
+        worker = engine.tp_workers.workers[0].process
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        while not (outs and outs[-1].finished):
+            assert time.monotonic() - start < 30, 'the engine hung on a dead worker'
+            engine.step()
+        error = outs[-1].error
+        assert outs[-1].finish_reason == 'error' and 'rank 1' in error and 'exited with code -9' in error, error
+        assert engine.fatal_error is not None and not engine.has_work
+        with pytest.raises(RuntimeError, match='the engine has stopped: tensor-parallel worker rank 1'):
+            engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=1))
+    finally:
+        engine.close()
+    assert worker.exitcode == -signal.SIGKILL
+
+
+def test_a_worker_dying_while_idle_stops_the_loop_and_refuses_new_requests(tiny_model_factory, no_leftover_workers):
+    from lmdeploy.pytorch.engine.engine_loop import EngineLoop
+    path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
+    engine = make(path, 2)
+    loop = EngineLoop(engine)
+    try:
+        os.kill(engine.tp_workers.workers[0].process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        while loop.is_alive:
+            assert time.monotonic() - start < 30, 'the loop kept running on a dead worker'
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match=r'tensor-parallel worker rank 1 \(pid \d+\) exited with code -9'):
+            engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=1))
+    finally:
+        loop.close()
+
+
+def test_tp1_starts_no_process_and_attaches_no_group(tiny_model_factory):
+    before = set(multiprocessing.active_children())
+    engine = make(tiny_model_factory('qwen3'), 1)
+    assert engine.tp_workers is None and set(multiprocessing.active_children()) == before
+    reductions = reduction_points(engine.model)
+    assert reductions and all(m.group is None for m in reductions)
+    assert type(engine.agent).__name__ == 'ModelAgent'

@@ -1,0 +1,328 @@
+"""Fused small ops of the `cuda` backend against the unfused torch path of the `default` backend, and the cheap
+Triton launcher (`kernels/cuda/launch.py`).
+
+* residual add + RMSNorm (`add_rms_norm`): the new residual must be bit-identical to torch's `x + residual`;
+* MoE router tail (`softmax_topk`): chosen experts must carry the reference's probabilities rank by rank (ties
+  may pick another expert of equal probability), weights within tolerance;
+* rotary + KV fill (`rotary_fill_kv_cache`): q as `apply_rotary`, the pool as `apply_rotary` + `fill_kv_cache`
+  (strided packed pool, a negative padding slot that must write nothing, partial rotary).
+`@pytest.mark.gpu` tests run the kernels on CUDA; `test_cpu_*` run them on CPU tensors under the Triton interpreter
+inside the subprocess `test_fused_kernels_interpreted` starts (TRITON_INTERPRET must be set before Triton loads).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from numeric import assert_close
+
+from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
+from lmdeploy.pytorch.backends.default import moe as ref_moe
+from lmdeploy.pytorch.kernels.cuda import gated_delta_gating as cuda_gating
+from lmdeploy.pytorch.kernels.cuda import moe_align as cuda_align
+from lmdeploy.pytorch.kernels.cuda import moe_routing as cuda_routing
+from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
+from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
+from lmdeploy.pytorch.kernels.cuda.launch import FastKernel, _arg_key, fast_kernel
+from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
+
+INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
+interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_fused_kernels_interpreted')
+DTYPES = pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return {'atol': 1e-5, 'rtol': 1e-5} if dtype == torch.float32 else {'atol': 2e-2, 'rtol': 2e-2}
+
+
+def randn(*shape: int, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def strided(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """Same values with every last-dim row inside a wider buffer (NaN padding that must never be read)."""
+    wide = torch.full((*x.shape[:-1], x.shape[-1] + pad), float('nan'), dtype=x.dtype, device=x.device)
+    wide[..., :x.shape[-1]] = x
+    return wide[..., :x.shape[-1]]
+
+
+# ----------------------------------------------------------------------------------------- residual add + norm
+
+ADD_NORM_SHAPES = [(1, 7), (5, 33), (3, 4, 128), (0, 16), (4, 2048)]
+
+
+def check_add_rms_norm(shape, dtype, zero_centered: bool, is_strided: bool, device: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, res = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
+    weight = randn(shape[-1], gen=gen, dtype=dtype)
+    ref_out, ref_res = ref_elementwise.add_rms_norm(x, res, weight, 1e-6, zero_centered)
+    x_dev, res_dev = x.to(device), res.to(device)
+    if is_strided:
+        x_dev, res_dev = strided(x_dev), strided(res_dev, pad=5)
+    out, new_res = cuda_norm.add_rms_norm(x_dev, res_dev, weight.to(device), 1e-6, zero_centered)
+    assert out.dtype == new_res.dtype == dtype and out.shape == new_res.shape == x.shape
+    # The residual stream is exact: the compiled kernel rounds to nearest even like torch. Triton's interpreter
+    # truncates float32 -> bf16 casts, so on the CPU bf16 sums may differ by one unit in the last place.
+    exact = device != 'cpu' or dtype == torch.float32
+    torch.testing.assert_close(new_res.cpu(), ref_res, rtol=0 if exact else 8e-3, atol=0)
+    assert_close(out, ref_out, what='add_rms_norm', **tol(dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('zero_centered', [False, True], ids=['plain', 'zero_centered'])
+@pytest.mark.parametrize('is_strided', [False, True], ids=['contiguous', 'strided'])
+@pytest.mark.parametrize('shape', ADD_NORM_SHAPES, ids=lambda s: 'x'.join(map(str, s)))
+def test_add_rms_norm_matches_unfused_gpu(shape, is_strided, zero_centered, dtype):
+    check_add_rms_norm(shape, dtype, zero_centered, is_strided, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('shape', ADD_NORM_SHAPES[:4], ids=lambda s: 'x'.join(map(str, s)))
+def test_cpu_add_rms_norm(shape, dtype):
+    check_add_rms_norm(shape, dtype, zero_centered=shape[0] % 2 == 1, is_strided=shape[0] % 2 == 0, device='cpu')
+
+
+# ---------------------------------------------------------------------------------------------- MoE routing
+
+ROUTING_CASES = [(1, 8, 2), (9, 64, 10), (5, 7, 3), (0, 16, 4), (33, 128, 8), (4, 512, 10)]
+
+
+def check_softmax_topk(case, dtype, renormalize: bool, device: str) -> None:
+    num_tokens, num_experts, top_k = case
+    logits = randn(num_tokens, num_experts, gen=torch.Generator().manual_seed(num_experts), dtype=dtype) * 3
+    ref_w, ref_ids = ref_moe.softmax_topk(logits, top_k, renormalize)
+    weights, ids = cuda_routing.softmax_topk(logits.to(device), top_k, renormalize)
+    assert weights.dtype == dtype and ids.dtype == torch.int64 and ids.shape == ref_ids.shape
+    weights, ids = weights.cpu(), ids.cpu()
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    # Each rank's chosen expert carries the reference's probability at that rank (an exact tie may pick the other).
+    torch.testing.assert_close(probs.gather(1, ids), probs.gather(1, ref_ids), rtol=0, atol=0)
+    assert all(len(set(row)) == top_k for row in ids.tolist()), 'an expert was chosen twice'
+    assert_close(weights, ref_w, what='softmax_topk weights', **tol(dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('renormalize', [True, False], ids=['renorm', 'raw'])
+@pytest.mark.parametrize('case', ROUTING_CASES, ids=lambda c: f'T{c[0]}-E{c[1]}-k{c[2]}')
+def test_softmax_topk_matches_torch_router_gpu(case, renormalize, dtype):
+    check_softmax_topk(case, dtype, renormalize, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('case', ROUTING_CASES[:4], ids=lambda c: f'T{c[0]}-E{c[1]}-k{c[2]}')
+def test_cpu_softmax_topk(case, dtype):
+    check_softmax_topk(case, dtype, renormalize=case[0] % 2 == 1, device='cpu')
+
+
+# ------------------------------------------------------------------------------------------ rotary + KV fill
+
+# (tokens, q heads, kv heads, head_dim, rotary_dim, kernel block size)
+ROTARY_FILL_CASES = [(1, 2, 1, 16, 16, 4), (7, 4, 2, 32, 8, 4), (0, 2, 1, 16, 16, 4), (37, 16, 2, 256, 64, 16)]
+
+
+def check_rotary_fill(case, dtype, device: str) -> None:
+    num_tokens, num_q, num_kv, head_dim, rotary_dim, kbs = case
+    gen = torch.Generator().manual_seed(num_tokens + head_dim)
+    # q and k are views of one fused projection output, as in the models (non-contiguous heads).
+    qkv = randn(num_tokens, (num_q + 2 * num_kv) * head_dim, gen=gen, dtype=dtype)
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv.split([num_q * head_dim, num_kv * head_dim,
+                                                                       num_kv * head_dim], dim=-1))
+    angles = randn(num_tokens, rotary_dim // 2, gen=gen) * 3
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    num_pages = max(2, -(-num_tokens // kbs) + 1)
+    # packed pool: one page row holds a K page then a V page, so the page stride is 2 * kbs * H * D
+    pool = randn(num_pages, 2, kbs, num_kv, head_dim, gen=gen, dtype=dtype)
+    slots = torch.randperm(num_pages * kbs, generator=gen)[:num_tokens]
+    if num_tokens > 1:
+        slots[1] = -1  # a padding row of a captured graph: writes nothing
+    ref_q, ref_k = ref_elementwise.apply_rotary(q, k, cos, sin)
+    ref_pool = pool.clone()
+    keep = slots >= 0
+    ref_attn.fill_kv_cache(ref_k[keep], v[keep], ref_pool[:, 0], ref_pool[:, 1], slots[keep])
+    dev_pool = pool.to(device)
+    q_out = cuda_rotary.rotary_fill_kv_cache(q.to(device), k.to(device), v.to(device), cos.to(device),
+                                             sin.to(device), dev_pool[:, 0], dev_pool[:, 1], slots.to(device))
+    assert q_out.shape == q.shape and q_out.dtype == dtype
+    assert_close(q_out, ref_q, what='rotated q', **tol(dtype))
+    # K is rotated in float32 and rounded like the unfused kernels; V and untouched rows are copied bit for bit.
+    assert_close(dev_pool[:, 0], ref_pool[:, 0], what='K pool', **tol(dtype))
+    torch.testing.assert_close(dev_pool[:, 1].cpu(), ref_pool[:, 1], rtol=0, atol=0)
+    untouched = torch.ones(num_pages * kbs, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    torch.testing.assert_close(dev_pool[:, 0].flatten(0, 1)[untouched].cpu(),
+                               pool[:, 0].flatten(0, 1)[untouched], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('case', ROTARY_FILL_CASES, ids=lambda c: 'T{}-Hq{}-Hk{}-D{}-R{}-kbs{}'.format(*c))
+def test_rotary_fill_kv_cache_matches_unfused_gpu(case, dtype):
+    check_rotary_fill(case, dtype, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('case', ROTARY_FILL_CASES[:3], ids=lambda c: 'T{}-Hq{}-Hk{}-D{}-R{}-kbs{}'.format(*c))
+def test_cpu_rotary_fill_kv_cache(case, dtype):
+    check_rotary_fill(case, dtype, 'cpu')
+
+
+# ------------------------------------------------------------------------------------------- MoE alignment
+
+# (tokens, top_k, experts, BLOCK_M)
+ALIGN_CASES = [(1, 2, 8, 16), (3, 4, 64, 16), (0, 2, 8, 16), (40, 10, 64, 32), (700, 8, 128, 64), (5, 3, 7, 16)]
+
+
+def check_align(case, device: str) -> None:
+    num_tokens, top_k, num_experts, block_m = case
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    # skewed routing (half the pairs on experts 0-2) so some experts get several blocks and some none
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]) \
+        if num_tokens else torch.zeros(0, top_k, dtype=torch.int64)
+    if num_tokens > 1:
+        ids[::2, 0] = torch.randint(0, 3, (ids[::2].shape[0],), generator=gen)
+        ids[::2] = torch.stack([row if len(set(row.tolist())) == top_k else torch.arange(top_k) for row in ids[::2]])
+    ref_pairs, ref_blocks = cuda_align.align_pairs_reference(ids, num_experts, block_m)
+    pairs, blocks = cuda_align.align_pairs(ids.to(device), num_experts, block_m)
+    pairs, blocks = pairs.cpu(), blocks.cpu()
+    assert pairs.shape == ref_pairs.shape and blocks.shape == ref_blocks.shape
+    if num_tokens == 0:
+        return
+    torch.testing.assert_close(blocks, ref_blocks, rtol=0, atol=0)
+    # same rows hold a pair, and each block's rows hold the same set of pairs (order within a run is free)
+    rows = pairs.view(-1, block_m)
+    ref_rows = ref_pairs.view(-1, block_m)
+    torch.testing.assert_close(rows.sort(dim=1).values, ref_rows.sort(dim=1).values, rtol=0, atol=0)
+    runs = [(pairs[ref_pairs < ids.numel()]), ref_pairs[ref_pairs < ids.numel()]]
+    assert sorted(runs[0].tolist()) == list(range(ids.numel())) and (pairs < ids.numel()).sum() == ids.numel()
+    torch.testing.assert_close(ids.reshape(-1)[runs[0]], ids.reshape(-1)[runs[1]], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', ALIGN_CASES, ids=lambda c: 'T{}-k{}-E{}-M{}'.format(*c))
+def test_moe_align_matches_torch_grouping_gpu(case):
+    check_align(case, 'cuda')
+
+
+@interpreted
+@pytest.mark.parametrize('case', ALIGN_CASES[:4] + ALIGN_CASES[5:], ids=lambda c: 'T{}-k{}-E{}-M{}'.format(*c))
+def test_cpu_moe_align(case):
+    check_align(case, 'cpu')
+
+
+# -------------------------------------------------------------------------------------- gated delta gating
+
+GATING_CASES = [(1, 4), (7, 32), (0, 8), (65, 48)]
+
+
+def check_gating(case, dtype, device: str) -> None:
+    num_tokens, num_heads = case
+    gen = torch.Generator().manual_seed(num_heads)
+    ba = randn(num_tokens, 2 * num_heads, gen=gen, dtype=dtype) * 4  # one fused projection: [b, a], strided views
+    b, a = ba.split(num_heads, dim=-1)
+    if num_tokens > 2:  # softplus's regimes: far below zero, near zero, past the threshold of 20
+        a[0], a[1], a[2] = -30.0, 1e-3, 25.0
+    A_log, dt_bias = randn(num_heads, gen=gen, dtype=dtype), randn(num_heads, gen=gen, dtype=dtype)
+    ref_g, ref_beta = ref_elementwise.gated_delta_gating(a, b, A_log, dt_bias)
+    g, beta = cuda_gating.gated_delta_gating(*(t.to(device) for t in (a, b, A_log, dt_bias)))
+    assert g.dtype == torch.float32 and beta.dtype == dtype and g.shape == beta.shape == a.shape
+    assert_close(g, ref_g, what='g', atol=1e-6, rtol=1e-5)
+    assert_close(beta, ref_beta, what='beta', **tol(dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('case', GATING_CASES, ids=lambda c: f'T{c[0]}-H{c[1]}')
+def test_gated_delta_gating_matches_torch_gpu(case, dtype):
+    check_gating(case, dtype, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('case', GATING_CASES[:3], ids=lambda c: f'T{c[0]}-H{c[1]}')
+def test_cpu_gated_delta_gating(case, dtype):
+    check_gating(case, dtype, 'cpu')
+
+
+# ------------------------------------------------------------------------------------------- fast launcher
+
+def test_launch_key_separates_every_triton_specialization():
+    """Values Triton compiles apart (int == 1, int % 16, int width, pointer alignment, dtype) never share a key."""
+    base = torch.zeros(64)
+    assert _arg_key(base) != _arg_key(base[1:])  # 16-byte aligned vs not
+    assert _arg_key(base) != _arg_key(base.to(torch.bfloat16))
+    assert _arg_key(base[4:]) == _arg_key(base)  # 16 bytes in: still aligned
+    keys = {_arg_key(n) for n in (1, 2, 16, 2 ** 31, 2 ** 63)}
+    assert len(keys) == 5
+    assert _arg_key(17) == _arg_key(3) and _arg_key(32) == _arg_key(48)
+    assert _arg_key(1.0) != _arg_key(1) and _arg_key(None) != _arg_key(True)
+
+
+@fast_kernel
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, alpha * x + y, mask=mask)
+
+
+@pytest.mark.gpu
+def test_fast_launch_reuses_compiled_handle_and_respecializes_gpu():
+    kernel: FastKernel = _axpy_kernel
+    assert kernel.is_fast
+    base = torch.randn(4096, device='cuda')
+    y = torch.randn(4096, device='cuda')
+    cases = [(4096, 0), (4096, 0), (1, 0), (17, 0), (4095, 1), (4096, 0), (33, 3), (16, 0)]
+    for n, offset in cases:
+        x = base[offset:offset + n]
+        out = torch.empty(n, device='cuda')
+        kernel[(triton.cdiv(n, 128),)](x, y[:n], out, n, 0.5, BLOCK=128)
+        torch.testing.assert_close(out, 0.5 * x + y[:n])
+    # (n % 16 == 0, aligned), (n == 1), (n odd), (misaligned x, n odd): four specializations, each compiled once
+    assert kernel.num_compiled == 4
+
+
+@pytest.mark.gpu
+def test_fast_launch_is_cheaper_than_jit_call_gpu():
+    """Host time per launch of a tiny kernel: the compiled handle against `JITFunction.__call__`."""
+    import time
+    x, y, out = (torch.randn(256, device='cuda') for _ in range(3))
+
+    def per_launch(launch) -> float:
+        launch()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            launch()
+        elapsed = (time.perf_counter() - start) / 200
+        torch.cuda.synchronize()
+        return elapsed
+
+    fast = per_launch(lambda: _axpy_kernel[(2,)](x, y, out, 256, 2.0, BLOCK=128))
+    slow = per_launch(lambda: _axpy_kernel.fn[(2,)](x, y, out, 256, 2.0, BLOCK=128))
+    print(f'host us per launch: compiled handle {fast * 1e6:.1f}, JITFunction {slow * 1e6:.1f}')
+    assert fast < slow
+
+
+# ------------------------------------------------------------------------------------------------ interpreter
+
+@pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
+def test_fused_kernels_interpreted():
+    """Run the `test_cpu_*` tests in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported)."""
+    env = {**os.environ, 'TRITON_INTERPRET': '1', 'CUDA_VISIBLE_DEVICES': ''}
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', 'test_cpu_']
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, f'interpreted kernels failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}'
+    assert ' passed' in proc.stdout and 'skipped' not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
