@@ -8,11 +8,11 @@ length bounded while tokenizing, engine checks; 400) ->
 
 The event loop never blocks: tokenization runs in a bounded pool of threads, the engine on its own thread. Closing the
 response iteration (a client disconnect) closes `AsyncEngine.astream`, which aborts the request in the engine:
-for SSE Starlette cancels the body iterator, for plain responses `_unless_disconnected` watches the socket.
+for SSE Starlette cancels the body iterator, for plain responses `unless_disconnected` watches the socket
+(`response_streams.py`).
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import secrets
@@ -20,12 +20,10 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import replace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -57,7 +55,6 @@ from .protocol import (
     CompletionResponse,
     DeltaMessage,
     DeltaToolCall,
-    ErrorResponse,
     ModelCard,
     ModelList,
     RoutedExpertsData,
@@ -68,6 +65,7 @@ from .protocol import (
     new_id,
     now,
 )
+from .response_streams import collect_all, event_stream, unless_disconnected
 from .tokenizer_pool import TokenizerPool, prompt_chars
 
 OPEN_PATHS = ('/health', '/metrics')
@@ -226,8 +224,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         heads = [chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role='assistant', content=''))])
                  for c in choices]
         usage = (lambda lasts: chunk([], UsageInfo.total(lasts, n))) if body.include_usage else None
-        return _event_stream(streams, delta, usage, heads)
-    finals = await _unless_disconnected(request, _collect_all(streams))
+        return event_stream(streams, delta, usage, heads)
+    finals = await unless_disconnected(request, collect_all(streams))
     out = []
     for index, (final, parser) in enumerate(zip(finals, parsers)):
         logprobs = chat_logprobs(final, k, state.decode, state.token_bytes) if final.logprobs is not None else None
@@ -267,141 +265,14 @@ async def completions(body: CompletionRequest, request: Request):
 
     if body.stream:
         usage = (lambda lasts: completion([], UsageInfo.total(lasts, n))) if body.include_usage else None
-        return _event_stream(streams, delta, usage)
-    finals = await _unless_disconnected(request, _collect_all(streams))
+        return event_stream(streams, delta, usage)
+    finals = await unless_disconnected(request, collect_all(streams))
     out = [CompletionChoice(index=index, text=final.text, finish_reason=final.finish_reason,
                             logprobs=completion_logprobs(final, k, state.decode, 0)
                             if final.logprobs is not None else None,
                             routed_experts=RoutedExpertsData.of(final.routed_experts))
            for index, final in enumerate(finals)]
     return completion(out, UsageInfo.total(finals, n))
-
-
-# ---- response plumbing -----------------------------------------------------------------------------------------
-def _sse(record: BaseModel) -> str:
-    return f'data: {record.model_dump_json()}\n\n'
-
-
-def _event_stream(streams: list[AsyncIterator[EngineResponse]],
-                  delta: Callable[[int, EngineResponse], BaseModel | None],
-                  usage: Callable[[list[EngineResponse]], BaseModel] | None, heads: list[BaseModel] | None = None):
-    """SSE: the `heads`, one chunk per non-empty delta of any choice (as they come), the usage chunk when asked,
-    then `data: [DONE]`. An engine failure after the headers went out is reported as an error event before
-    `[DONE]`, and ends every choice."""
-
-    async def events() -> AsyncIterator[str]:
-        for head in heads or ():
-            yield _sse(head)
-        lasts: list[EngineResponse | None] = [None] * len(streams)
-        async with aclosing(_merge(streams)) as merged:
-            async for index, response in merged:
-                lasts[index] = response
-                if response.error:
-                    yield _sse(ErrorResponse(error=_engine_error(response).info))
-                    break
-                chunk = delta(index, response)
-                if chunk is not None:
-                    yield _sse(chunk)
-        if usage is not None and all(last is not None for last in lasts):
-            yield _sse(usage(lasts))
-        yield 'data: [DONE]\n\n'
-
-    return StreamingResponse(events(), media_type='text/event-stream',
-                             headers={'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'})
-
-
-def _engine_error(response: EngineResponse) -> APIError:
-    """An engine-side failure: 503 for a request aborted by the shutdown, 500 otherwise."""
-    if response.finish_reason == 'abort':
-        return APIError(503, response.error, type='service_unavailable', code='server_shutting_down')
-    return APIError(500, response.error, type='internal_error')
-
-
-async def _merge(streams: list[AsyncIterator[EngineResponse]]) -> AsyncIterator[tuple[int, EngineResponse]]:
-    """(choice index, response) of all streams as they arrive; closing it closes (and so aborts) every stream."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as stream:
-            async for response in stream:
-                yield 0, response
-        return
-    arrivals: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream: AsyncIterator[EngineResponse]) -> None:
-        try:
-            async with aclosing(stream):
-                async for response in stream:
-                    arrivals.put_nowait((index, response))
-        except Exception as exc:  # re-raised in the consumer
-            arrivals.put_nowait((index, exc))
-        finally:
-            arrivals.put_nowait((index, done))
-
-    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await arrivals.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _collect_all(streams: list[AsyncIterator[EngineResponse]]) -> list[EngineResponse]:
-    """Every choice collected; the first failure cancels (and so aborts) the others."""
-    if len(streams) == 1:
-        return [await _collect(streams[0])]
-    tasks = [asyncio.ensure_future(_collect(stream)) for stream in streams]
-    try:
-        finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task in finished and task.exception() is not None:
-                raise task.exception()
-        return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _collect(responses: AsyncIterator[EngineResponse]) -> EngineResponse:
-    """All deltas of one request merged into one `Response` (text, token ids and logprobs concatenated)."""
-    texts, token_ids, logprobs, last = [], [], [], None
-    async with aclosing(responses):
-        async for last in responses:
-            texts.append(last.text)
-            token_ids += last.token_ids
-            logprobs += last.logprobs or []
-    if last.error:
-        raise _engine_error(last)
-    return replace(last, text=''.join(texts), token_ids=token_ids,
-                   logprobs=logprobs if last.logprobs is not None else None)
-
-
-async def _unless_disconnected(request: Request, work):
-    """Await `work`, cancelling it (and so aborting its engine request) if the client disconnects first."""
-    async def disconnected() -> None:
-        while (await request.receive())['type'] != 'http.disconnect':
-            pass
-
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    try:
-        return await task
-    except asyncio.CancelledError:
-        raise APIError(499, 'the client closed the request', code='client_closed_request') from None
 
 
 # ---- app -------------------------------------------------------------------------------------------------------

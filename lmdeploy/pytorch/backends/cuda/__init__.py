@@ -77,16 +77,36 @@ def _fla_available() -> bool:
 
 
 def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
-    """Whether small prefills replay CUDA graphs too (decode graphs are for every model). A prefill graph runs the
-    gated delta rule token by token over up to 256 tokens: one launch with fla's fused kernel (bf16 / fp16), but a
-    256-step loop of small ops with the torch kernels (float32, or no fla-core), which would make capture slow and
-    replay no faster than eager; those hybrids keep eager prefills."""
+    """Whether prefills replay CUDA graphs too (decode graphs are for every model). Hybrids need fla-core in bf16 /
+    fp16: a prefill graph runs fla's chunked gated delta rule on padded static chunk indices (`graph_gdr_chunked`;
+    or its token-by-token kernel, one launch). The float32 gated delta rule is the exact torch kernels, whose
+    chunked form loops over the sequences by their host lengths and whose token-by-token form is a per-token loop
+    of small ops: neither can replay on other lengths (or would make capture slow and replay no faster), so those
+    hybrids keep eager prefills."""
     return not is_hybrid or (dtype != torch.float32 and _fla_available())
+
+
+# Until the chunked path inside graphs has passed on the H200, prefill graphs keep the token-by-token kernel unless
+# LMDEPLOY_GRAPH_GDR=chunked; then the default becomes 'chunked'.
+DEFAULT_GRAPH_GDR = 'recurrent'
+
+
+def graph_gdr_chunked() -> bool:
+    """Whether prefill graphs run the chunked gated delta rule (static padded chunk indices,
+    `LMDEPLOY_GRAPH_GDR=chunked`) or the token-by-token one (`recurrent`); `DEFAULT_GRAPH_GDR` unless set. Read
+    once per engine."""
+    mode = os.environ.get('LMDEPLOY_GRAPH_GDR', DEFAULT_GRAPH_GDR)
+    if mode not in ('chunked', 'recurrent'):
+        raise ValueError(f"LMDEPLOY_GRAPH_GDR must be 'chunked' or 'recurrent', got {mode!r}")
+    return mode == 'chunked'
 
 
 def _fla_chunk_kwargs(inputs, device: torch.device) -> dict:
     """fla's chunk indices of this forward's sequences, built on the host once per forward and uploaded without a
-    stream synchronisation (fla would derive them on the device and read a length sum back)."""
+    stream synchronisation (fla would derive them on the device and read a length sum back). In a CUDA graph they
+    are the static, padded indices the graph runner fills, next to a static ``cu_seqlens``."""
+    if inputs.graph_chunk_indices is not None:
+        return {'chunk_indices': inputs.graph_chunk_indices, 'cu_seqlens_in_place': True}
     return {'chunk_indices': inputs.derived(('fla_chunk_indices', device), lambda: upload_index_tensors(
         {'i': _gdr.chunk_indices_host(inputs.q_lens_list)}, device)['i'])}
 

@@ -86,8 +86,9 @@ class CheckpointPolicy:
     # ---- reservations -----------------------------------------------------------------------------------------
     def plan(self, out: SchedulerOutput) -> None:
         if self.trie.is_hybrid:
-            for seq, n in zip(out.seqs, out.num_new_tokens):
-                self._plan_piece(seq, n, out)
+            for row, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
+                if not out.drafts_of(row):  # a verify piece ends at a draft position: never a checkpoint
+                    self._plan_piece(seq, n, out)
 
     def _plan_piece(self, seq: SchedulerSequence, n: int, out: SchedulerOutput) -> None:
         """Reserve a checkpoint at the end of a prefill piece (prompt end, chunk end, branch point) or at an
