@@ -167,6 +167,13 @@ def _build_linear_blocked_f8(block_size: tuple[int, int], **_kwargs):
     return forward
 
 
+def tune_fp8_gemms(shapes: set[tuple[int, int, tuple[int, int]]], max_rows: int, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """Autotune the Triton FP8 GEMM for these (N, K, block_size) and row counts up to `max_rows` (see
+    `kernels/cuda/blocked_fp8.tune_blocked_gemm_fp8`); the number of keys run."""
+    return _fp8.tune_blocked_gemm_fp8(shapes, max_rows, dtype, device)
+
+
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
