@@ -99,9 +99,13 @@ class Engine:
             record_routed_experts=engine_config.enable_return_routed_experts,
             cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
             max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
+            max_prefill_tokens=engine_config.max_prefill_token_num,
             vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
             if self.model_config.image_token_id is not None else 0)
         self.cache_engine, self.agent = build_agent(self.model, self.model_config, agent_spec, self.device)
+        # before the graphs, so they capture tuned tiles; the largest forward is a prefill chunk or a decode batch
+        # (tp > 1 loads FP8 dequantized: the workers have no FP8 GEMM to tune)
+        self.agent.tune_kernels(max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
         self.wakeup = threading.Event()
         if self.tp_workers is not None:
             self.tp_workers.setup(agent_spec)
