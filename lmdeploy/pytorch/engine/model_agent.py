@@ -11,12 +11,16 @@ CUDA graphs captured with `record_routed_experts` on (the engine flag) always re
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 from torch import nn
 
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
+from ..nn.blocked_fp8 import fp8_linear_shapes
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
@@ -24,6 +28,8 @@ from .device_streams import DeviceStreams
 from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
+
+logger = logging.getLogger('lmdeploy')
 
 
 class ForwardOutput:
@@ -147,6 +153,18 @@ class ModelAgent:
         return hidden, routes
 
     @torch.inference_mode()
+    def tune_kernels(self, max_tokens: int) -> None:
+        """Autotune the FP8 GEMM tiles for the model's FP8 linears and every row bucket up to `max_tokens` (CUDA
+        only), before any graph is captured or request served: no forward pays for tuning."""
+        shapes = fp8_linear_shapes(self.model)
+        if self.device.type != 'cuda' or not shapes:
+            return
+        from ..backends.cuda import tune_fp8_gemms
+        began = time.perf_counter()
+        keys = tune_fp8_gemms(shapes, max_tokens, getattr(torch, self.cache_engine.model_config.dtype), self.device)
+        logger.info('FP8 GEMM autotuning: %d keys (%d shapes) in %.1f s', keys, len(shapes),
+                    time.perf_counter() - began)
+
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs of every padded batch size now (no-op without graphs)."""
         if self.graph_runner is not None:
