@@ -342,24 +342,27 @@ def test_prefill_graph_limit_and_failed_keys_run_eagerly():
 
 
 # ------------------------------------------------------------------------------------------ prefill graphs (GPU)
-# A tiny hybrid (3 gated DeltaNet : 1 attention, MoE) with prefills up to 4096 tokens in one forward: graphs (warm
-# start) against eager mode, same weights, prefix caching on. One pair of engines per dtype for the whole module.
+# Tiny hybrids (3 gated DeltaNet : 1 attention; Qwen3.5 with a dense MLP, Qwen3-Next with MoE) with prefills up to
+# 4096 tokens in one forward: graphs (warm start) against eager mode, same weights, prefix caching on. One pair of
+# engines per (arch, dtype) for the whole module.
 BUCKET_EDGE_LENS = [255, 256, 257, 767, 1024, 1025, 1536, 2049, 3583, 4095, 4096]
 
 
-@pytest.fixture(scope='module', params=['bfloat16', 'float16'])
+@pytest.fixture(scope='module', params=[('qwen3_5', 'bfloat16'), ('qwen3_5', 'float16'), ('qwen3_next', 'bfloat16')],
+                ids=lambda p: '-'.join(p))
 def hybrid_pair(request, tiny_model_factory):
     if not torch.cuda.is_available():
         pytest.skip('needs CUDA')
     pytest.importorskip('fla')
-    path = tiny_model_factory('qwen3_next', max_position_embeddings=8192)
-    common = dict(device_type='cuda', dtype=request.param, block_size=16, kernel_block_size=8, num_gpu_blocks=1536,
+    arch, dtype = request.param
+    path = tiny_model_factory(arch, max_position_embeddings=8192)
+    common = dict(device_type='cuda', dtype=dtype, block_size=16, kernel_block_size=8, num_gpu_blocks=1536,
                   max_batch_size=8, max_prefill_token_num=4096, session_len=8192, enable_prefix_caching=True)
     start = time.perf_counter()
     graphs = Engine(path, PytorchEngineConfig(**common))
     startup = time.perf_counter() - start
     eager = Engine(path, PytorchEngineConfig(eager_mode=True, **common))
-    return graphs, eager, request.param, startup
+    return graphs, eager, dtype, startup
 
 
 def _prompts(lens: list[int], seed: int) -> list[list[int]]:

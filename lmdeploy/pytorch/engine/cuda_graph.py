@@ -64,9 +64,9 @@ PREFILL_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 
 # beside one decode), i.e. sequence bucket 4. Mixed batches with more decodes capture on first use.
 WARM_PREFILL_SEQS = 2
 MAX_PREFILL_GRAPHS = 48
-# The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise. 256 (the limit before the chunked
-# gated delta rule was capturable) until the wider buckets have passed on the H200; then 4096.
-DEFAULT_PREFILL_GRAPH_TOKENS = 256
+# The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise (256 restores the limit from before
+# the chunked gated delta rule was capturable).
+DEFAULT_PREFILL_GRAPH_TOKENS = 4096
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
