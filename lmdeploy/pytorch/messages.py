@@ -174,6 +174,15 @@ class SchedulerSequence:
     # Routed experts of positions [0, num_computed) (engine flag on and the request asked, or the prefix cache keeps
     # them); None: not recorded.
     routed_experts: RoutedExperts | None = None
+    # Speculative decoding (MTP): draft tokens proposed after the last token (the next verify forward feeds them
+    # after it; never part of `token_ids` until accepted), their draft distributions (a device tensor
+    # [len(draft_ids), vocab] for sampled requests, None for greedy; opaque here), the spare state rows the verify
+    # forward cuts the state into after each draft position (allocated with `state_slot`, freed with it), and whether
+    # the next head pass must also recompute position num_computed - 1 (after a prefix-cache hit, which skipped it).
+    draft_ids: list[int] = field(default_factory=list)
+    draft_probs: object | None = field(default=None, repr=False)
+    draft_slots: list[int] = field(default_factory=list)
+    needs_draft_overlap: bool = False
     # int64 copy of `token_ids[:_array_len]` (capacity may exceed it) and the list object it was converted from.
     _array: np.ndarray | None = field(default=None, init=False, repr=False)
     _array_src: list[int] | None = field(default=None, init=False, repr=False)

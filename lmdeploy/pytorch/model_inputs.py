@@ -83,6 +83,10 @@ class ModelInputs:
     # Run the gated delta rule token by token even for multi-token sequences (CUDA-graph prefills: the chunked
     # kernels index their chunks from the sequence lengths, built per forward, which a replayed graph cannot redo).
     use_recurrent_kernel: bool = False
+    # CUDA-graph prefills on fla: the chunked gated delta rule's chunk indices [N, 2] int64 in a static buffer,
+    # padded to the bucket's fixed row count (`kernels.cuda.gated_delta_rule.padded_chunk_indices_host`); None
+    # elsewhere (eager forwards build theirs from `q_lens_list`).
+    graph_chunk_indices: torch.Tensor | None = None
     # Record the top-k expert ids every MoE layer routes each fed token to (`StepContext.routed_experts`); the
     # forward's output then carries them. False costs nothing.
     record_routed_experts: bool = False

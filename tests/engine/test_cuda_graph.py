@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -58,6 +59,15 @@ def test_prefill_graph_policy():
     assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=False)
     assert not cuda_backend.prefill_graphs_supported(torch.float32, is_hybrid=True)
     assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=True) == cuda_backend._fla_available()
+
+
+@pytest.fixture(scope='module', autouse=True)
+def wide_chunked_prefill_graphs():
+    """Every engine of this file: prefill graphs up to 4096 tokens, fla's chunked kernel inside them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', '4096')
+        mp.setenv('LMDEPLOY_GRAPH_GDR', 'chunked')
+        yield
 
 
 def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, stagger: int = 0):
@@ -121,25 +131,11 @@ def test_cuda_graphs_match_eager(tiny_model_factory, arch, dtype, prefix_caching
     _assert_same_greedy_path(got, ref, tol=2e-2 if dtype == 'float32' else 0.1, min_equal=60)
 
 
-def _recurrent_everywhere(monkeypatch) -> None:
-    """Eager prefills run the token-by-token gated delta rule too (as prefill graphs do), so a graphs-vs-eager
-    comparison in bf16 isolates the graphs: chunked vs token-by-token bf16 rounding (the kernel tests' business)
-    would otherwise part greedy paths of the tiny random models within a few dozen tokens."""
-    from lmdeploy.pytorch.engine import inputs_maker
-    make = inputs_maker.InputsMaker.make
-
-    def make_recurrent(self, sched):
-        inputs, sampled = make(self, sched)
-        return dataclasses.replace(inputs, use_recurrent_kernel=True), sampled
-    monkeypatch.setattr(inputs_maker.InputsMaker, 'make', make_recurrent)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize('prefix_caching', [False, True])
-def test_hybrid_prefill_graphs_match_eager(tiny_model_factory, monkeypatch, prefix_caching):
-    """Hybrid prefill graphs (bf16, fla): small prefills and mixed batches replay graphs with fla's token-by-token
-    kernel inside, and generation follows eager mode."""
-    _recurrent_everywhere(monkeypatch)
+def test_hybrid_prefill_graphs_match_eager(tiny_model_factory, prefix_caching):
+    """Hybrid prefill graphs (bf16, fla): small prefills and mixed batches replay graphs with fla's chunked
+    kernel inside (as eager prefills run it), and generation follows eager mode."""
     path = tiny_model_factory('qwen3_next')
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 1000, (21,), generator=g).tolist()
@@ -155,10 +151,9 @@ def test_hybrid_prefill_graphs_match_eager(tiny_model_factory, monkeypatch, pref
 
 
 @pytest.mark.gpu
-def test_cuda_graph_bf16_long_decode_crosses_pages(tiny_model_factory, monkeypatch):
+def test_cuda_graph_bf16_long_decode_crosses_pages(tiny_model_factory):
     """bf16 (fla recurrent kernel), decodes that cross many KV pages after capture: graphs replay the same tokens
     as eager mode."""
-    _recurrent_everywhere(monkeypatch)
     path = tiny_model_factory('qwen3_5')
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 17, 40)]
@@ -173,13 +168,7 @@ def test_static_inputs_prefill_padding():
     """A prefill bucket: real sequences, then one pad sequence with the pad tokens, then empty sequences."""
     static = _StaticInputs(max_tokens=32, max_seqs=8, max_pages=6, device=torch.device('cpu'))
     static.fill_decode(_decode_inputs(7, 6), 8)   # leave non-padding values behind
-    lens = [5, 9]
-    inputs = ModelInputs(
-        input_ids=torch.arange(14) + 1, position_ids=torch.arange(14) + 3, q_lens=torch.tensor(lens),
-        kv_lens=torch.tensor([8, 20]), cu_seqlens_q=torch.tensor([0, 5, 14]),
-        block_tables=torch.tensor([[1, 2, 0], [3, 4, 5]]), slot_mapping=torch.arange(14) + 40,
-        logits_indices=torch.tensor([4, 13]), state_ids=torch.tensor([2, 3]), is_fresh=torch.tensor([False, True]),
-        q_lens_list=lens, kv_lens_list=[8, 20], max_seqlen_q=9, max_seqlen_k=20)
+    inputs = _prefill_inputs([5, 9], kv_lens=[8, 20])
     key = GraphKey(16, 4, False)
     static.fill_prefill(inputs, key)
     view = static.view(key)
@@ -187,8 +176,9 @@ def test_static_inputs_prefill_padding():
     assert view.slot_mapping.tolist()[12:] == [52, 53, -1, -1]
     assert view.q_lens.tolist() == [5, 9, 2, 0] and view.kv_lens.tolist() == [8, 20, 2, 0]
     assert view.cu_seqlens_q.tolist() == [0, 5, 14, 16, 16]
-    assert view.state_ids.tolist() == [2, 3, 0, 0] and view.is_fresh.tolist() == [False, True, True, True]
+    assert view.state_ids.tolist() == [2, 3, 0, 0] and view.is_fresh.tolist() == [False, False, True, True]
     assert view.use_recurrent_kernel and view.max_seqlen_q == 16 and not view.is_decode
+    assert view.graph_chunk_indices is None   # no chunk-index buffer: the token-by-token kernel
     # and back to a decode batch: sequence buffers are reset to one token per row
     static.fill_decode(_decode_inputs(3, 2), 4)
     view = static.view(GraphKey(4, 4, True))
@@ -196,15 +186,280 @@ def test_static_inputs_prefill_padding():
     assert view.kv_lens.tolist() == [11, 12, 13, 0] and view.is_fresh.tolist() == [False] * 4
 
 
+def _prefill_inputs(lens: list[int], kv_lens: list[int] | None = None) -> ModelInputs:
+    """A prefill batch; the first sequence continues from its slot when it has history (kv_len > q_len)."""
+    total, kv_lens = sum(lens), kv_lens or list(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return ModelInputs(
+        input_ids=torch.arange(total) + 1, position_ids=torch.arange(total) + 3, q_lens=torch.tensor(lens),
+        kv_lens=torch.tensor(kv_lens), cu_seqlens_q=torch.tensor(cu),
+        block_tables=torch.arange(len(lens) * 3).view(len(lens), 3) + 1, slot_mapping=torch.arange(total) + 40,
+        logits_indices=torch.tensor(cu[1:]) - 1, state_ids=torch.arange(len(lens)) + 2,
+        is_fresh=torch.tensor([q == kv for q, kv in zip(lens, kv_lens)]), q_lens_list=lens, kv_lens_list=kv_lens,
+        max_seqlen_q=max(lens), max_seqlen_k=max(kv_lens))
+
+
+def _reference_chunk_rows(lens: list[int], chunk: int = 64) -> list[list[int]]:
+    """(sequence, chunk within it) for every chunk of every sequence, by a plain loop."""
+    return [[i, c] for i, n in enumerate(lens) for c in range(-(-n // chunk))]
+
+
+def test_static_inputs_fill_padded_chunk_indices():
+    """Hybrids on fla: the graph's chunk indices are the real sequences' chunks (pad sequence included), in order,
+    then rows naming chunk 0 of the last, empty sequence, up to the bucket's fixed row count; a smaller batch
+    after a larger one leaves no stale row in its view."""
+    from lmdeploy.pytorch.kernels.cuda.gated_delta_rule import max_graph_chunks
+    static = _StaticInputs(max_tokens=512, max_seqs=8, max_pages=6, device=torch.device('cpu'),
+                           max_chunks=max_graph_chunks(512, 8))
+    static.fill_prefill(_prefill_inputs([200, 130, 1, 64, 65]), GraphKey(512, 8, False))
+    for lens, key in (([100, 9], GraphKey(128, 4, False)), ([63, 65, 128], GraphKey(512, 8, False)),
+                      ([256], GraphKey(256, 4, False))):
+        static.fill_prefill(_prefill_inputs(lens), key)
+        view = static.view(key)
+        pad = key.num_tokens - sum(lens)
+        want = _reference_chunk_rows(lens + [pad])
+        rows = max_graph_chunks(key.num_tokens, key.num_seqs)
+        want += [[key.num_seqs - 1, 0]] * (rows - len(want))
+        assert view.graph_chunk_indices.tolist() == want, (lens, key)
+        assert not view.use_recurrent_kernel
+        assert view.q_lens.tolist()[key.num_seqs - 1] == 0   # the padding rows' sequence is empty
+    assert static.view(GraphKey(8, 8, True)).graph_chunk_indices is None   # decode graphs: token by token
+
+
+def test_max_graph_chunks_is_the_tight_bound():
+    """No split of T tokens into at most S - 1 sequences has more chunks than `max_graph_chunks(T, S)`, and some
+    split has exactly that many (so the padded grid is never too small and not larger than it must be)."""
+    import itertools
+
+    from lmdeploy.pytorch.kernels.cuda.gated_delta_rule import max_graph_chunks
+    for tokens, seqs, chunk in itertools.product((1, 5, 16, 63, 64, 65, 130), (2, 3, 4, 6), (4, 64)):
+        best = 0
+        for parts in itertools.product(range(tokens + 1), repeat=min(seqs - 1, 3)):
+            if sum(parts) == tokens:
+                best = max(best, sum(-(-n // chunk) for n in parts))
+        if seqs - 1 <= 3:
+            assert max_graph_chunks(tokens, seqs, chunk) == best, (tokens, seqs, chunk)
+        else:
+            assert max_graph_chunks(tokens, seqs, chunk) >= best
+
+
+def test_padded_chunk_indices_refuse_a_non_empty_pad_sequence():
+    from lmdeploy.pytorch.kernels.cuda.gated_delta_rule import padded_chunk_indices_host
+    assert padded_chunk_indices_host([65, 0, 3], 5, pad_seq=1).tolist() == [[0, 0], [0, 1], [2, 0], [1, 0], [1, 0]]
+    with pytest.raises(AssertionError, match='not empty'):
+        padded_chunk_indices_host([65, 3], 5, pad_seq=1)
+    with pytest.raises(AssertionError, match='do not fit'):
+        padded_chunk_indices_host([65, 3], 2, pad_seq=2)
+
+
 def test_graph_keys():
     from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
-    runner = CUDAGraphRunner(None, None, max_batch_size=40, max_pages=6, device=torch.device('cpu'))
+    runner = CUDAGraphRunner(None, None, max_batch_size=40, max_pages=6, device=torch.device('cpu'),
+                             max_prefill_tokens=300)
+    assert runner.token_buckets == (16, 32, 64, 128, 256, 512)
     assert runner.key_of(_decode_inputs(3, 2)) == GraphKey(4, 4, True)
     assert runner.key_of(_decode_inputs(33, 2)) == GraphKey(40, 40, True)
     assert runner.key_of(_decode_inputs(3, 7)) is None            # wider block table than the buffers
     prefill = dataclasses.replace(_decode_inputs(3, 2), input_ids=torch.zeros(70, dtype=torch.int64),
                                   max_seqlen_q=60)
-    assert runner.key_of(prefill) == GraphKey(128, 4, False)
-    assert runner.key_of(dataclasses.replace(prefill, input_ids=torch.zeros(300, dtype=torch.int64))) is None
-    eight = dataclasses.replace(_decode_inputs(8, 2), input_ids=torch.zeros(20, dtype=torch.int64), max_seqlen_q=9)
-    assert runner.key_of(eight) is None                            # no sequence bucket leaves room for the pad
+    assert runner.key_of(prefill) == GraphKey(128, 8, False)       # 3 sequences + pad + one empty
+    assert runner.key_of(dataclasses.replace(prefill, input_ids=torch.zeros(300, dtype=torch.int64))) == \
+        GraphKey(512, 8, False)
+    assert runner.key_of(dataclasses.replace(prefill, input_ids=torch.zeros(513, dtype=torch.int64))) is None
+    mixed = dataclasses.replace(_decode_inputs(39, 2), input_ids=torch.zeros(60, dtype=torch.int64), max_seqlen_q=9)
+    assert runner.key_of(mixed) == GraphKey(64, 42, False)         # a full batch: sequence bucket 40 + 2
+    small = dataclasses.replace(_decode_inputs(20, 2), input_ids=torch.zeros(30, dtype=torch.int64), max_seqlen_q=9)
+    assert runner.key_of(small) == GraphKey(64, 32, False)         # more tokens than sequences: not 32
+
+
+def _reference_prefill_key(tokens, seqs, token_buckets, seq_buckets):
+    fits = [(s, t) for s in seq_buckets for t in token_buckets if s >= seqs + 2 and t >= tokens and t > s]
+    return GraphKey(*min(fits)[::-1], False) if fits else None
+
+
+def test_prefill_buckets_and_keys():
+    """Token buckets cover the largest forward (capped at 4096); sequence buckets 4, 8, ... then a full batch plus
+    two; every key is the smallest (sequences, then tokens) that fits, as a brute-force search finds it."""
+    from lmdeploy.pytorch.engine.cuda_graph import prefill_key, prefill_seq_buckets, prefill_token_buckets
+    assert prefill_token_buckets(0) == ()
+    assert prefill_token_buckets(56) == (16, 32, 64)
+    assert prefill_token_buckets(4096) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert prefill_token_buckets(9000)[-1] == 4096
+    assert prefill_seq_buckets(1) == (3,) and prefill_seq_buckets(8) == (4, 8, 10)
+    assert prefill_seq_buckets(64) == (4, 8, 16, 32, 64, 66)
+    for max_batch, max_tokens in ((1, 64), (8, 300), (64, 4096)):
+        tb, sb = prefill_token_buckets(max_tokens), prefill_seq_buckets(max_batch)
+        for seqs in range(1, max_batch + 1):
+            for tokens in sorted({seqs, seqs + 1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097}):
+                if tokens >= seqs:
+                    assert prefill_key(tokens, seqs, tb, sb) == _reference_prefill_key(tokens, seqs, tb, sb)
+
+
+def test_prefill_graph_tokens_env(monkeypatch):
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    from lmdeploy.pytorch.engine.cuda_graph import DEFAULT_PREFILL_GRAPH_TOKENS, prefill_graph_tokens, prefill_warm_keys
+    monkeypatch.delenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', raising=False)
+    assert prefill_graph_tokens(8192 + 64) == DEFAULT_PREFILL_GRAPH_TOKENS and prefill_graph_tokens(56) == 56
+    monkeypatch.setenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', '4096')
+    assert prefill_graph_tokens(8192 + 64) == 4096
+    monkeypatch.setenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', '256')
+    assert prefill_graph_tokens(8192) == 256
+    monkeypatch.setenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', '0')
+    assert prefill_graph_tokens(8192) == 0
+    assert prefill_warm_keys((16, 32, 64), (4, 8, 10)) == [GraphKey(64, 4, False), GraphKey(32, 4, False),
+                                                          GraphKey(16, 4, False)]
+    monkeypatch.setenv('LMDEPLOY_GRAPH_GDR', 'chunked')
+    assert cuda_backend.graph_gdr_chunked()
+    monkeypatch.setenv('LMDEPLOY_GRAPH_GDR', 'recurrent')
+    assert not cuda_backend.graph_gdr_chunked()
+    monkeypatch.setenv('LMDEPLOY_GRAPH_GDR', 'fast')
+    with pytest.raises(ValueError, match='LMDEPLOY_GRAPH_GDR'):
+        cuda_backend.graph_gdr_chunked()
+
+
+def test_prefill_graph_limit_and_failed_keys_run_eagerly():
+    from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
+    runner = CUDAGraphRunner(None, None, max_batch_size=8, max_pages=6, device=torch.device('cpu'),
+                             max_prefill_tokens=256, max_prefill_graphs=1)
+    one, two = _prefill_inputs([20]), _prefill_inputs([100])
+    assert runner.key_of(one) == GraphKey(32, 4, False)
+    runner.failed.add(GraphKey(32, 4, False))
+    assert runner.key_of(one) is None
+    runner.graphs[GraphKey(128, 4, False)] = (None, None)          # one prefill graph: the limit
+    assert runner.key_of(two) == GraphKey(128, 4, False)           # captured keys still replay
+    assert runner.key_of(_prefill_inputs([40])) is None            # new ones run eagerly
+    assert runner.key_of(_decode_inputs(3, 2)) == GraphKey(4, 4, True)
+
+
+# ------------------------------------------------------------------------------------------ prefill graphs (GPU)
+# A tiny hybrid (3 gated DeltaNet : 1 attention, MoE) with prefills up to 4096 tokens in one forward: graphs (warm
+# start) against eager mode, same weights, prefix caching on. One pair of engines per dtype for the whole module.
+BUCKET_EDGE_LENS = [255, 256, 257, 511, 1023, 1024, 1025, 2047, 2049, 4095, 4096]
+
+
+@pytest.fixture(scope='module', params=['bfloat16', 'float16'])
+def hybrid_pair(request, tiny_model_factory):
+    if not torch.cuda.is_available():
+        pytest.skip('needs CUDA')
+    pytest.importorskip('fla')
+    path = tiny_model_factory('qwen3_next', max_position_embeddings=8192)
+    common = dict(device_type='cuda', dtype=request.param, block_size=16, kernel_block_size=8, num_gpu_blocks=1536,
+                  max_batch_size=8, max_prefill_token_num=4096, session_len=8192, enable_prefix_caching=True)
+    start = time.perf_counter()
+    graphs = Engine(path, PytorchEngineConfig(**common))
+    startup = time.perf_counter() - start
+    eager = Engine(path, PytorchEngineConfig(eager_mode=True, **common))
+    return graphs, eager, request.param, startup
+
+
+def _prompts(lens: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.mark.gpu
+def test_warm_start_captures_every_prefill_bucket(hybrid_pair):
+    """At start-up: decode graphs and one prefill graph per token bucket (one or two sequences), within a start-up
+    that stays short for this tiny model."""
+    from lmdeploy.pytorch.engine.cuda_graph import prefill_warm_keys
+    graphs, _, _, startup = hybrid_pair
+    runner = graphs.agent.graph_runner
+    assert runner.token_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    warm = set(prefill_warm_keys(runner.token_buckets, runner.seq_buckets))
+    assert warm <= set(runner.graphs) and not runner.failed
+    assert runner.static.chunk_indices is not None   # hybrids on fla: the chunked kernel inside the graphs
+    assert 0 < runner.capture_seconds < startup < 300
+
+
+@pytest.mark.gpu
+def test_prefills_at_bucket_edges_replay_warm_graphs_like_eager(hybrid_pair):
+    """Lone prompts just below, at and above each bucket edge up to 4096 tokens: every prefill replays a graph
+    captured at start-up (no capture on the request path), and the logits and greedy tokens follow eager mode."""
+    graphs, eager, dtype, _ = hybrid_pair
+    runner = graphs.agent.graph_runner
+    captured, replays = set(runner.graphs), runner.num_prefill_replays
+    for i, prompt in enumerate(_prompts(BUCKET_EDGE_LENS, seed=11)):
+        got = _generate(graphs, [prompt], max_new_tokens=4)
+        ref = _generate(eager, [prompt], max_new_tokens=4)
+        _assert_same_greedy_path(got, ref, tol=0.1, min_equal=3)
+        assert runner.num_prefill_replays == replays + i + 1, f'prompt of {len(prompt)} tokens ran eagerly'
+    assert set(runner.graphs) == captured
+
+
+@pytest.mark.gpu
+def test_batched_and_mixed_prefills_replay_like_eager(hybrid_pair):
+    """Several prompts in one forward and staggered arrivals (prefill chunks beside decodes), up to 4096 tokens a
+    forward: graphs captured on first use, then replayed, follow eager mode."""
+    graphs, eager, _, _ = hybrid_pair
+    runner = graphs.agent.graph_runner
+    prompts = _prompts([700, 300, 1500, 64, 9, 2000, 130], seed=12)
+    for stagger in (0, 2):
+        got = _generate(graphs, prompts, max_new_tokens=12, stagger=stagger)
+        ref = _generate(eager, prompts, max_new_tokens=12, stagger=stagger)
+        _assert_same_greedy_path(got, ref, tol=0.1, min_equal=60)
+    assert any(not k.decode and k.num_seqs >= 8 for k in runner.graphs)
+    assert not runner.failed
+
+
+def _generate_counting_hits(engine: Engine, prompt: list[int], max_new_tokens: int):
+    cached, out = [], []
+    seq_id = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens), collect_logits=True,
+                                callback=lambda o: (cached.append(o.num_cached), out.extend(o.new_token_ids)))
+    while engine.has_work:
+        engine.step()
+    engine.check_integrity()
+    return out, engine.pop_collected_logits(seq_id), max(cached)
+
+
+@pytest.mark.gpu
+def test_prefix_hit_with_unaligned_restore_replays_like_eager(hybrid_pair):
+    """A 1000-token prompt (not block-aligned: its state checkpoint is at the prompt end), then that prompt plus
+    300 tokens: the second request restores KV and state from the cache and prefills only the suffix through a
+    graph (history longer than the bucket); tokens and logits follow eager mode, which restores the same way."""
+    graphs, eager, _, _ = hybrid_pair
+    prefix, suffix = _prompts([1000, 300], seed=13)
+    results = []
+    for engine in (graphs, eager):
+        _generate_counting_hits(engine, prefix, 1)
+        tokens, logits, cached = _generate_counting_hits(engine, prefix + suffix, 8)
+        assert cached >= 992, cached   # a hit at (or after) the last full block
+        results.append([(tokens, logits)])
+    _assert_same_greedy_path(results[0], results[1], tol=0.1, min_equal=7)
+
+
+@pytest.mark.gpu
+def test_state_after_a_graph_prefill_equals_eager(hybrid_pair):
+    """One packed prefill of three fresh sequences through `ModelAgent.forward_logits`: the graph engine runs it
+    twice (first use: eager through the static buffers, then capture; second: replay) and leaves the same logits
+    and the same recurrent and conv state in the sequences' pool rows as the eager engine."""
+    from lmdeploy.pytorch.messages import SchedulerSequence
+    graphs, eager, dtype, _ = hybrid_pair
+    results = []
+    for engine, runs in ((graphs, 2), (eager, 1)):
+        prompts = _prompts([300, 5, 1000], seed=14)
+        seqs = [SchedulerSequence(seq_id=10_000 + i, token_ids=list(p), num_prompt_tokens=len(p),
+                                  sampling=SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            engine.scheduler.add(seq)
+        sched = engine.scheduler.schedule()
+        assert sched.num_new_tokens == [len(p) for p in prompts]
+        inputs, _ = engine.inputs_maker.make(sched)
+        replays = engine.agent.graph_runner.num_prefill_replays if engine.agent.graph_runner else 0
+        for _ in range(runs):
+            logits, _ = engine.agent.forward_logits(inputs)
+        if runs == 2:
+            assert engine.agent.graph_runner.num_prefill_replays == replays + 1
+        rows = inputs.state_ids.tolist()
+        states = [{name: pool[rows].float().cpu() for name, pool in layer.items()}
+                  for layer in engine.cache_engine.state_caches]
+        results.append((logits.float(), states))
+        for seq in seqs:
+            engine.scheduler.abort(seq)
+        engine.check_integrity()
+    (got_logits, got_states), (want_logits, want_states) = results
+    torch.testing.assert_close(got_logits, want_logits, atol=0.1, rtol=0.05)
+    for got, want in zip(got_states, want_states):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=5e-2, rtol=5e-2, msg=name)

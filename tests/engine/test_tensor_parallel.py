@@ -162,6 +162,19 @@ def test_a_killed_worker_fails_every_request_clearly_and_stops_the_engine(tiny_m
     assert worker.exitcode == -signal.SIGKILL
 
 
+def test_ctrl_c_reaching_the_workers_does_not_stop_the_engine(tiny_model_factory, no_leftover_workers):
+    """A terminal's Ctrl-C goes to every process of the group (`lmdeploy chat` uses it to stop a reply)."""
+    path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
+    engine = make(path, 2)
+    try:
+        os.kill(engine.tp_workers.workers[0].process.pid, signal.SIGINT)
+        time.sleep(0.5)
+        (tokens, _), = run(engine, prompts_of(6)[:1])
+        assert len(tokens) == 4 and engine.fatal_error is None
+    finally:
+        engine.close()
+
+
 def test_a_worker_dying_while_idle_stops_the_loop_and_refuses_new_requests(tiny_model_factory, no_leftover_workers):
     from lmdeploy.pytorch.engine.engine_loop import EngineLoop
     path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
@@ -186,3 +199,50 @@ def test_tp1_starts_no_process_and_attaches_no_group(tiny_model_factory):
     reductions = reduction_points(engine.model)
     assert reductions and all(m.group is None for m in reductions)
     assert type(engine.agent).__name__ == 'ModelAgent'
+
+
+def test_pipeline_at_tp2_answers_like_tp1_and_its_close_joins_the_worker(tiny_model_factory, no_leftover_workers):
+    """The user surface (pipeline -> engine loop thread -> TP engine): same greedy replies, and `close` (the
+    context manager's exit) leaves no worker behind."""
+    from lmdeploy import GenerationConfig, pipeline
+    path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
+    greedy = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    prompts = ['Hello there', 'How are you?']
+    replies = {}
+    for tp in (1, 2):
+        config = PytorchEngineConfig(device_type='cpu', tp=tp, block_size=BLOCK, kernel_block_size=8,
+                                     num_gpu_blocks=32, session_len=128)
+        with pipeline(path, config) as pipe:
+            replies[tp] = [(r.text, r.generate_token_len, r.finish_reason) for r in pipe(prompts, greedy)]
+    assert replies[2] == replies[1] and all(n == 8 for _, n, _ in replies[1])
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tiny_model_factory):
+    """SIGKILL leaves no clean-up to the engine process: its workers see their command pipe close and exit."""
+    import subprocess
+    import sys
+    path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
+    script = ('import sys, time\n'
+              'from lmdeploy import PytorchEngineConfig\n'
+              'from lmdeploy.pytorch.engine.engine import Engine\n'
+              'if __name__ == "__main__":\n'
+              f'    e = Engine({path!r}, PytorchEngineConfig(device_type="cpu", tp=2, num_gpu_blocks=16))\n'
+              '    print(e.tp_workers.workers[0].process.pid, flush=True)\n'
+              '    time.sleep(120)\n')
+    proc = subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    start = time.monotonic()
+    while time.monotonic() - start < 30:
+        try:
+            with open(f'/proc/{worker_pid}/stat') as f:  # 'Z': exited, not yet reaped by init
+                if f.read().rsplit(')', 1)[1].split()[0] == 'Z':
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(worker_pid, signal.SIGKILL)
+    raise AssertionError('a worker outlived its killed engine process')

@@ -152,9 +152,14 @@ def test_engine_refuses_speculation_on_a_model_without_mtp_head(tiny_model_facto
         _engine(tiny_model_factory('qwen3_5', num_hidden_layers=2, layer_types=[LIN, FULL]))
 
 
-def test_engine_says_drafting_is_not_supported_yet(mtp_checkpoints):
-    with pytest.raises(NotImplementedError, match='not supported yet'):
-        _engine(mtp_checkpoints('qwen3_5'))
+def test_engine_with_speculation_sizes_k_spare_state_rows_per_sequence(mtp_checkpoints):
+    """(Decoding with the head is tested in tests/engine/test_mtp_engine.py.) The state pool holds the dummy row, a
+    spare, and per batch slot its runtime row plus K = 2 draft rows; each row ends with the head's hidden entry."""
+    engine = _engine(mtp_checkpoints('qwen3_5'))
+    batch = engine.engine_config.max_batch_size
+    assert engine.cache_config.num_state_slots == 1 + batch * 3 + 1
+    assert engine.cache_engine.mtp_hidden.shape == (engine.cache_config.num_state_slots,
+                                                    engine.model_config.hidden_size)
 
 
 def test_block_copies_cover_the_mtp_head_kv(mtp_checkpoints):

@@ -23,6 +23,7 @@ class AgentSpec:
     record_routed_experts: bool = False
     has_lora: bool = False
     vision_cache_bytes: int = 0
+    max_prefill_tokens: int = 8192
 
 
 def build_agent(model: nn.Module, model_config: ModelConfig, spec: AgentSpec, device: torch.device
@@ -32,5 +33,6 @@ def build_agent(model: nn.Module, model_config: ModelConfig, spec: AgentSpec, de
     cache_engine = CacheEngine(model_config, spec.cache_config, device, backend)
     agent = ModelAgent(model, cache_engine, backend, device, cuda_graph_batch_size=spec.cuda_graph_batch_size,
                        max_pages_per_seq=spec.max_pages_per_seq, record_routed_experts=spec.record_routed_experts,
-                       has_lora=spec.has_lora, vision_cache_bytes=spec.vision_cache_bytes)
+                       has_lora=spec.has_lora, vision_cache_bytes=spec.vision_cache_bytes,
+                       max_prefill_tokens=spec.max_prefill_tokens)
     return cache_engine, agent

@@ -36,8 +36,16 @@ def kv_block_bytes(model_config: ModelConfig, cache_config_block_size: int, dtyp
     return model_config.num_kv_layers * kv_page_bytes(model_config, cache_config_block_size, dtype)
 
 
+def mtp_hidden_bytes(model_config: ModelConfig) -> int:
+    """Bytes of the draft head's hidden entry at the end of a state row (0 without an MTP head)."""
+    if not model_config.num_mtp_layers:
+        return 0
+    return model_config.hidden_size * _elem_size(_dtype(model_config.dtype))
+
+
 def state_row_layout(model_config: ModelConfig) -> tuple[list[dict[str, tuple[int, int]]], int]:
-    """Per recurrent layer: name -> (byte offset, byte size) inside a row; plus the row size."""
+    """Per recurrent layer: name -> (byte offset, byte size) inside a row; plus the row size (which ends with the
+    MTP head's hidden entry when the head is built, see `CacheEngine.mtp_hidden`)."""
     layout, offset = [], 0
     for _ in model_config.recurrent_layer_ids:
         entry = {}
@@ -48,7 +56,7 @@ def state_row_layout(model_config: ModelConfig) -> tuple[list[dict[str, tuple[in
             entry[spec.name] = (offset, size)
             offset += -(-size // _ALIGN) * _ALIGN
         layout.append(entry)
-    return layout, offset
+    return layout, offset + -(-mtp_hidden_bytes(model_config) // _ALIGN) * _ALIGN
 
 
 class CacheEngine:
@@ -76,6 +84,15 @@ class CacheEngine:
         num_slots = cache_config.num_state_slots if model_config.is_hybrid else 0
         self.state_pool = torch.zeros(num_slots, max(row_bytes, _ALIGN), dtype=torch.uint8, device=device)
         self.state_caches = [self._state_views(entry) for entry in self.state_layout]
+        # MTP: the target's pre-norm hidden state of the last token a row's state has consumed ([num_slots, H], the
+        # row's last bytes), i.e. what the draft head reads for the position before a resume. It travels with every
+        # state copy (save, restore, draft fix-up), so a checkpoint at step s holds h_{s-1}.
+        self.mtp_hidden = None
+        hidden_bytes = mtp_hidden_bytes(model_config)
+        if hidden_bytes and num_slots:
+            start = row_bytes - -(-hidden_bytes // _ALIGN) * _ALIGN
+            self.mtp_hidden = self.state_pool[:, start:start + hidden_bytes].view(self.dtype).view(
+                num_slots, model_config.hidden_size)
 
     def _kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.model_config

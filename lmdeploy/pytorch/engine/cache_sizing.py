@@ -5,7 +5,8 @@ Owns no memory; runs once in `Engine.__init__`, after the weights are loaded (`f
 they left) and before `CacheEngine` allocates what `make_cache_config` returns.
 
 The state pool of a hybrid model holds row 0 (a dummy), one runtime row per running sequence, one spare row for
-the batch being scheduled, and `num_checkpoint_rows` rows only checkpoints use (idle runtime rows serve them too).
+the batch being scheduled (with speculative decoding, K spare rows per running sequence too: the state after each
+draft position), and `num_checkpoint_rows` rows only checkpoints use (idle runtime rows serve them too).
 With prefix caching the checkpoint rows are sized like the KV pool, as a share of the cache memory:
 
     cache = (free - runtime rows) * cache_max_entry_count
@@ -41,9 +42,9 @@ class CachePlan(NamedTuple):
 
 def plan_cache(*, free_bytes: int, block_bytes: int, row_bytes: int, is_hybrid: bool, max_batch_size: int,
                cache_max_entry_count: float, num_gpu_blocks: int = 0, state_budget: int = 0,
-               state_ratio: float = 0.0, prefix_caching: bool = False) -> CachePlan:
+               state_ratio: float = 0.0, prefix_caching: bool = False, draft_rows_per_seq: int = 0) -> CachePlan:
     """Pool sizes for `free_bytes` of device memory (see the module docstring)."""
-    runtime_rows = 1 + max_batch_size + 1 if is_hybrid else 0
+    runtime_rows = 1 + max_batch_size * (1 + draft_rows_per_seq) + 1 if is_hybrid else 0
     rows = state_budget if is_hybrid else 0
     if num_gpu_blocks:
         return CachePlan(num_gpu_blocks, runtime_rows + rows if is_hybrid else 0, rows)
@@ -77,7 +78,9 @@ def make_cache_config(model_config: ModelConfig, engine_config: PytorchEngineCon
                       is_hybrid=model_config.is_hybrid, max_batch_size=cfg.max_batch_size,
                       cache_max_entry_count=cfg.cache_max_entry_count, num_gpu_blocks=cfg.num_gpu_blocks,
                       state_budget=knobs.state_budget, state_ratio=knobs.state_ratio,
-                      prefix_caching=cfg.enable_prefix_caching)
+                      prefix_caching=cfg.enable_prefix_caching,
+                      draft_rows_per_seq=cfg.speculative_config.num_speculative_tokens
+                      if cfg.speculative_config is not None else 0)
     if plan.num_blocks <= 0:
         raise ValueError('not enough memory for a single KV block; lower max_batch_size or free memory')
     if model_config.is_hybrid and cfg.enable_prefix_caching:

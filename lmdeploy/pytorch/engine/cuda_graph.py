@@ -1,4 +1,5 @@
-"""CUDA graphs: capture the model once per padded batch shape, then replay (decode batches and small prefills).
+"""CUDA graphs: capture the model once per padded batch shape, then replay (decode batches and prefills up to a
+few thousand tokens, mixed prefill + decode batches included).
 
 Owns: static input buffers (one set, sized for the largest graph), the captured graphs and their output buffers.
 Used by `ModelAgent.run_model` on CUDA unless `eager_mode`; never touches scheduler state.
@@ -7,11 +8,19 @@ A graph is keyed by `(tokens, sequences)`:
 
 - Decode (every sequence feeds one token): a batch of `B` is padded to the smallest capture size `G >= B` (1, 2,
   4, 8, then multiples of 16 up to `max_batch_size`), key `(G, G)`. These are captured at start-up.
-- Small prefills and mixed batches (at most `max_prefill_tokens` tokens, fewer than `max_prefill_seqs` sequences):
-  `T` tokens of `B` sequences are padded to token bucket `Tg` (16, 32, 64, ...) and sequence bucket `Sg > B` (2,
-  4, 8); the `Tg - T` pad tokens form one extra sequence and the rest are empty sequences. Captured on first use.
-  The gated delta rule runs its token-by-token kernel there (`ModelInputs.use_recurrent_kernel`): the chunked
-  kernel reads sequence lengths back to the host, which a capture forbids.
+- Prefills and mixed batches (`prefill_key`): `T` tokens of `B` sequences are padded to token bucket `Tg`
+  (16, 32, ..., 4096, up to `max_prefill_tokens`: `prefill_graph_tokens`, 256 by default until the wide buckets
+  have passed on the H200) and sequence bucket `Sg >= B + 2` (4, 8, 16, ..., then
+  `max_batch_size + 2`), with `Tg > Sg` (so no prefill shape looks like a decode batch to a kernel that tells
+  them apart by `T == B`). The `Tg - T` pad tokens form one extra sequence (index `B`) and the rest are empty
+  sequences: the last one is always empty. Larger forwards, in-prefill checkpoints and image tokens run eagerly.
+  `prefill_warm_keys` (one and two sequences, every token bucket) are captured at start-up, the others on first
+  use, at most `max_prefill_graphs` of them (then eager, logged once).
+- Hybrids on fla (`chunk_indices=True`): the gated delta rule runs fla's chunked kernels inside the graph, on the
+  static `cu_seqlens` and static chunk indices of a fixed row count per bucket (`max_graph_chunks`), built on the
+  host each step and copied non-blocking from pinned memory; the padding rows name chunk 0 of the last (empty)
+  sequence, which fla's kernels mask out entirely (see `kernels/cuda/gated_delta_rule.py`). Without it
+  (`LMDEPLOY_GRAPH_GDR=recurrent`) the graph runs the token-by-token kernel (`ModelInputs.use_recurrent_kernel`).
 
 Padding is harmless by construction of the kernels' contracts: pad tokens write no KV (`slot_mapping = -1`), pad
 and empty sequences use state row 0 (a reserved dummy no sequence owns), decode padding rows have `kv_len = 0`
@@ -21,8 +30,10 @@ pad rows compute never reaches a real row.
 The first run at a key runs eagerly *through the static buffers*: at start-up on all-padding inputs (it compiles /
 autotunes every kernel for exactly the captured shapes and writes nothing a sequence owns), on first use with the
 real step itself (capture executes nothing, so the step is not applied twice). Then the graph is captured; later
-runs copy their inputs into the buffers and replay. Every capture shares one memory pool; everything runs on the
-caller's current stream (the forward stream).
+runs copy their inputs into the buffers and replay. A prefill capture that fails is logged and its key runs
+eagerly from then on (the step's eager result stands). Every capture shares one memory pool; everything runs on
+the caller's current stream (the forward stream). `capture_all` logs the start-up capture time and the memory
+the graphs took.
 
 With `routes_shape` (routed experts on for the engine) every graph records the routed experts of its tokens into
 one static `[max_tokens, num_moe_layers, top_k]` buffer (`routes_of` reads a batch's rows after a replay); the
@@ -32,18 +43,27 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from ..kernels.cuda.gated_delta_rule import max_graph_chunks, padded_chunk_indices_host
 from ..model_inputs import ModelInputs, StepContext
 
 logger = logging.getLogger('lmdeploy')
 
-PREFILL_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
-PREFILL_SEQ_BUCKETS = (2, 4, 8)
+PREFILL_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Sequence counts of the prefill graphs captured at start-up: one or two sequences (a lone prompt, or a prompt
+# beside one decode), i.e. sequence bucket 4. Mixed batches with more decodes capture on first use.
+WARM_PREFILL_SEQS = 2
+MAX_PREFILL_GRAPHS = 48
+# The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise. 256 (the limit before the chunked
+# gated delta rule was capturable) until the wider buckets have passed on the H200; then 4096.
+DEFAULT_PREFILL_GRAPH_TOKENS = 256
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -53,19 +73,66 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes) | {max_batch_size})
 
 
+def prefill_graph_tokens(max_forward_tokens: int) -> int:
+    """Tokens the prefill graphs cover: `max_forward_tokens` (the largest forward the scheduler makes), capped by
+    `LMDEPLOY_PREFILL_GRAPH_TOKENS` (default `DEFAULT_PREFILL_GRAPH_TOKENS`; at most the largest bucket, 4096; 0
+    turns prefill graphs off)."""
+    cap = int(os.environ.get('LMDEPLOY_PREFILL_GRAPH_TOKENS', DEFAULT_PREFILL_GRAPH_TOKENS))
+    return max(0, min(cap, max_forward_tokens))
+
+
+def prefill_token_buckets(max_prefill_tokens: int) -> tuple[int, ...]:
+    """Token buckets covering forwards of up to `max_prefill_tokens` tokens: every bucket below it and the first
+    one at or above it (capped by the largest bucket)."""
+    if max_prefill_tokens <= 0:
+        return ()
+    below = tuple(t for t in PREFILL_TOKEN_BUCKETS if t < max_prefill_tokens)
+    above = next((t for t in PREFILL_TOKEN_BUCKETS if t >= max_prefill_tokens), None)
+    return below + ((above,) if above is not None else ())
+
+
+def prefill_seq_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """Sequence buckets of the prefill graphs: 4, 8, 16, ... below `max_batch_size + 2`, then that (a full batch
+    plus the pad sequence plus one empty sequence)."""
+    cap = max_batch_size + 2
+    powers = [4 << i for i in range(max(1, cap.bit_length()))]
+    return tuple(sorted({s for s in powers if s < cap} | {cap}))
+
+
 class GraphKey(NamedTuple):
     num_tokens: int
     num_seqs: int
     decode: bool
 
 
+def prefill_key(num_tokens: int, num_seqs: int, token_buckets: tuple[int, ...],
+                seq_buckets: tuple[int, ...]) -> GraphKey | None:
+    """The prefill graph for `num_tokens` tokens of `num_seqs` sequences: the smallest sequence bucket with room
+    for the pad sequence and one empty sequence, then the smallest token bucket that holds the tokens and has more
+    tokens than sequences. None: no bucket fits (eager)."""
+    seqs = next((s for s in seq_buckets if s >= num_seqs + 2), None)
+    if seqs is None:
+        return None
+    tokens = next((t for t in token_buckets if t >= num_tokens and t > seqs), None)
+    return None if tokens is None else GraphKey(tokens, seqs, False)
+
+
+def prefill_warm_keys(token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> list[GraphKey]:
+    """Prefill graphs captured at start-up, largest first: every token bucket at the sequence bucket of
+    `WARM_PREFILL_SEQS` sequences."""
+    keys = {prefill_key(t, min(WARM_PREFILL_SEQS, t), token_buckets, seq_buckets) for t in token_buckets}
+    return sorted((k for k in keys if k is not None), reverse=True)
+
+
 class _StaticInputs:
-    """Device buffers the captured graphs read; `view(key)` is the `ModelInputs` of the graph at `key`."""
+    """Device buffers the captured graphs read; `view(key)` is the `ModelInputs` of the graph at `key`.
+    `max_chunks > 0`: a chunk-index buffer for the chunked gated delta rule (hybrids on fla)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device,
-                 has_lora: bool = False):
+                 has_lora: bool = False, max_chunks: int = 0):
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(*shape, dtype=dtype, device=device)
+        self.device = device
         self.input_ids = zeros(max_tokens)
         self.position_ids = zeros(max_tokens)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -82,9 +149,11 @@ class _StaticInputs:
         self.logits_indices = torch.arange(max_tokens, dtype=torch.int64, device=device)
         self._arange = torch.arange(max(max_tokens, max_seqs) + 1, dtype=torch.int64, device=device)
         self.max_pages = max_pages
+        self.chunk_indices = zeros(max_chunks, 2) if max_chunks > 0 else None
 
     def view(self, key: GraphKey) -> ModelInputs:
         t, s = key.num_tokens, key.num_seqs
+        chunked = self.chunk_indices is not None and not key.decode
         return ModelInputs(
             input_ids=self.input_ids[:t], position_ids=self.position_ids[:t], q_lens=self.q_lens[:s],
             kv_lens=self.kv_lens[:s], cu_seqlens_q=self.cu_seqlens_q[:s + 1], block_tables=self.block_tables[:s],
@@ -93,8 +162,8 @@ class _StaticInputs:
             lora_ids=self.lora_ids[:s] if self.has_lora else None,
             # host copies are shape placeholders here (upper bounds): a graph's kernels read device tensors only
             q_lens_list=[1 if key.decode else t] * s, kv_lens_list=[self.max_pages] * s,
-            max_seqlen_q=1 if key.decode else t, max_seqlen_k=t, use_recurrent_kernel=not key.decode)
-
+            max_seqlen_q=1 if key.decode else t, max_seqlen_k=t, use_recurrent_kernel=not key.decode and not chunked,
+            graph_chunk_indices=self.chunk_indices[:max_graph_chunks(t, s)] if chunked else None)
     def _copy_batch(self, inputs: ModelInputs) -> None:
         t, b = inputs.input_ids.numel(), inputs.batch_size
         width = inputs.block_tables.size(1)
@@ -150,6 +219,12 @@ class _StaticInputs:
         self.state_ids[b:sg].zero_()
         self.is_fresh[b:sg].fill_(True)
         self.lora_ids[b:sg].zero_()
+        if self.chunk_indices is not None:
+            lens = (inputs.q_lens_list if inputs is not None else []) + [tg - t]
+            host = padded_chunk_indices_host(lens, max_graph_chunks(tg, sg), pad_seq=sg - 1)
+            if self.device.type == 'cuda':
+                host = host.pin_memory()  # a non-blocking copy from pageable memory would synchronise the stream
+            self.chunk_indices[:host.shape[0]].copy_(host, non_blocking=True)
 
 
 class CUDAGraphRunner:
@@ -157,23 +232,35 @@ class CUDAGraphRunner:
 
     def __init__(self, model: nn.Module, make_context: Callable[[ModelInputs, torch.Tensor | None], StepContext],
                  max_batch_size: int, max_pages: int, device: torch.device,
-                 max_prefill_tokens: int = PREFILL_TOKEN_BUCKETS[-1], routes_shape: tuple[int, int] | None = None,
-                 has_lora: bool = False):
+                 max_prefill_tokens: int = 256, routes_shape: tuple[int, int] | None = None,
+                 has_lora: bool = False, chunk_indices: bool = False,
+                 max_prefill_graphs: int = MAX_PREFILL_GRAPHS):
+        """`max_prefill_tokens`: the largest forward the prefill graphs should cover (0: decode graphs only).
+        `chunk_indices`: prefill graphs run the chunked gated delta rule on static chunk indices (hybrids on fla);
+        otherwise the token-by-token one."""
         self.model = model
         self.make_context = make_context
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = max_batch_size
-        self.token_buckets = tuple(t for t in PREFILL_TOKEN_BUCKETS if t <= max_prefill_tokens)
+        self.token_buckets = prefill_token_buckets(max_prefill_tokens)
+        self.seq_buckets = prefill_seq_buckets(max_batch_size)
         self.device = device
-        max_seqs = max(max_batch_size, PREFILL_SEQ_BUCKETS[-1])
+        max_seqs = max(max_batch_size, self.seq_buckets[-1])
         max_tokens = max((max_batch_size, *self.token_buckets))
-        self.static = _StaticInputs(max_tokens, max_seqs, max_pages, device, has_lora=has_lora)
+        max_chunks = max((max_graph_chunks(t, self.seq_buckets[-1]) for t in self.token_buckets), default=0)
+        self.static = _StaticInputs(max_tokens, max_seqs, max_pages, device, has_lora=has_lora,
+                                    max_chunks=max_chunks if chunk_indices else 0)
         self.static_routes = None if routes_shape is None else \
             torch.zeros((max_tokens, *routes_shape), dtype=torch.int16, device=device)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_prefill_graphs = max_prefill_graphs
+        self.failed: set[GraphKey] = set()  # prefill keys whose capture failed: eager from then on
+        self._warned_full = False
         self.pool = None
         self.num_replays = 0
         self.num_prefill_replays = 0
+        self.capture_seconds = 0.0   # start-up capture (`capture_all`)
+        self.capture_bytes = 0       # device memory the start-up captures reserved
 
     def padded_size(self, batch_size: int) -> int:
         return next(s for s in self.sizes if s >= batch_size)
@@ -192,13 +279,20 @@ class CUDAGraphRunner:
                 return None
             size = self.padded_size(num_seqs)
             return GraphKey(size, size, True)
-        if not self.token_buckets:
+        key = prefill_key(num_tokens, num_seqs, self.token_buckets, self.seq_buckets)
+        if key is None or key in self.failed:
             return None
-        tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
-        seqs = next((s for s in PREFILL_SEQ_BUCKETS if s > num_seqs), None)
-        if tokens is None or seqs is None:
+        if key not in self.graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
+            if not self._warned_full:
+                logger.info('%d prefill CUDA graphs captured (the limit): new prefill shapes run eagerly',
+                            self.num_prefill_graphs)
+                self._warned_full = True
             return None
-        return GraphKey(tokens, seqs, False)
+        return key
+
+    @property
+    def num_prefill_graphs(self) -> int:
+        return sum(not k.decode for k in self.graphs)
 
     def supports(self, inputs: ModelInputs) -> bool:
         return self.key_of(inputs) is not None
@@ -222,7 +316,7 @@ class CUDAGraphRunner:
         if entry is None:
             static_inputs = self.static.view(key)
             out = self.model(self._context(static_inputs))  # the real step, eager, on the captured shapes
-            self._capture(key, static_inputs)
+            self._capture_or_give_up(key, static_inputs)
             return out[:num_tokens]
         graph, out = entry
         graph.replay()
@@ -237,16 +331,51 @@ class CUDAGraphRunner:
             self.static.fill_prefill(inputs, key)
 
     def capture_all(self) -> None:
-        """Capture every decode size up front, largest first (so smaller graphs reuse its pool memory). Each
-        warm-up run is all padding, so it writes nothing any sequence owns: no KV (slot -1), only the dummy state
-        row."""
-        for size in reversed(self.sizes):
-            key = GraphKey(size, size, True)
-            if key not in self.graphs:
-                self._fill(None, key)
-                static_inputs = self.static.view(key)
-                self.model(self._context(static_inputs))  # compile / autotune for exactly these shapes
-                self._capture(key, static_inputs)
+        """Capture every decode size and the warm prefill keys (`prefill_warm_keys`) up front, largest first (so
+        smaller graphs reuse its pool memory). Each warm-up run is all padding, so it writes nothing any sequence
+        owns: no KV (slot -1), only the dummy state row. Logs the time and memory this took."""
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        keys = [GraphKey(size, size, True) for size in reversed(self.sizes)]
+        keys += prefill_warm_keys(self.token_buckets, self.seq_buckets)
+        for key in keys:
+            if key in self.graphs or key in self.failed:
+                continue
+            if key.decode:
+                self._warm_and_capture(key)
+                continue
+            try:
+                self._warm_and_capture(key)
+            except Exception as exc:  # noqa: BLE001 - a prefill shape that cannot run here stays eager
+                self.failed.add(key)
+                torch.cuda.synchronize(self.device)
+                logger.warning('warming up a prefill CUDA graph for %s failed (%s: %s); that shape runs eagerly',
+                               key, type(exc).__name__, exc)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        logger.info('CUDA graphs at start-up: %d decode + %d prefill captured in %.2f s, %.0f MiB reserved',
+                    len(self.graphs) - self.num_prefill_graphs, self.num_prefill_graphs, self.capture_seconds,
+                    self.capture_bytes / 2**20)
+
+    def _warm_and_capture(self, key: GraphKey) -> None:
+        self._fill(None, key)
+        static_inputs = self.static.view(key)
+        self.model(self._context(static_inputs))  # compile / autotune for exactly these shapes
+        self._capture_or_give_up(key, static_inputs)
+
+    def _capture_or_give_up(self, key: GraphKey, static_inputs: ModelInputs) -> None:
+        """Capture `key`; a prefill capture that fails is logged and the key runs eagerly from then on (decode
+        graphs have always captured: a failure there is a bug and raises)."""
+        if key.decode:
+            self._capture(key, static_inputs)
+            return
+        try:
+            self._capture(key, static_inputs)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager, keep serving
+            self.failed.add(key)
+            torch.cuda.synchronize(self.device)
+            logger.warning('capturing a prefill CUDA graph for %s failed (%s: %s); that shape runs eagerly',
+                           key, type(exc).__name__, exc)
 
     def _capture(self, key: GraphKey, static_inputs: ModelInputs) -> None:
         stream = torch.cuda.current_stream(self.device)

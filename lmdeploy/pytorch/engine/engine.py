@@ -33,6 +33,7 @@ from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
 from .request import EngineOutput, OutputCallback
 from .routes_recorder import RoutesRecorder
+from .spec_step import SpecForwardResult, SpeculativeStep
 from .tp_agent import TPModelAgent
 from .tp_worker import WorkerSpec
 from .tp_workers import TensorParallelFailure, TPWorkers
@@ -70,9 +71,10 @@ class Engine:
 
     def _build(self, engine_config: PytorchEngineConfig, dtype: str, speculative) -> None:
         self.model, self.model_config = self._build_model(dtype)
-        if speculative is not None:  # the model and its head load and are checked; drafting is the missing part
-            raise NotImplementedError(f'speculative decoding (method {speculative.method!r}) is not supported yet: '
-                                      'the MTP head loads, but the engine does not draft and verify with it')
+        num_draft_tokens = speculative.num_speculative_tokens if speculative is not None else 0
+        if speculative is not None and engine_config.enable_return_routed_experts:
+            raise ValueError('speculative decoding and enable_return_routed_experts cannot be combined yet (a verify '
+                             'forward also routes draft tokens that may be rejected)')
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
@@ -85,8 +87,10 @@ class Engine:
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
             session_len=session_len(self.model_config, self.cache_config, engine_config.session_len))
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid)
-        use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid,
+                                   num_draft_tokens=num_draft_tokens)
+        # Speculative steps run eagerly: the verify forward keeps pre-norm hidden states and cuts states per draft.
+        use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode and not num_draft_tokens
         kbs = self.cache_config.kernel_block_size
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
@@ -95,9 +99,13 @@ class Engine:
             record_routed_experts=engine_config.enable_return_routed_experts,
             cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
             max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
+            max_prefill_tokens=engine_config.max_prefill_token_num,
             vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
             if self.model_config.image_token_id is not None else 0)
         self.cache_engine, self.agent = build_agent(self.model, self.model_config, agent_spec, self.device)
+        # before the graphs, so they capture tuned tiles; the largest forward is a prefill chunk or a decode batch
+        # (tp > 1 loads FP8 dequantized: the workers have no FP8 GEMM to tune)
+        self.agent.tune_kernels(max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
         self.wakeup = threading.Event()
         if self.tp_workers is not None:
             self.tp_workers.setup(agent_spec)
@@ -107,6 +115,10 @@ class Engine:
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
                                         self.cache_config.kernel_block_size,
                                         lora_slots={a.identity: a.slot for a in self.adapters.values()})
+        self.speculative: SpeculativeStep | None = None
+        if num_draft_tokens:
+            self.agent.enable_speculative(num_draft_tokens)
+            self.speculative = SpeculativeStep(self.agent, self.inputs_maker, num_draft_tokens, self.session_len)
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
                     self.cache_config.num_blocks, self.cache_config.block_size,
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
@@ -338,6 +350,13 @@ class Engine:
         if result is not None:
             self.routes.store(sched.seqs, sched.num_new_tokens, result.routed_experts)
         updates = self.scheduler.update(sched, rows)
+        if self.speculative is not None:
+            try:  # fix-ups, the head's catch-up, save copies, the next drafts
+                self.speculative.draft(sched, result, updates, self._generators, self._collected_logits)
+            except Exception as exc:
+                logger.exception('drafting failed')
+                return self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
+                                          for seq in self.scheduler.cancel(sched)])
         outputs = self._deliver_all([self._update_output(update) for update in updates])
         plan = self.scheduler.commit(sched, updates, self._prompt_logits(sampled, result))
         self.scheduler.release(plan, copied=self._copy(plan))
@@ -358,7 +377,10 @@ class Engine:
                 rejected += [(sampled[i], error) for i, error in errors.items()]
                 sampled = drop_sampled_rows(inputs, sampled, errors)
             collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
-            if any(collect):
+            if self.speculative is not None:
+                result = self.speculative.forward(sched, inputs, sampled, sampling, cache_inputs, self._generators,
+                                                  any(collect))
+            elif any(collect):
                 result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
             else:
                 result = self.agent.forward(inputs, sampling, cache_inputs)
@@ -368,6 +390,8 @@ class Engine:
 
     @staticmethod
     def _sampled_rows(result, sampled: list[SchedulerSequence]) -> list[SampledToken]:
+        if isinstance(result, SpecForwardResult):
+            return result.rows(sampled)
         return [SampledToken(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(sampled)]
 
@@ -511,7 +535,8 @@ class Engine:
                            checkpoint_rows=cache_config.prefix_cache.state_budget if rows else 0,
                            checkpoint_capacity=rows - 2 - running if rows else 0,
                            routed_experts_bytes_per_token=self.routes.bytes_per_token if routes else None,
-                           routed_experts_cached_bytes=scheduler.trie.routes_bytes() if routes else None)
+                           routed_experts_cached_bytes=scheduler.trie.routes_bytes() if routes else None,
+                           speculative=self.speculative.stats if self.speculative is not None else None)
 
     def _publish(self, snapshot: EngineStats) -> None:
         with self._published:

@@ -14,6 +14,28 @@ from .vision_cache import VisionCacheStats
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Counters since start (speculative decoding on). A verify row is a decode that fed drafts."""
+    num_verify_rows: int = 0
+    num_draft_tokens: int = 0     # drafts verified
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify row emits on average: its accepted drafts plus the one the target gives."""
+        return 1.0 + self.num_accepted_tokens / self.num_verify_rows if self.num_verify_rows else 0.0
+
+    def as_dict(self) -> dict:
+        return {'spec_verify_rows': self.num_verify_rows, 'spec_draft_tokens': self.num_draft_tokens,
+                'spec_accepted_tokens': self.num_accepted_tokens, 'spec_acceptance_rate': self.acceptance_rate,
+                'spec_mean_accepted_length': self.mean_accepted_length}
+
+
+@dataclass(frozen=True)
 class EngineStats:
     step: int                               # steps completed when this was published (0: before the first)
     num_running: int                        # requests in the running batch
@@ -31,6 +53,8 @@ class EngineStats:
     # Routed experts kept by the prefix cache (flag and caching on, else None): host bytes per cached token, in all.
     routed_experts_bytes_per_token: int | None = None
     routed_experts_cached_bytes: int | None = None
+    # Speculative decoding's acceptance counters (None: speculation off).
+    speculative: SpecDecodeStats | None = None
 
     @property
     def kv_usage(self) -> float:
@@ -48,6 +72,8 @@ class EngineStats:
         if self.routed_experts_bytes_per_token is not None:
             out.update(routed_experts_bytes_per_token=self.routed_experts_bytes_per_token,
                        routed_experts_cached_bytes=self.routed_experts_cached_bytes)
+        if self.speculative is not None:
+            out.update(self.speculative.as_dict())
         if self.vision_cache is not None:
             v = self.vision_cache
             out.update(vision_cache_hits=v.hits, vision_cache_misses=v.misses, vision_cache_entries=v.entries,

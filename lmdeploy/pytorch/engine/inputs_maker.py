@@ -59,7 +59,7 @@ class InputsMaker:
         self.kernel_block_size = kernel_block_size
         self.pages_per_block = block_size // kernel_block_size
 
-    def _page_table(self, seq: SchedulerSequence) -> np.ndarray:
+    def page_table(self, seq: SchedulerSequence) -> np.ndarray:
         """Kernel pages of a sequence's blocks, in order."""
         blocks = self.block_manager.resolve_gpu_block_offsets(seq.block_ids)
         return (blocks[:, None] * self.pages_per_block + np.arange(self.pages_per_block)[None, :]).reshape(-1)
@@ -73,8 +73,11 @@ class InputsMaker:
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed
             pos = np.arange(start, start + n, dtype=np.int64)
-            pages = self._page_table(seq)
-            ids.append(seq.token_array()[start:start + n])
+            pages = self.page_table(seq)
+            drafts = out.drafts_of(len(q_lens))  # a verify piece: the last token, then its drafts
+            ids.append(seq.token_array()[start:start + n - drafts] if not drafts else
+                       np.concatenate([seq.token_array()[start:start + n - drafts],
+                                       np.asarray(seq.draft_ids[:drafts], dtype=np.int64)]))
             positions.append(mm.add(seq, start, n, offset) if seq.mm_spans else pos)
             slots.append(pages[pos // self.kernel_block_size] * self.kernel_block_size + pos % self.kernel_block_size)
             tables.append(pages)
@@ -83,7 +86,7 @@ class InputsMaker:
             state_ids.append(seq.state_slot or 0)
             fresh.append(start == 0)
             offset += n
-            if start + n == seq.num_tokens:
+            if start + n - drafts == seq.num_tokens:
                 logits_idx.append(offset - 1)
                 sampled.append(seq)
         max_pages = max(len(t) for t in tables)
@@ -114,11 +117,12 @@ class InputsMaker:
     @staticmethod
     def _state_cuts(out: SchedulerOutput, q_lens: list[int], state_ids: list[int], fresh: list[bool]
                     ) -> StateCuts | None:
-        if not out.state_cuts:
+        """In-prefill checkpoints and the per-draft-position cuts of verify pieces (same mechanism)."""
+        if not out.state_cuts and not out.draft_cuts:
             return None
         row_of = {seq.seq_id: row for row, seq in enumerate(out.seqs)}
         rows, offsets, slots = [], [], []
-        for seq, step, slot in out.state_cuts:
+        for seq, step, slot in out.state_cuts + out.draft_cuts:
             row = row_of[seq.seq_id]
             offset = step - seq.num_computed
             if not 0 < offset < q_lens[row]:

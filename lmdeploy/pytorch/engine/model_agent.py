@@ -11,17 +11,25 @@ CUDA graphs captured with `record_routed_experts` on (the engine flag) always re
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 from torch import nn
 
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
+from ..nn.blocked_fp8 import fp8_linear_shapes
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
-from .cuda_graph import PREFILL_TOKEN_BUCKETS, CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
+from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
+from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
+
+logger = logging.getLogger('lmdeploy')
 
 
 class ForwardOutput:
@@ -42,9 +50,11 @@ class ModelAgent:
 
     def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
                  cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0, record_routed_experts: bool = False,
-                 has_lora: bool = False, vision_cache_bytes: int = 0):
+                 has_lora: bool = False, vision_cache_bytes: int = 0, max_prefill_tokens: int = 8192):
         """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
-        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence.
+        captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence, and prefills /
+        mixed batches of up to `max_prefill_tokens` prompt tokens plus a decode batch, within the largest prefill
+        graph (`prefill_graph_tokens`).
         `record_routed_experts` (the engine flag) lets forwards record routed experts; graphs then always do.
         `has_lora`: the model has LoRA adapters attached (graphs then carry each row's adapter slot).
         `vision_cache_bytes > 0` keeps encoded images by content hash (`VisionEncoderCache`)."""
@@ -58,14 +68,20 @@ class ModelAgent:
         self._sample = backend.build(OpType.Sampling)
         self.streams = DeviceStreams(device)
         self.graph_runner = None
+        self.spec: SpeculativeDecoder | None = None
         if cuda_graph_batch_size > 0 and device.type == 'cuda':
-            from ..backends.cuda import prefill_graphs_supported
+            from ..backends.cuda import graph_gdr_chunked, prefill_graphs_supported
             cfg = cache_engine.model_config
-            prefill_tokens = PREFILL_TOKEN_BUCKETS[-1] \
+            prefill_tokens = prefill_graph_tokens(max_prefill_tokens + cuda_graph_batch_size) \
                 if prefill_graphs_supported(getattr(torch, cfg.dtype), cfg.is_hybrid) else 0
             self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
                                                 device, max_prefill_tokens=prefill_tokens,
-                                                routes_shape=self.routes_shape, has_lora=has_lora)
+                                                routes_shape=self.routes_shape, has_lora=has_lora,
+                                                chunk_indices=cfg.is_hybrid and graph_gdr_chunked())
+
+    def enable_speculative(self, num_draft_tokens: int) -> None:
+        """Verify and draft with the model's MTP head (`forward_verify`, `draft`)."""
+        self.spec = SpeculativeDecoder(self.model, self.cache_engine, self._sample, num_draft_tokens)
 
     def _context(self, inputs: ModelInputs, routed_experts: torch.Tensor | None = None) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,
@@ -137,6 +153,18 @@ class ModelAgent:
         return hidden, routes
 
     @torch.inference_mode()
+    def tune_kernels(self, max_tokens: int) -> None:
+        """Autotune the FP8 GEMM tiles for the model's FP8 linears and every row bucket up to `max_tokens` (CUDA
+        only), before any graph is captured or request served: no forward pays for tuning."""
+        shapes = fp8_linear_shapes(self.model)
+        if self.device.type != 'cuda' or not shapes:
+            return
+        from ..backends.cuda import tune_fp8_gemms
+        began = time.perf_counter()
+        keys = tune_fp8_gemms(shapes, max_tokens, getattr(torch, self.cache_engine.model_config.dtype), self.device)
+        logger.info('FP8 GEMM autotuning: %d keys (%d shapes) in %.1f s', keys, len(shapes),
+                    time.perf_counter() - began)
+
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs of every padded batch size now (no-op without graphs)."""
         if self.graph_runner is not None:
@@ -155,6 +183,36 @@ class ModelAgent:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             next_ids, logprobs = self._sample(logits, sampling)
             return ForwardOutput(next_ids.tolist(), logprobs, logits, _routes_to_host(routes))
+
+    @torch.inference_mode()
+    def forward_verify(self, inputs: ModelInputs, sampling: SamplingInputs,
+                       cache_inputs: CacheCheckpointInputs | None, plan: VerifyPlan,
+                       params: list[SampleParams | None], collect: bool
+                       ) -> tuple[VerifyOutput, CacheCheckpointInputs | None, torch.Tensor]:
+        """Speculative step, part 1 (`spec_decode`): restores, the target forward (eager: it keeps the pre-norm
+        hidden states), acceptance. Save copies wait for `draft`. Returns the verify output, the device copy plans
+        (for `draft`) and the logits at each sampled sequence's last real token."""
+        inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
+        with self.streams.forward():
+            self.restore(cache_inputs)
+            self.embed_images(inputs)
+            out = self.spec.verify(self._context(inputs), plan, sampling, params, collect)
+            return out, cache_inputs, out.first_logits
+
+    @torch.inference_mode()
+    def draft(self, fixups: CacheCheckpointInputs | None, plan: HeadPlan, hidden: torch.Tensor,
+              chains: list[ModelInputs], params: list[SampleParams | None],
+              cache_inputs: CacheCheckpointInputs | None, verified: CacheCheckpointInputs | None = None
+              ) -> tuple[list[list[int]], list]:
+        """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies and those
+        of the checkpoints at committed steps (`verified`), drafts."""
+        fixups, verified, head_inputs, *chains = self.streams.to_device(fixups, verified, plan.inputs, *chains)
+        plan = plan._replace(inputs=head_inputs)
+        with self.streams.forward():
+            if fixups is not None:
+                self.cache_engine.copy_state_slots(fixups.state_restore_plan)
+            return self.spec.draft(self._context, plan, hidden, lambda step: self._context(chains[step - 1]),
+                                   params, lambda: (self.save(cache_inputs), self.save(verified)))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> ForwardOutput:

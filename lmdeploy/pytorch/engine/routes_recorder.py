@@ -52,9 +52,8 @@ class RoutesRecorder:
     def store(seqs: list[SchedulerSequence], num_new_tokens: list[int], rows: np.ndarray | None) -> None:
         """Each recording sequence's rows of this forward, at the positions it fed (call before it advances).
 
-        Speculative decoding (MTP) is not built yet. When it is, only the rows of the target model's forward over
-        accepted positions may be stored here: draft forwards and rejected positions never reach a sequence's rows
-        (and so never the prefix cache or a response)."""
+        The engine refuses the routed-experts flag together with speculative decoding (MTP): a verify forward also
+        routes draft tokens that may be rejected, and only accepted positions may ever reach a sequence's rows."""
         if rows is None:
             return
         start = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import traceback
 from dataclasses import dataclass
 
@@ -37,7 +38,10 @@ class WorkerSpec:
 
 
 def worker_main(rank: int, init: DistInit, spec: WorkerSpec, commands, reports) -> None:
-    """Entry point of the spawned process (`torch.multiprocessing` spawn)."""
+    """Entry point of the spawned process (`torch.multiprocessing` spawn). Ctrl-C on a terminal reaches the whole
+    process group; the engine decides what it means (stop a reply in `lmdeploy chat`, shut the server down), so a
+    worker ignores SIGINT and stops only when told (or when the engine process is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         reports.send(('hello',))
         _serve(rank, init, spec, commands, reports)

@@ -12,6 +12,15 @@ delivers at once) -> `commit(out, updates)` (attach blocks, publish / unpin chec
 the reply-save plan) -> (the engine queues the plan's copies) -> `release(plan, copied)` (publish or drop the reply
 checkpoints, finish the stopped sequences). A failed forward runs `cancel(out)` instead of everything after
 `schedule()`.
+
+Speculative decoding (`num_draft_tokens` K > 0; `docs/architecture.md`): every running sequence also holds K spare
+state rows (`draft_slots`). A decode with drafts feeds [last token, d_1 .. d_d] (`num_drafts`) with a state cut after
+each draft position into a spare row (`draft_cuts`); `update` appends the verified run (1 .. d + 1 tokens, stops
+honoured token by token), advances `num_computed` by the tokens it committed and plans the copy of the matching cut
+into the runtime row (`draft_fixups`), so the runtime row holds exactly the state after the committed tokens. Blocks
+are reserved K - 1 tokens past each piece, for the draft head's chained positions. Checkpoints are never planned for
+a verify piece (its end is a draft position); a prefix-cache hit keeps its last aligned block private (a copy), since
+the draft head recomputes the position before the hit.
 """
 from __future__ import annotations
 
@@ -22,8 +31,8 @@ from ..messages import SchedulerSequence, SequenceStatus
 from .block_manager import BlockManager
 from .prefix_cache import PrefixCache, PrefixMatch, PromptLogits
 from .prefix_cache_factory import make_prefix_cache
-from .scheduler_output import CopyPairs, ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
-from .sequence_update import append_sampled
+from .scheduler_output import CopyPairs, ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate, StateCut
+from .sequence_update import append_run, append_sampled
 from .state_manager import StateManager
 
 __all__ = ['CopyPairs', 'Scheduler', 'SchedulerOutput']
@@ -35,8 +44,12 @@ _MAX_QUEUED_PEERS = 16
 
 class Scheduler:
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, needs_state: bool = False):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, needs_state: bool = False,
+                 num_draft_tokens: int = 0):
         self.config = scheduler_config
+        self.num_draft_tokens = num_draft_tokens
+        # Trie blocks referenced by the forward in flight until its restore copies are queued (`block_pins`).
+        self._pinned_blocks: Counter = Counter()
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.pages_per_block)
@@ -108,14 +121,16 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= self.config.max_batch_size:
                 continue
-            n = 1 if seq.num_remaining == 1 else min(seq.num_remaining, budget)
+            drafts = len(seq.draft_ids) if seq.num_remaining == 1 else 0
+            n = 1 + drafts if seq.num_remaining == 1 else min(seq.num_remaining, budget)
             n = seq.fit_chunk_to_spans(seq.num_computed, self.prefix_cache.chunk(seq, n))
-            if n == 0 or not self._reserve_blocks(seq, n, scheduled=out.seqs):
+            if drafts and n != 1 + drafts:  # (a decode is never capped; keep the verify piece whole or plain)
+                drafts, n = 0, min(n, 1)
+            if n == 0 or not self._reserve_blocks(seq, n + self._draft_room, scheduled=out.seqs):
                 continue
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            self._add_piece(out, seq, n, drafts)
             budget -= min(n, budget)
-        has_prefill = any(n > 1 for n in out.num_new_tokens)
+        has_prefill = any(n - out.drafts_of(row) > 1 for row, n in enumerate(out.num_new_tokens))
         index = 0
         while (index < len(self.waiting) and budget > 0
                and len(out.seqs) + len(out.logits_hits) < self.config.max_batch_size):
@@ -136,21 +151,73 @@ class Scheduler:
             self.running.append(seq)
             if n == 0:
                 continue  # whole prompt cached: sampled from kept logits (out.logits_hits)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            self._add_piece(out, seq, n, 0)
             budget -= n
             has_prefill = True
         self._admitting = None
         self.prefix_cache.plan_checkpoints(out)
 
+    def _capped(self, num_tokens: int) -> int:
+        """Blocks are never reserved past `session_len` (sequences near it get no drafts: `SpeculativeStep`)."""
+        return min(num_tokens, self.config.session_len) if self.num_draft_tokens else num_tokens
+
+    @property
+    def _draft_room(self) -> int:
+        """Tokens reserved past a piece for the draft head's chained positions."""
+        return max(self.num_draft_tokens - 1, 0)
+
+    def _add_piece(self, out: SchedulerOutput, seq: SchedulerSequence, n: int, drafts: int) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        if self.num_draft_tokens:
+            out.num_drafts.append(drafts)
+            out.draft_cuts += [StateCut(seq, seq.num_computed + o, seq.draft_slots[o - 1])
+                               for o in range(1, drafts + 1)]
+
     # ---- applying a forward's result --------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SequenceUpdate]:
         """The forward ran: advance every scheduled sequence by the tokens it fed, append the sampled tokens and
         check stops. Returns one update per sampled row, for the engine to deliver at once; no cache bookkeeping
-        happens here (the client does not wait for it)."""
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed += n
-        return [append_sampled(row, self.config.session_len) for row in sampled]
+        happens here (the client does not wait for it). A verify piece (drafts fed) advances by the tokens its
+        verified run committed instead, and plans its state fix-up (`out.draft_fixups`)."""
+        verify = {}
+        for row, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
+            drafts = out.drafts_of(row)
+            if drafts:
+                verify[seq.seq_id] = drafts
+                seq.draft_ids, seq.draft_probs = [], None
+            else:
+                seq.num_computed += n
+        updates = []
+        for row in sampled:
+            drafts = verify.pop(row.seq.seq_id, None)
+            if drafts is None:
+                updates.append(append_sampled(row, self.config.session_len))
+                continue
+            update, committed = append_run(row, self.config.session_len)
+            self._commit_verified(out, row.seq, drafts, committed)
+            self._plan_verified(out, row.seq, drafts, committed)
+            updates.append(update)
+        for seq in out.seqs:  # verify pieces without a sampled row (their sampling failed): commit the last token
+            if seq.seq_id in verify:
+                self._commit_verified(out, seq, verify[seq.seq_id], 1)
+        return updates
+
+    def _plan_verified(self, out: SchedulerOutput, seq: SchedulerSequence, drafts: int, committed: int) -> None:
+        first = seq.num_computed - committed
+        slots = seq.draft_slots
+
+        def slot_of(step: int) -> int:  # the cut after offset o = step - first, or the runtime row after all fed
+            return slots[step - first - 1] if step - first <= drafts else seq.state_slot
+        self.prefix_cache.plan_verified(seq, first, seq.num_computed, slot_of, out.verified)
+
+    @staticmethod
+    def _commit_verified(out: SchedulerOutput, seq: SchedulerSequence, drafts: int, committed: int) -> None:
+        """`committed` of the 1 + `drafts` fed tokens are kept: the state after them is the cut at that offset
+        (spare row committed - 1), or the runtime row itself when every fed token was kept."""
+        seq.num_computed += committed
+        if committed <= drafts:
+            out.draft_fixups.append((seq.draft_slots[committed - 1], seq.state_slot))
 
     def commit(self, out: SchedulerOutput, updates: list[SequenceUpdate],
                prompt_logits: PromptLogits | None = None) -> ReplyPlan:
@@ -158,6 +225,8 @@ class Scheduler:
         prompt-end logits (`prompt_logits(seq)` gives the last prompt position's logits of a sampled sequence).
         Returns the reply-save plan of the sequences that stopped; queue its copies, then `release` it."""
         self.prefix_cache.commit(out, prompt_logits)
+        self.prefix_cache.publish(out.verified)
+        self._drop_block_pins(out)
         return self.stop([(u.seq, u.finish_reason) for u in updates if u.finish_reason is not None])
 
     def stop(self, finishing: list[tuple[SchedulerSequence, str]]) -> ReplyPlan:
@@ -182,14 +251,23 @@ class Scheduler:
         """The forward failed: drop its reservations and pins (nothing was published) and fail every sequence of
         its batch (status ABORTED, reason 'error'). Returns those sequences."""
         self.prefix_cache.discard(out)
+        self.prefix_cache.discard(out.verified)
+        self._drop_block_pins(out)
         failed = [seq for seq in out.seqs + [seq for seq, _ in out.logits_hits] if not seq.is_finished]
         for seq in failed:
             self.finish(seq, SequenceStatus.ABORTED, 'error')
         return failed
 
+    def _drop_block_pins(self, out: SchedulerOutput) -> None:
+        if out.block_pins:
+            self.block_manager.free(out.block_pins)
+            self._pinned_blocks.subtract(out.block_pins)
+            self._pinned_blocks = +self._pinned_blocks
+            out.block_pins = []
+
     # ---- admission --------------------------------------------------------------------------------------------
     def _num_blocks_needed(self, seq: SchedulerSequence, n: int) -> int:
-        total = -(-(seq.num_computed + n) // self.block_size)
+        total = -(-self._capped(seq.num_computed + n) // self.block_size)
         return max(0, total - len(seq.block_ids))
 
     def _match(self, seq: SchedulerSequence) -> PrefixMatch:
@@ -223,17 +301,26 @@ class Scheduler:
             if n == 0:
                 return None
         shared = cache.acquire(seq, match)
-        need = -(-(match.num_tokens + n) // self.block_size) - len(shared)
-        slot = None
+        # The draft head recomputes position hit - 1; at an aligned hit that is the last shared block: copy it.
+        copied = shared[-1:] if self.num_draft_tokens and match.num_tokens % self.block_size == 0 else []
+        need = -(-self._capped(match.num_tokens + n + self._draft_room) // self.block_size) - len(shared) \
+            + len(copied)
+        slots: list[int] = []
         ok = self.block_manager.can_allocate(need) or cache.evict_blocks(need)
         if ok and self.state_manager is not None:
-            slot = cache.allocate_slot()
-            ok = slot is not None
+            slots = self._allocate_slots(1 + self.num_draft_tokens)
+            ok = bool(slots)
         if not ok:
             cache.rollback(seq, match)
             return None
-        seq.block_ids = shared + self.block_manager.allocate(need)
-        seq.state_slot = slot
+        seq.block_ids = shared[:len(shared) - len(copied)] + self.block_manager.allocate(need)
+        if copied:  # the shared reference is held until the copy is queued (dropped in `commit` / `cancel`)
+            out.kv_restores.append((copied[0], seq.block_ids[len(shared) - 1]))
+            out.block_pins.append(copied[0])
+            self._pinned_blocks[copied[0]] += 1
+        seq.state_slot = slots[0] if slots else None
+        seq.draft_slots = slots[1:]
+        seq.needs_draft_overlap = bool(self.num_draft_tokens) and match.num_tokens > 0
         seq.num_computed = match.num_tokens
         seq.status = SequenceStatus.RUNNING
         first = seq.num_preemptions == 0
@@ -241,6 +328,18 @@ class Scheduler:
             seq.num_cached = match.num_tokens
         cache.record_admission(seq, match, first, out)
         return n
+
+    def _allocate_slots(self, count: int) -> list[int]:
+        """`count` state slots (the runtime row, then the spare draft rows), or [] with nothing held."""
+        slots = []
+        for _ in range(count):
+            slot = self.prefix_cache.allocate_slot()
+            if slot is None:
+                for held in slots:
+                    self.state_manager.free(held)
+                return []
+            slots.append(slot)
+        return slots
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _reserve_blocks(self, seq: SchedulerSequence, n: int, scheduled: list[SchedulerSequence]) -> bool:
@@ -276,6 +375,9 @@ class Scheduler:
         if seq.state_slot is not None and self.state_manager is not None:
             self.state_manager.free(seq.state_slot)
             seq.state_slot = None
+        for slot in seq.draft_slots:
+            self.state_manager.free(slot)
+        seq.draft_slots, seq.draft_ids, seq.draft_probs, seq.needs_draft_overlap = [], [], None, False
 
     # ---- invariants -------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -286,9 +388,11 @@ class Scheduler:
             block_owners.update(seq.block_ids)
             if seq.state_slot is not None:
                 slot_owners[seq.state_slot] += 1
+            slot_owners.update(seq.draft_slots)
         self.prefix_cache.check_integrity()
         cache_blocks, cache_slots = self.prefix_cache.owners()
         block_owners.update(cache_blocks)
+        block_owners.update(self._pinned_blocks)
         slot_owners.update(cache_slots)
         self.block_manager.check_integrity(block_owners)
         if self.state_manager is not None:

@@ -38,6 +38,8 @@ class SampledToken(NamedTuple):
     seq: SchedulerSequence                   # a sequence that fed its last token (or a logits hit)
     token_id: int                            # the sampled token
     logprobs: dict[int, float] | None        # its top logprobs, when the request asked for them
+    # Speculative decoding: the draft tokens accepted before `token_id` (emitted first, in order); () otherwise.
+    accepted: tuple[int, ...] = ()
 
 
 class SequenceUpdate(NamedTuple):
@@ -78,6 +80,18 @@ class SchedulerOutput(CopyPlan):
     # In-prefill checkpoints: the model writes the state at `step` into `slot` during the forward
     # (`ModelInputs.state_cuts`); each one's checkpoint is in `reserved`.
     state_cuts: list[StateCut] = field(default_factory=list)
+    # Speculative decoding: draft tokens each sequence feeds after its last token (0: none; empty list: no
+    # speculation), the state cuts after each draft position into the sequence's spare rows (`draft_slots`), the
+    # trie blocks held until this forward's restore copies are queued (the private copy of an aligned hit's last
+    # block, which the draft head's overlap row rewrites), and, filled by `Scheduler.update`, the state-row copies
+    # (spare row -> runtime row) that leave each verified sequence with the state after its accepted tokens.
+    num_drafts: list[int] = field(default_factory=list)
+    draft_cuts: list[StateCut] = field(default_factory=list)
+    block_pins: list[int] = field(default_factory=list)
+    draft_fixups: CopyPairs = field(default_factory=list)
+    # Decode-interval checkpoints at steps a verify piece committed (planned by `update`, saved after the draft
+    # head's catch-up, published by `commit`).
+    verified: CopyPlan = field(default_factory=CopyPlan)
     # Sequences this call could not schedule because scheduling them raised (a fault, not a lack of room): already
     # out of the queues with nothing allocated; the engine fails each with its error and the step goes on.
     rejected: list[tuple[SchedulerSequence, str]] = field(default_factory=list)
@@ -85,6 +99,10 @@ class SchedulerOutput(CopyPlan):
     @property
     def is_empty(self) -> bool:
         return not self.seqs and not self.logits_hits
+
+    def drafts_of(self, row: int) -> int:
+        """Draft tokens batch row `row` feeds (0 without speculation)."""
+        return self.num_drafts[row] if self.num_drafts else 0
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Two sources:
 - request metrics (counts by finish reason, token counts, TTFT, latency) are recorded by the server as responses
   stream out, through one `RequestTracker` per request;
-- engine metrics (queue lengths, pool usage, prefix-cache counters, routed-experts memory) come from the engine's
-  per-step statistics record (`Engine.stats_snapshot`, frozen), read at scrape time by `EngineCollector`.
+- engine metrics (queue lengths, pool usage, prefix-cache counters, routed-experts memory, speculative decoding's
+  acceptance) come from the engine's per-step statistics record (`Engine.stats_snapshot`, frozen), read at scrape
+  time by `EngineCollector`.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class EngineCollector:
                      stats.state_usage)
         yield from _vision_cache_metrics(stats.vision_cache)
         yield from _routed_experts_metrics(stats)
+        yield from _speculative_metrics(stats.speculative)
         cache = stats.prefix_cache
         yield CounterMetricFamily('lmdeploy:prefix_cache_query_tokens', 'Prompt tokens looked up in the prefix cache',
                                   value=cache.query_tokens)
@@ -52,6 +54,22 @@ class EngineCollector:
         for reason, count in sorted(cache.miss_reasons.items()):
             misses.add_metric([str(reason)], count)
         yield misses
+
+
+def _speculative_metrics(spec) -> Iterator[Metric]:
+    if spec is None:
+        return  # speculative decoding is off
+    yield CounterMetricFamily('lmdeploy:spec_decode_num_drafts', 'Decode steps that verified draft tokens',
+                              value=spec.num_verify_rows)
+    yield CounterMetricFamily('lmdeploy:spec_decode_num_draft_tokens', 'Draft tokens verified',
+                              value=spec.num_draft_tokens)
+    yield CounterMetricFamily('lmdeploy:spec_decode_num_accepted_tokens', 'Draft tokens accepted',
+                              value=spec.num_accepted_tokens)
+    yield _gauge('lmdeploy:spec_decode_acceptance_rate', 'accepted / verified draft tokens since start',
+                 spec.acceptance_rate)
+    yield _gauge('lmdeploy:spec_decode_mean_accepted_length',
+                 'Tokens emitted per verifying decode step since start (1 + accepted drafts)',
+                 spec.mean_accepted_length)
 
 
 def _vision_cache_metrics(cache) -> Iterator[Metric]:

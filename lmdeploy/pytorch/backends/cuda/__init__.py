@@ -29,7 +29,7 @@ from ...kernels.cuda.varlen_attention import varlen_attention
 from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
-from ..default import blocked_fp8_builder, causal_conv1d_builder, gated_delta_rule_builder
+from ..default import blocked_fp8_builder, gated_delta_rule_builder
 from ..default.elementwise import gated_delta_gating as default_gated_delta_gating
 from ..default.moe import softmax_topk as default_softmax_topk
 
@@ -43,10 +43,13 @@ def _const(fn):
 
 
 def _build_attention(**_kwargs):
-    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None):
-        if cos_sin is not None and _FUSED_OPS:  # one launch: the rotated K goes straight into the pool
-            q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping)
+    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None, qk_norm=None):
+        if cos_sin is not None and _FUSED_OPS:  # one launch: q/k norm, rotary, and K / V straight into the pool
+            q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping, qk_norm=qk_norm)
         else:
+            if qk_norm is not None:
+                q = rms_norm(q, qk_norm.q_weight, qk_norm.eps, qk_norm.zero_centered)
+                k = rms_norm(k, qk_norm.k_weight, qk_norm.eps, qk_norm.zero_centered)
             if cos_sin is not None:
                 q, k = apply_rotary(q, k, *cos_sin)
             fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
@@ -77,16 +80,36 @@ def _fla_available() -> bool:
 
 
 def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
-    """Whether small prefills replay CUDA graphs too (decode graphs are for every model). A prefill graph runs the
-    gated delta rule token by token over up to 256 tokens: one launch with fla's fused kernel (bf16 / fp16), but a
-    256-step loop of small ops with the torch kernels (float32, or no fla-core), which would make capture slow and
-    replay no faster than eager; those hybrids keep eager prefills."""
+    """Whether prefills replay CUDA graphs too (decode graphs are for every model). Hybrids need fla-core in bf16 /
+    fp16: a prefill graph runs fla's chunked gated delta rule on padded static chunk indices (`graph_gdr_chunked`;
+    or its token-by-token kernel, one launch). The float32 gated delta rule is the exact torch kernels, whose
+    chunked form loops over the sequences by their host lengths and whose token-by-token form is a per-token loop
+    of small ops: neither can replay on other lengths (or would make capture slow and replay no faster), so those
+    hybrids keep eager prefills."""
     return not is_hybrid or (dtype != torch.float32 and _fla_available())
+
+
+# Until the chunked path inside graphs has passed on the H200, prefill graphs keep the token-by-token kernel unless
+# LMDEPLOY_GRAPH_GDR=chunked; then the default becomes 'chunked'.
+DEFAULT_GRAPH_GDR = 'recurrent'
+
+
+def graph_gdr_chunked() -> bool:
+    """Whether prefill graphs run the chunked gated delta rule (static padded chunk indices,
+    `LMDEPLOY_GRAPH_GDR=chunked`) or the token-by-token one (`recurrent`); `DEFAULT_GRAPH_GDR` unless set. Read
+    once per engine."""
+    mode = os.environ.get('LMDEPLOY_GRAPH_GDR', DEFAULT_GRAPH_GDR)
+    if mode not in ('chunked', 'recurrent'):
+        raise ValueError(f"LMDEPLOY_GRAPH_GDR must be 'chunked' or 'recurrent', got {mode!r}")
+    return mode == 'chunked'
 
 
 def _fla_chunk_kwargs(inputs, device: torch.device) -> dict:
     """fla's chunk indices of this forward's sequences, built on the host once per forward and uploaded without a
-    stream synchronisation (fla would derive them on the device and read a length sum back)."""
+    stream synchronisation (fla would derive them on the device and read a length sum back). In a CUDA graph they
+    are the static, padded indices the graph runner fills, next to a static ``cu_seqlens``."""
+    if inputs.graph_chunk_indices is not None:
+        return {'chunk_indices': inputs.graph_chunk_indices, 'cu_seqlens_in_place': True}
     return {'chunk_indices': inputs.derived(('fla_chunk_indices', device), lambda: upload_index_tensors(
         {'i': _gdr.chunk_indices_host(inputs.q_lens_list)}, device)['i'])}
 
@@ -103,6 +126,27 @@ def _build_gated_delta_rule(**kwargs):
         # the exact torch kernels. bf16 / fp16 take fla.
         impl = default if q.dtype == torch.float32 else fla
         return impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=use_qk_l2norm)
+    return forward
+
+
+def _conv_index(inputs, x: torch.Tensor) -> dict:
+    """The conv kernel's per-forward index tensors (fresh flags as int8, each token's sequence), built once per
+    forward for every gated DeltaNet layer. Under CUDA graph capture they are built inside the graph instead (a
+    memo from an eager warm-up on the same inputs would be replayed stale)."""
+    def build() -> dict:
+        num_tokens = x.shape[0]
+        seq = _conv.seq_of_token_of(inputs.cu_seqlens_q, num_tokens) \
+            if num_tokens != inputs.state_ids.shape[0] else None
+        return {'fresh_i8': inputs.is_fresh.to(device=x.device, dtype=torch.int8), 'seq_of_token': seq}
+    if torch.cuda.is_current_stream_capturing():
+        return build()
+    return inputs.derived(('conv_index', x.device, x.shape[0]), build)
+
+
+def _build_causal_conv1d(**_kwargs):
+    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
+        return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
+                                   inputs.cu_seqlens_q, activation=activation, **_conv_index(inputs, x))
     return forward
 
 
@@ -123,6 +167,13 @@ def _build_linear_blocked_f8(block_size: tuple[int, int], **_kwargs):
     return forward
 
 
+def tune_fp8_gemms(shapes: set[tuple[int, int, tuple[int, int]]], max_rows: int, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """Autotune the Triton FP8 GEMM for these (N, K, block_size) and row counts up to `max_rows` (see
+    `kernels/cuda/blocked_fp8.tune_blocked_gemm_fp8`); the number of keys run."""
+    return _fp8.tune_blocked_gemm_fp8(shapes, max_rows, dtype, device)
+
+
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
@@ -131,7 +182,7 @@ _BUILDERS = {
     OpType.AddRMSNorm: _const(add_rms_norm if _FUSED_OPS else _unfused_add_rms_norm),
     OpType.GatedRMSNorm: _const(gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
-    OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
+    OpType.CausalConv1d: _build_causal_conv1d,
     OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),

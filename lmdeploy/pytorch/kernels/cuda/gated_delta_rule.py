@@ -10,6 +10,16 @@ fla derives its varlen chunk indices from ``cu_seqlens`` on the device, which re
 must not mutate a ``cu_seqlens`` tensor in place between calls. The chunked entry point also takes the indices
 precomputed (``chunk_indices``, see `chunk_indices_host`), which the engine builds from host lengths and uploads
 without a synchronisation. fla is imported inside the functions so this module imports without it.
+
+Inside a CUDA graph (`engine/cuda_graph.py`) the chunked path runs on static buffers rewritten in place between
+replays: ``cu_seqlens`` of the bucket's sequence count and ``chunk_indices`` of a fixed row count
+(`max_graph_chunks`), built on the host by `padded_chunk_indices_host`. The padding rows name chunk 0 of an
+*empty* sequence, which every fla kernel masks out entirely (its length is 0), so the grids are fixed per bucket
+and the padding computes nothing; the real rows come first and in order, so each row's position is still the
+global chunk index fla's output kernel reads the chunk states by. fla also derives chunk offsets from
+``cu_seqlens`` on the device and memoises them by tensor identity; with ``cu_seqlens_in_place`` each call hands
+it a fresh view, so the derivation runs (and is captured) every call instead of reusing one from an earlier
+call on other lengths.
 """
 from __future__ import annotations
 
@@ -48,6 +58,26 @@ def chunk_indices_host(q_lens: list[int], chunk_size: int = 64) -> torch.Tensor:
     return torch.stack([seq, torch.arange(seq.numel(), dtype=torch.int64) - starts[seq]], 1)
 
 
+def max_graph_chunks(num_tokens: int, num_seqs: int, chunk_size: int = 64) -> int:
+    """Most chunks `num_tokens` tokens can form in `num_seqs - 1` non-empty sequences (the last sequence of a
+    graph bucket is always empty: it is where `padded_chunk_indices_host` points the padding). Each non-empty
+    sequence of n tokens has ceil(n / chunk_size) <= (n + chunk_size - 1) / chunk_size chunks."""
+    nonempty = max(0, min(num_seqs - 1, num_tokens))
+    return (num_tokens + (chunk_size - 1) * nonempty) // chunk_size
+
+
+def padded_chunk_indices_host(q_lens: list[int], num_rows: int, pad_seq: int, chunk_size: int = 64) -> torch.Tensor:
+    """`chunk_indices_host(q_lens)` padded to `num_rows` rows with ``(pad_seq, 0)``; `pad_seq` must be an empty
+    sequence (index >= len(q_lens), or q_lens[pad_seq] == 0) so the padding rows compute nothing."""
+    assert pad_seq >= len(q_lens) or q_lens[pad_seq] == 0, f'padding sequence {pad_seq} is not empty'
+    real = chunk_indices_host(q_lens, chunk_size)
+    assert real.shape[0] <= num_rows, f'{real.shape[0]} chunks do not fit {num_rows} rows'
+    out = torch.zeros(num_rows, 2, dtype=torch.int64)
+    out[:real.shape[0]] = real
+    out[real.shape[0]:, 0] = pad_seq
+    return out
+
+
 def _run(fla_fn, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm: bool,
          **fla_kwargs) -> torch.Tensor:
     _check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh)
@@ -77,15 +107,19 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
+    cu_seqlens_in_place: bool = False,
 ) -> torch.Tensor:
     """Chunked (prefill) gated delta rule over packed varlen sequences via fla's `chunk_gated_delta_rule`.
 
     Shapes and state semantics as the default kernel. `chunk_size` is accepted for signature compatibility; the
     result does not depend on it and fla uses its own (64). `chunk_indices`: `chunk_indices_host` of the sequence
-    lengths, on the device (None: fla derives them, synchronising once per new ``cu_seqlens``). Returns
-    ``[T, H, Dv]`` in ``v.dtype``.
+    lengths, on the device (None: fla derives them, synchronising once per new ``cu_seqlens``), or their padded
+    form in a CUDA graph. `cu_seqlens_in_place`: ``cu_seqlens`` is a static buffer rewritten between calls (see
+    the module docstring). Returns ``[T, H, Dv]`` in ``v.dtype``.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    if cu_seqlens_in_place:
+        cu_seqlens = cu_seqlens.view(-1)  # a new tensor object: fla's identity memo never hits
     return _run(fla_chunk, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm,
                 chunk_indices=chunk_indices)
 

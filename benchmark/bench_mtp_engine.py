@@ -1,0 +1,149 @@
+"""Decode tokens/s of the engine with and without MTP speculative decoding, at batch 1 and 16, on a real-depth
+Qwen3.5 shape (0.8B: 24 layers, hidden 1024, vocab 248320) with dummy weights.
+
+Modes, per batch size (B requests of `--context` random prompt tokens, `--new-tokens` greedy tokens each):
+- `plain`: plain decoding, eager (and `plain_graphs`: with decode CUDA graphs, on CUDA);
+- `mtp`: speculative decoding with the MTP head's own drafts (random weights: its acceptance means nothing, but
+  it is reported: acceptance rate and mean accepted length from the engine's statistics);
+- `forced_a`: forced acceptance, a = 1 .. K + 1 tokens emitted per verify step: a draft override replays plain
+  greedy's continuation (recorded by the `plain` run), wrong at draft a, so each verify accepts a - 1 drafts. The
+  head still runs every step. The measured mean accepted length is printed beside the target a (bf16 near-ties can
+  make the speculative stream part from the recorded one, which then lowers acceptance).
+Decode tokens/s counts only the steps after every request got its first token (prefill excluded).
+
+    python benchmark/bench_mtp_engine.py [--draft-tokens 3] [--batches 1 16] [--context 512] [--new-tokens 64]
+    python benchmark/bench_mtp_engine.py --smoke        # tiny shape on the CPU (what CI runs)
+
+Prints a table and, last, one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mtp_decode import REAL_SHAPE, SMOKE_SHAPE, write_config  # noqa: E402
+
+from lmdeploy import PytorchEngineConfig, SpeculativeConfig  # noqa: E402
+from lmdeploy.pytorch.engine.engine import Engine  # noqa: E402
+from lmdeploy.pytorch.messages import SamplingParams  # noqa: E402
+
+
+def make_engine(path: str, device: str, dtype: str, batch: int, context: int, new_tokens: int, k: int,
+                eager: bool) -> Engine:
+    block = 64
+    blocks = batch * (-(-(context + new_tokens + 4 * k + 8) // block)) + 8
+    return Engine(path, PytorchEngineConfig(
+        device_type=device, dtype=dtype, load_format='dummy', block_size=block, num_gpu_blocks=blocks,
+        max_batch_size=batch, max_prefill_token_num=max(batch * context, 256), eager_mode=eager,
+        speculative_config=SpeculativeConfig('mtp', k) if k else None))
+
+
+def decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], dict]:
+    """Decode tokens/s after the prefill, each request's tokens, and the speculative counters of the run."""
+    tokens: dict[int, list[int]] = {}
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    ids = [engine.add_request(p, sampling, callback=lambda o: tokens.setdefault(o.seq_id, []).extend(
+        o.new_token_ids)) for p in prompts]
+    while not all(tokens.get(i) for i in ids):
+        engine.step()
+    before = dict(engine.stats)
+    start_tokens = sum(len(tokens[i]) for i in ids)
+    sync = torch.cuda.synchronize if engine.device.type == 'cuda' else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    sync()
+    seconds = time.perf_counter() - t0
+    after = engine.stats
+    spec = {key: after[key] - before.get(key, 0) for key in ('spec_verify_rows', 'spec_draft_tokens',
+                                                             'spec_accepted_tokens') if key in after}
+    emitted = sum(len(tokens[i]) for i in ids) - start_tokens
+    return emitted / seconds, [tokens[i] for i in ids], spec
+
+
+def _summary(spec: dict) -> dict:
+    if not spec or not spec['spec_verify_rows']:
+        return {}
+    return dict(acceptance_rate=spec['spec_accepted_tokens'] / max(spec['spec_draft_tokens'], 1),
+                mean_accepted_length=1 + spec['spec_accepted_tokens'] / spec['spec_verify_rows'])
+
+
+def replay(continuations: dict[tuple, list[int]], prompt_len: int, k: int, accept: int):
+    """A draft override proposing the recorded continuation, wrong at draft `accept` (accept = K: all right)."""
+    def override(seq, _):
+        cont = continuations[tuple(seq.token_ids[:prompt_len])] + [0] * (2 * k)
+        start = seq.num_tokens - prompt_len
+        drafts = cont[start:start + k]
+        if accept < k:
+            drafts[accept] = (drafts[accept] + 1) % 1000
+        return drafts
+    return override
+
+
+def bench_batch(path, device, dtype, batch, context, new_tokens, k, vocab) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
+    row = {'batch': batch}
+    plain = make_engine(path, device, dtype, batch, context, new_tokens, 0, eager=True)
+    row['plain'], outs, _ = decode(plain, prompts, new_tokens)
+    del plain
+    if device == 'cuda':
+        graphs = make_engine(path, device, dtype, batch, context, new_tokens, 0, eager=False)
+        row['plain_graphs'], _, _ = decode(graphs, prompts, new_tokens)
+        del graphs
+    spec = make_engine(path, device, dtype, batch, context, new_tokens, k, eager=True)
+    row['mtp'], _, stats = decode(spec, prompts, new_tokens)
+    row['mtp_stats'] = _summary(stats)
+    continuations = {tuple(p): o for p, o in zip(prompts, outs)}
+    for a in range(1, k + 2):
+        spec.speculative.set_draft_override(replay(continuations, context, k, a - 1))
+        row[f'forced_{a}'], _, stats = decode(spec, prompts, new_tokens)
+        row[f'forced_{a}_stats'] = _summary(stats)
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--layers', type=int, default=24)
+    parser.add_argument('--draft-tokens', type=int, default=3)
+    parser.add_argument('--batches', type=int, nargs='+', default=[1, 16])
+    parser.add_argument('--context', type=int, default=512)
+    parser.add_argument('--new-tokens', type=int, default=64)
+    parser.add_argument('--smoke', action='store_true', help='tiny shape on the CPU, float32')
+    args = parser.parse_args(argv)
+    smoke = args.smoke or not torch.cuda.is_available()
+    device, dtype = ('cpu', 'float32') if smoke else ('cuda', 'bfloat16')
+    layers, context, new_tokens = (4, 24, 12) if smoke else (args.layers, args.context, args.new_tokens)
+    shape = SMOKE_SHAPE if smoke else REAL_SHAPE
+    k = args.draft_tokens
+    with tempfile.TemporaryDirectory() as path:
+        write_config(path, layers, shape)
+        rows = [bench_batch(path, device, dtype, b, context, new_tokens, k, shape['vocab_size'])
+                for b in args.batches]
+    modes = ['plain'] + (['plain_graphs'] if device == 'cuda' else []) + ['mtp'] + \
+        [f'forced_{a}' for a in range(1, k + 2)]
+    print('decode tokens/s (prefill excluded); forced_a: a tokens emitted per verify step '
+          '(measured mean accepted length in brackets)')
+    print(f'{"batch":>5} ' + ' '.join(f'{m:>16}' for m in modes))
+    for r in rows:
+        cells = []
+        for m in modes:
+            length = r.get(f'{m}_stats', {}).get('mean_accepted_length')
+            cells.append(f'{r[m]:>9.1f}' + (f' [{length:.2f}]' if length is not None else ' ' * 7))
+        print(f'{r["batch"]:>5} ' + ' '.join(f'{c:>16}' for c in cells))
+    result = dict(layers=layers, context=context, new_tokens=new_tokens, draft_tokens=k, device=device,
+                  dtype=dtype, rows=rows)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == '__main__':
+    main()

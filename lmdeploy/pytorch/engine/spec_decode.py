@@ -1,0 +1,191 @@
+"""Device side of a speculative (MTP) step: the verify forward with its acceptance, then the draft head.
+
+Owns no persistent state beyond the model and the pools it is given. Order, all on the forward stream (the
+`ModelAgent` wraps each call in it), within one engine step:
+
+1. `verify`: restore copies -> read the restored hidden of the sequences resuming from a hit -> target forward
+   (pre-norm hidden states kept) -> every fed row's hidden goes to `CacheEngine.mtp_hidden` of the state row that
+   holds the state after it (runtime rows, in-prefill cuts, draft cuts) -> logits of each sampled sequence's last
+   real token and its drafts -> acceptance (greedy exact; otherwise rejection sampling against the draft
+   distributions the drafts were drawn from) -> the emitted runs, on the host.
+2. (the scheduler appends the runs and plans the state fix-ups)
+3. `draft`: fix-up copies (spare row -> runtime row) -> the head's catch-up over the committed positions -> save
+   copies (checkpoints; after the catch-up, so a frozen partial block holds the head's KV too) -> the first draft
+   from the catch-up's last row, then K - 1 chained head steps (each reads the previous step's head output and
+   draft) -> the drafts, on the host.
+
+A draft override (`set_draft_override`, for forced-acceptance tests and benchmarks) replaces the head's proposals
+after the head ran, so the cost and every write of the head stay as they are. For a sampled request the overridden
+drafts count as drawn from a point mass (q one-hot), which keeps rejection sampling exact.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ..backends.default.sampling import _filter_min_p, _filter_top_k_top_p
+from ..messages import SchedulerSequence
+from ..model_inputs import ModelInputs, SamplingInputs
+from .spec_acceptance import greedy_accept, rejection_sample
+from .spec_inputs import HeadPlan, VerifyPlan
+
+# (sequence, the head's greedy drafts) -> the drafts to propose instead
+DraftOverride = Callable[[SchedulerSequence, list[int]], list[int]]
+
+
+class VerifyOutput(NamedTuple):
+    runs: list[list[int]]             # per sampled sequence: accepted drafts, then the bonus / corrected token
+    num_accepted: list[int]           # per sampled sequence (0 for rows without drafts)
+    hidden: torch.Tensor              # [T + num_overlap, H]: the verify rows' pre-norm hidden, then the overlaps'
+    logits: torch.Tensor | None       # [T, V] of every fed row (on the host), when some sequence collects logits
+    first_logits: torch.Tensor        # [S, V] at each sampled sequence's last real token (plain decoding's logits)
+    logprobs: list | None             # per sampled sequence, plain sampling's top logprobs (rows without drafts)
+
+
+class SampleParams(NamedTuple):
+    """One sampled sequence's draw parameters (speculative rows only take these)."""
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    generator: torch.Generator | None
+
+
+def sample_params(seq: SchedulerSequence, generators: dict[int, torch.Generator]) -> SampleParams:
+    p = seq.sampling
+    return SampleParams(p.temperature, p.top_k, p.top_p, p.min_p, generators.get(seq.seq_id))
+
+
+def processed_probs(logits: torch.Tensor, params: SampleParams) -> torch.Tensor:
+    """The distribution plain sampling draws from for these rows ([N, V] logits, one request's parameters): the
+    default sampler's temperature, min-p and top-k / top-p filters, then softmax."""
+    n = logits.size(0)
+    dev = logits.device
+    scaled = logits.float() / max(params.temperature, 1e-5)
+    if params.min_p > 0:
+        scaled = _filter_min_p(scaled, torch.full((n,), params.min_p, device=dev))
+    filtered = _filter_top_k_top_p(scaled, torch.full((n,), params.top_k, dtype=torch.int64, device=dev),
+                                   torch.full((n,), params.top_p, device=dev))
+    return filtered.softmax(dim=-1)
+
+
+class SpeculativeDecoder:
+
+    def __init__(self, model, cache_engine, sample_op, num_draft_tokens: int):
+        self.model = model
+        self.cache = cache_engine
+        self._sample = sample_op
+        self.k = num_draft_tokens
+        self.draft_override: DraftOverride | None = None
+
+    # ---- verify -------------------------------------------------------------------------------------------------
+    def verify(self, ctx, plan: VerifyPlan, sampling: SamplingInputs, params: list[SampleParams | None],
+               collect: bool) -> VerifyOutput:
+        """`ctx` is the target's step context (restores already queued); `params[i]` is None for greedy rows."""
+        dev = self.cache.device
+        hidden_cache = self.cache.mtp_hidden
+        overlap = hidden_cache[torch.tensor(plan.overlap_slots, dtype=torch.int64, device=dev)].clone() \
+            if plan.overlap_slots else hidden_cache[:0]
+        normed, pre = self.model.forward_with_hidden(ctx)
+        inputs = ctx.inputs
+        hidden_cache.index_copy_(0, inputs.state_ids, pre[plan.hidden_rows.to(dev)].to(hidden_cache.dtype))
+        if plan.cut_slots.numel():
+            hidden_cache.index_copy_(0, plan.cut_slots.to(dev), pre[plan.cut_rows.to(dev)].to(hidden_cache.dtype))
+        all_logits = self.model.compute_logits(normed) if collect else None
+        rows = plan.logits_rows.to(dev)
+        logits = all_logits[rows] if all_logits is not None else self.model.compute_logits(normed[rows])
+        counts = [d + 1 for d in plan.num_drafts]
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)
+        first_logits = logits[torch.tensor(starts, dtype=torch.int64, device=dev)] if counts else logits[:0]
+        runs, accepted, logprobs = self._accept(logits, first_logits, plan, counts, sampling, params)
+        return VerifyOutput(runs, accepted, torch.cat([pre, overlap.to(pre.dtype)]),
+                            all_logits.cpu() if all_logits is not None else None, first_logits, logprobs)
+
+    def _accept(self, logits: torch.Tensor, first_logits: torch.Tensor, plan: VerifyPlan, counts: list[int],
+                sampling: SamplingInputs, params: list[SampleParams | None]):
+        if not counts:
+            return [], [], None
+        # Rows without drafts sample their one position exactly as plain decoding does (every sampling option).
+        plain_ids, logprobs = self._sample(first_logits, sampling)
+        plain_ids = plain_ids.tolist()
+        greedy = self._greedy_runs(logits, plan, counts, params)
+        runs, accepted = [], []
+        for i, chunk in enumerate(logits.split(counts)):
+            d = plan.num_drafts[i]
+            if d == 0:
+                run = [plain_ids[i]]
+            elif i in greedy:
+                run = greedy[i]
+            else:
+                drafts = torch.tensor([plan.draft_ids[i]], dtype=torch.int64, device=logits.device)
+                target = processed_probs(chunk, params[i])[None]
+                result = rejection_sample(drafts, plan.draft_probs[i][:d][None], target, params[i].generator)
+                run = result.tokens[0, :int(result.num_accepted[0]) + 1].tolist()
+            runs.append(run)
+            accepted.append(len(run) - 1)
+        return runs, accepted, logprobs
+
+    @staticmethod
+    def _greedy_runs(logits: torch.Tensor, plan: VerifyPlan, counts: list[int], params: list[SampleParams | None]
+                     ) -> dict[int, list[int]]:
+        """The emitted runs of every greedy row with drafts, by sampled index: one batched `greedy_accept` over
+        rows padded to the longest draft (a padded draft is -1, never an argmax), one copy to the host."""
+        rows = [i for i, d in enumerate(plan.num_drafts) if d and params[i] is None]
+        if not rows:
+            return {}
+        width = max(plan.num_drafts[i] for i in rows)
+        starts = [sum(counts[:i]) for i in rows]
+        index = torch.tensor([[s + min(c, plan.num_drafts[i]) for c in range(width + 1)] for s, i in zip(starts, rows)],
+                             dtype=torch.int64, device=logits.device)
+        drafts = torch.tensor([plan.draft_ids[i] + [-1] * (width - plan.num_drafts[i]) for i in rows],
+                              dtype=torch.int64, device=logits.device)
+        result = greedy_accept(drafts, logits[index])
+        num, tokens = result.num_accepted.tolist(), result.tokens.tolist()
+        return {i: tokens[r][:num[r] + 1] for r, i in enumerate(rows)}
+
+    # ---- draft --------------------------------------------------------------------------------------------------
+    def draft(self, make_ctx, plan: HeadPlan, hidden: torch.Tensor, chain_inputs: Callable[[int], ModelInputs],
+              params: list[SampleParams | None], save: Callable[[], None]) -> tuple[list[list[int]], list]:
+        """Catch-up, then `save()`, then the drafts of `plan.drafting` (greedy where `params[i]` is None, else drawn
+        from the head's processed distribution, which is returned for rejection sampling)."""
+        out_hidden = None
+        if plan.inputs is not None:
+            ctx = make_ctx(plan.inputs)
+            out_hidden = self.model.draft_hidden(hidden[plan.hidden_index.to(hidden.device)], ctx)
+        save()
+        if not plan.drafting:
+            return [], []
+        prev = out_hidden[plan.last_rows.to(out_hidden.device)]
+        drafts, probs = [], []
+        for step in range(self.k):
+            if step:
+                ctx = chain_inputs(step)
+                ctx.inputs.input_ids = drafts[-1]
+                prev = self.model.draft_hidden(prev, ctx)
+            token, prob = self._draw(self.model.compute_logits(prev), params)
+            drafts.append(token)
+            probs.append(prob)
+        ids = torch.stack(drafts, dim=1).tolist()
+        dists = [None if p is None else torch.stack([probs[s][i] for s in range(self.k)])
+                 for i, p in enumerate(params)]
+        if self.draft_override is not None:
+            ids = [list(self.draft_override(plan.seqs[i], row)) for i, row in zip(plan.drafting, ids)]
+            # a fixed proposal is a draw from a point mass: rejection sampling stays exact with q = one-hot
+            dists = [None if d is None else torch.nn.functional.one_hot(
+                torch.tensor(row, device=d.device), d.size(-1)).to(d.dtype) for d, row in zip(dists, ids)]
+        return ids, dists
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, params: list[SampleParams | None]) -> tuple[torch.Tensor, list]:
+        """One draft per row: argmax (greedy rows) or a draw from the processed distribution."""
+        token = logits.argmax(dim=-1)
+        probs = [None] * len(params)
+        for i, p in enumerate(params):
+            if p is not None:
+                probs[i] = processed_probs(logits[i:i + 1], p)[0]
+                token[i] = torch.multinomial(probs[i], 1, generator=p.generator)[0]
+        return token, probs

@@ -1,0 +1,102 @@
+"""The engine's speculative (MTP) step: glue between the scheduler's records and the device work of `spec_decode`.
+
+Owns the acceptance counters (`SpecDecodeStats`). Order inside `Engine._run_forward`, with speculation on:
+`forward` (verify forward: restores, target, hidden rows, acceptance) -> `Scheduler.update` (verified runs appended,
+state fix-ups planned) -> `draft` (fix-ups, the head's catch-up, save copies, drafts onto the sequences) -> deliver
+-> `Scheduler.commit` ... as in plain decoding. A failure in either call fails the batch (`Scheduler.cancel`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..messages import SchedulerSequence
+from ..model_inputs import ModelInputs, SamplingInputs
+from ..paging.scheduler_output import SampledToken, SchedulerOutput, SequenceUpdate
+from .cache_inputs import CacheCheckpointInputs
+from .engine_stats import SpecDecodeStats
+from .spec_decode import VerifyOutput, sample_params
+from .spec_inputs import VerifyPlan, can_speculate, plan_chain, plan_head, plan_verify
+
+
+class SpecForwardResult:
+    """What the verify forward gave the engine: the emitted run of each sampled sequence."""
+    __slots__ = ('verify', 'plan', 'cache_inputs', 'logits', 'routed_experts')
+
+    def __init__(self, verify: VerifyOutput, plan: VerifyPlan, cache_inputs, logits):
+        self.verify, self.plan, self.cache_inputs = verify, plan, cache_inputs
+        self.logits = logits          # [S, V] at each sampled sequence's last real token (prompt-end logits)
+        self.routed_experts = None
+
+    def rows(self, sampled: list[SchedulerSequence]) -> list[SampledToken]:
+        logprobs = self.verify.logprobs
+        return [SampledToken(seq, run[-1], logprobs[i] if logprobs and len(run) == 1 else None, tuple(run[:-1]))
+                for i, (seq, run) in enumerate(zip(sampled, self.verify.runs))]
+
+
+class SpeculativeStep:
+
+    def __init__(self, agent, inputs_maker, num_draft_tokens: int, session_len: int):
+        self.agent = agent
+        self.inputs_maker = inputs_maker
+        self.k = num_draft_tokens
+        self.session_len = session_len
+        self.stats = SpecDecodeStats()
+
+    def set_draft_override(self, override) -> None:
+        """Replace the head's greedy proposals (`spec_decode.DraftOverride`; None: the head's own). For forced-
+        acceptance tests and benchmarks: the head still runs, so its cost and its KV writes are unchanged."""
+        self.agent.spec.draft_override = override
+
+    def forward(self, sched: SchedulerOutput, inputs: ModelInputs, sampled: list[SchedulerSequence],
+                sampling: SamplingInputs, cache_inputs: CacheCheckpointInputs | None,
+                generators: dict[int, torch.Generator], collect: bool) -> SpecForwardResult:
+        plan = plan_verify(sched, inputs, sampled)
+        params = [None if seq.sampling.is_greedy else sample_params(seq, generators) for seq in sampled]
+        verify, device_cache_inputs, logits = self.agent.forward_verify(inputs, sampling, cache_inputs, plan,
+                                                                        params, collect)
+        drafted = [d for d in plan.num_drafts if d]
+        self.stats = SpecDecodeStats(
+            self.stats.num_verify_rows + len(drafted), self.stats.num_draft_tokens + sum(drafted),
+            self.stats.num_accepted_tokens + sum(verify.num_accepted))
+        return SpecForwardResult(verify, plan, device_cache_inputs, logits)
+
+    def draft(self, sched: SchedulerOutput, result: SpecForwardResult | None, updates: list[SequenceUpdate],
+              generators: dict[int, torch.Generator], collected: dict[int, list[torch.Tensor]]) -> None:
+        """After `Scheduler.update`: fix-ups, catch-up, saves, and the next drafts onto the sequences."""
+        if result is None:
+            return
+        stopped = {u.seq.seq_id for u in updates if u.finish_reason is not None}
+        sampled_ids = {u.seq.seq_id for u in updates}
+        plan = result.plan
+        if result.verify.logits is not None:
+            self._collect(sched, plan, result.verify.logits, collected)
+
+        def wants_drafts(seq: SchedulerSequence) -> bool:
+            return (seq.seq_id in sampled_ids and seq.seq_id not in stopped and can_speculate(seq)
+                    and seq.num_computed + 2 * self.k <= self.session_len)
+
+        maker = self.inputs_maker
+        head = plan_head(sched, plan, maker.page_table, maker.kernel_block_size,
+                         result.verify.hidden.size(0) - len(plan.overlap_slots), wants_drafts)
+        for seq in head.seqs:
+            seq.needs_draft_overlap = False
+        drafting = [head.seqs[i] for i in head.drafting]
+        chains = [plan_chain(drafting, step, maker.page_table, maker.kernel_block_size)
+                  for step in range(1, self.k)] if drafting else []
+        params = [None if seq.sampling.is_greedy else sample_params(seq, generators) for seq in drafting]
+        fixups = CacheCheckpointInputs(state_restore_plan=torch.tensor(sched.draft_fixups, dtype=torch.int64).T
+                                       .contiguous()) if sched.draft_fixups else None
+        verified = maker.make_cache_inputs(sched.verified)  # decode-interval checkpoints at committed steps
+        ids, probs = self.agent.draft(fixups, head, result.verify.hidden, chains, params, result.cache_inputs,
+                                      verified)
+        for seq, row, prob in zip(drafting, ids, probs):
+            seq.draft_ids, seq.draft_probs = list(row), prob
+
+    @staticmethod
+    def _collect(sched: SchedulerOutput, plan: VerifyPlan, logits: torch.Tensor,
+                 collected: dict[int, list[torch.Tensor]]) -> None:
+        """Logits of the committed fed tokens of collecting sequences (what plain decoding would have fed)."""
+        for b, seq in enumerate(sched.seqs):
+            if seq.seq_id in collected:
+                committed = seq.num_computed - plan.old_computed[b]
+                collected[seq.seq_id].append(logits[plan.starts[b]:plan.starts[b] + committed])

@@ -1,0 +1,347 @@
+"""MTP speculative decoding through the engine, against plain decoding of the same engine as the reference (itself
+tested against transformers elsewhere), on tiny random Qwen3.5 / Qwen3-Next checkpoints with random `mtp.*` weights.
+
+- Greedy speculative decoding emits exactly plain greedy's tokens, and the target logits of every committed
+  position match plain decoding's within tolerance: single and concurrent requests, chunked prefill, prefix cache
+  on with hits at aligned and unaligned checkpoints.
+- Forced acceptance: a draft override replays plain greedy's continuation, wrong at a chosen position, so every
+  acceptance count 0 .. K happens; after each step the runtime recurrent state equals plain decoding's at the same
+  step.
+- After a prefix-cache hit the draft head proposes exactly what it proposes on a cold run (the position before the
+  hit is recomputed from the checkpoint's hidden state into a private block).
+- The integrity check holds after every step, also when a forward fails mid-verify and when requests are aborted
+  while their drafts are in flight.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from engines import engine_factory
+from mtp_reference import add_random_mtp_weights
+
+from lmdeploy import SpeculativeConfig
+from lmdeploy.pytorch.messages import SamplingParams
+
+pytest.importorskip('transformers')
+
+LIN, FULL = 'linear_attention', 'full_attention'
+K = 3
+BLOCK = 16
+ATOL = 2e-4
+make_engine = engine_factory(block_size=BLOCK, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=4,
+                             max_prefill_token_num=256)
+MODELS = {
+    'qwen3_5': ('qwen3_5', dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN])),
+    'qwen3_next': ('qwen3_next', dict(num_hidden_layers=2, layer_types=[LIN, FULL], mlp_only_layers=[1])),
+}
+
+
+@pytest.fixture(scope='module')
+def mtp_model(tiny_model_factory, tmp_path_factory):
+    built = {}
+
+    def get(name: str = 'qwen3_5') -> str:
+        if name not in built:
+            arch, overrides = MODELS[name]
+            path = shutil.copytree(tiny_model_factory(arch, **overrides), tmp_path_factory.mktemp(f'{name}-mtp'),
+                                   dirs_exist_ok=True)
+            built[name] = add_random_mtp_weights(str(path), seed=1)
+        return built[name]
+    return get
+
+
+def _spec(k: int = K) -> SpeculativeConfig:
+    return SpeculativeConfig(method='mtp', num_speculative_tokens=k)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+def _run(engine, prompts, sampling, collect=False, after_step=None):
+    """Drive the engine to idle (integrity after every step); returns each request's tokens (and logits)."""
+    tokens = {}
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    ids = [engine.add_request(p, s, collect_logits=collect,
+                              callback=lambda o: tokens.setdefault(o.seq_id, []).extend(o.new_token_ids))
+           for p, s in zip(prompts, samplings)]
+    while engine.has_work:
+        engine.step()
+        engine.check_integrity()
+        if after_step is not None:
+            after_step(engine)
+    out = [tokens.get(i, []) for i in ids]
+    if collect:
+        return out, [engine.pop_collected_logits(i) for i in ids]
+    return out
+
+
+DEVICES = ['cpu', pytest.param('cuda', marks=pytest.mark.gpu)]
+
+
+def _on(device: str) -> dict:
+    """Engine overrides for `device` (float32 everywhere, so plain and speculative argmaxes never part on a tie)."""
+    return {'device_type': device, 'dtype': 'float32'}
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next'])
+def test_greedy_speculative_matches_plain_decoding(mtp_model, name, device):
+    path = mtp_model(name)
+    prompts = [_prompt(21, 0), _prompt(35, 1), _prompt(9, 2)]  # concurrent, uneven lengths
+    plain, plain_logits = _run(make_engine(path, **_on(device)), prompts, _greedy(14), collect=True)
+    engine = make_engine(path, speculative_config=_spec(), **_on(device))
+    spec, spec_logits = _run(engine, prompts, _greedy(14), collect=True)
+    assert spec == plain
+    for got, want in zip(spec_logits, plain_logits):
+        assert got.shape == want.shape
+        tol = ATOL if device == 'cpu' else 10 * ATOL  # CUDA: a K + 1 token verify runs other kernels than decode
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    stats = engine.stats
+    assert stats['spec_verify_rows'] > 0 and stats['spec_draft_tokens'] == K * stats['spec_verify_rows']
+
+
+def test_chunked_prefill_speculative_matches_plain(mtp_model):
+    path = mtp_model()
+    prompts = [_prompt(50, 3), _prompt(41, 4)]
+    plain = _run(make_engine(path, max_prefill_token_num=16), prompts, _greedy(10))
+    spec = _run(make_engine(path, max_prefill_token_num=16, speculative_config=_spec()), prompts, _greedy(10))
+    assert spec == plain
+
+
+def test_stop_token_inside_an_accepted_run_ends_like_plain_decoding(mtp_model):
+    """Forced full acceptance: a stop id or a stop sequence deep inside an accepted run ends the request exactly where
+    plain decoding ends it (same tokens, nothing after the stop)."""
+    path = mtp_model()
+    prompt = _prompt(19, 5)
+    (cont,) = _run(make_engine(path), [prompt], _greedy(16))
+    full = prompt + cont
+    for sampling in (SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[cont[6]]),
+                     SamplingParams(max_new_tokens=16, temperature=0.0, stop_sequences=(tuple(cont[4:6]),)),
+                     SamplingParams(max_new_tokens=5, temperature=0.0)):
+        plain = _run(make_engine(path), [prompt], sampling)
+        engine = make_engine(path, speculative_config=_spec())
+        engine.speculative.set_draft_override(lambda seq, _: (full + [0] * K)[seq.num_tokens:seq.num_tokens + K])
+        assert _run(engine, [prompt], sampling) == plain
+
+
+def _states(engine, slot: int) -> list[torch.Tensor]:
+    return [view[slot].clone() for layer in engine.cache_engine.state_caches for view in layer.values()]
+
+
+def test_forced_acceptance_every_count_leaves_the_plain_decode_state(mtp_model):
+    path = mtp_model()
+    prompt, steps = _prompt(23, 6), 24
+    plain_states = {}
+
+    def keep_plain(engine):
+        for seq, _ in engine._seqs.values():
+            if seq.state_slot is not None:
+                plain_states[seq.num_computed] = _states(engine, seq.state_slot)
+
+    (cont,) = _run(make_engine(path), [prompt], _greedy(steps), after_step=keep_plain)
+    full = prompt + cont + [0] * (2 * K)
+    schedule = iter([0, 1, 2, 3, 3, 2, 1, 0] * 4)  # accepted drafts per step: every count 0 .. K
+
+    def replay(seq, _):
+        t, j = seq.num_tokens, next(schedule)
+        drafts = full[t:t + K]
+        if j < K:
+            drafts[j] = (drafts[j] + 1) % 500
+        return drafts
+
+    engine = make_engine(path, speculative_config=_spec())
+    engine.speculative.set_draft_override(replay)
+    advances, checked = [], 0
+
+    def check_state(engine):
+        nonlocal checked
+        for seq, _ in engine._seqs.values():
+            if seq.state_slot is None or seq.num_computed not in plain_states:
+                continue
+            for got, want in zip(_states(engine, seq.state_slot), plain_states[seq.num_computed]):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            checked += 1
+            advances.append(seq.num_computed)
+
+    (spec,) = _run(engine, [prompt], _greedy(steps), after_step=check_state)
+    assert spec == cont
+    accepted = {b - a - 1 for a, b in zip(advances, advances[1:]) if a >= len(prompt)}
+    assert accepted == set(range(K + 1)), accepted
+    assert checked >= 8
+
+
+class _Recorder:
+    """A draft override that keeps the head's proposals unchanged and records them by (sequence length)."""
+
+    def __init__(self):
+        self.proposals: dict[int, list[int]] = {}
+
+    def __call__(self, seq, drafts):
+        self.proposals[seq.num_tokens] = list(drafts)
+        return drafts
+
+
+def _trie_blocks(engine) -> dict[int, torch.Tensor]:
+    """Trie-owned KV blocks -> their bytes in every KV-pool layer (the MTP head's included)."""
+    blocks = sorted(engine.scheduler.prefix_cache.owners()[0])
+    pool, per = engine.cache_engine.kv_pool, engine.cache_config.pages_per_block
+    offsets = engine.scheduler.block_manager.resolve_gpu_block_offsets(blocks)
+    return {b: pool[:, int(o) * per:(int(o) + 1) * per].clone() for b, o in zip(blocks, offsets)}
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('prompt_len', [32, 37], ids=['aligned', 'unaligned'])
+def test_prefix_cache_hits_are_lossless_and_drafts_match_a_cold_run(mtp_model, prompt_len, device):
+    """Request 1 leaves a prompt-end checkpoint at step `prompt_len` (block-aligned or not) and a reply checkpoint;
+    request 2 extends request 1's prompt and resumes at its checkpoint. Tokens equal plain decoding without a cache,
+    and the head's drafts after the hit equal those of a cold speculative run of request 2."""
+    path = mtp_model()
+    first = _prompt(prompt_len, 7)
+    second = first + _prompt(6, 8)
+    plain, plain_logits = zip(*[_run(make_engine(path, **_on(device)), [p], _greedy(10), collect=True)
+                                for p in (first, second)])
+    plain = [tokens for (tokens,) in plain]
+    tol = ATOL if device == 'cpu' else 10 * ATOL
+    cold = _Recorder()
+    engine = make_engine(path, speculative_config=_spec(), **_on(device))
+    engine.speculative.set_draft_override(cold)
+    assert _run(engine, [second], _greedy(10)) == [plain[1]]
+    warm = _Recorder()
+    engine = make_engine(path, cache=True, speculative_config=_spec(), **_on(device))
+    assert _run(engine, [first], _greedy(10)) == [plain[0]]
+    engine.speculative.set_draft_override(warm)
+    hits, cached = [], _trie_blocks(engine)
+
+    def after_step(e):
+        hits.extend(seq.num_cached for seq, _ in e._seqs.values())
+        now = _trie_blocks(e)
+        for block, data in cached.items():  # no forward writes a block the trie owns (the head's overlap row too)
+            if block in now:
+                assert torch.equal(now[block], data), f'trie block {block} was rewritten'
+    out, (logits,) = _run(engine, [second], _greedy(10), collect=True, after_step=after_step)
+    assert out == [plain[1]]
+    assert hits and hits[0] == prompt_len  # resumed at request 1's prompt-end checkpoint
+    torch.testing.assert_close(logits, plain_logits[1][0][prompt_len:], atol=tol, rtol=tol)
+    assert warm.proposals == cold.proposals
+    # a third request resumes from request 1's reply checkpoint (unaligned): still exact
+    third = first + plain[0][:-1] + _prompt(3, 9)
+    want, (want_logits,) = _run(make_engine(path, **_on(device)), [third], _greedy(6), collect=True)
+    hits.clear()
+    got, (got_logits,) = _run(engine, [third], _greedy(6), collect=True, after_step=lambda e: hits.extend(
+        seq.num_cached for seq, _ in e._seqs.values()))
+    assert got == want and hits and hits[0] > prompt_len
+    torch.testing.assert_close(got_logits, want_logits[hits[0]:], atol=tol, rtol=tol)
+
+
+def test_concurrent_requests_with_prefix_cache_and_chunks(mtp_model):
+    path = mtp_model()
+    shared = _prompt(40, 10)
+    prompts = [shared + _prompt(5 + i, 11 + i) for i in range(4)]
+    plain = _run(make_engine(path), prompts, _greedy(12))
+    engine = make_engine(path, cache=True, max_prefill_token_num=32, speculative_config=_spec(2))
+    assert _run(engine, prompts, _greedy(12)) == plain
+    assert _run(engine, prompts, _greedy(12)) == plain  # the second round hits the cache
+    assert engine.stats['hit_tokens'] > 0
+
+
+def test_failed_verify_forward_and_aborts_leak_nothing(mtp_model):
+    path = mtp_model()
+    engine = make_engine(path, cache=True, speculative_config=_spec())
+    free_blocks = engine.scheduler.block_manager.num_free
+    free_slots = engine.scheduler.state_manager.num_free
+    ids = [engine.add_request(_prompt(20, 12 + i), _greedy(30)) for i in range(3)]
+    for _ in range(3):
+        engine.step()
+        engine.check_integrity()
+    seqs = [engine._seqs[i][0] for i in ids]
+    assert all(seq.draft_ids and len(seq.draft_slots) == K for seq in seqs)
+    spec = engine.agent.spec
+    original = spec.draft
+
+    def failing(*args, **kwargs):
+        raise RuntimeError('injected head failure')
+    spec.draft = failing  # the verify forward runs, then the head fails mid-step
+    outputs = engine.step()
+    spec.draft = original
+    assert {o.seq_id for o in outputs if o.error} == set(ids)
+    engine.check_integrity()
+    # aborts while drafts are pending
+    ids = [engine.add_request(_prompt(20, 20 + i), _greedy(30)) for i in range(3)]
+    for _ in range(3):
+        engine.step()
+    for i in ids:
+        engine.abort_request(i)
+    engine.run_until_idle()
+    engine.check_integrity()
+    trie_blocks, trie_slots = engine.scheduler.prefix_cache.owners()
+    assert engine.scheduler.block_manager.num_free + sum(1 for _ in trie_blocks) == free_blocks
+    assert engine.scheduler.state_manager.num_free + len(trie_slots) == free_slots
+
+
+@pytest.mark.parametrize('drafts', ['forced', 'head'])
+def test_rejection_sampling_through_the_engine_samples_the_target_distribution(mtp_model, drafts):
+    """Sampled requests (temperature 1, top-k 4): the first verified token t2 given the first token t1 is distributed
+    as the target's processed p(t2 | prompt, t1), computed from plain decoding's logits. Drafts come from the head's
+    own processed distribution, or are forced to the target's most likely t2 (a point-mass draft), so that both
+    acceptance and the residual draw happen often."""
+    from lmdeploy.pytorch.engine.spec_decode import SampleParams, processed_probs
+    path = mtp_model()
+    prompt, top_k, n = _prompt(12, 30), 4, 480
+    params = SampleParams(1.0, top_k, 1.0, 0.0, None)
+    plain = make_engine(path)
+    _, (logits,) = _run(plain, [prompt], _greedy(1), collect=True)
+    first = processed_probs(logits[-1:], params)[0]
+    support = first.nonzero()[:, 0].tolist()
+    target = {}
+    for t1 in support:
+        _, (logits,) = _run(plain, [prompt + [t1]], _greedy(1), collect=True)
+        target[t1] = processed_probs(logits[-1:], params)[0]
+    engine = make_engine(path, max_batch_size=16, speculative_config=_spec(2))
+    if drafts == 'forced':
+        engine.speculative.set_draft_override(lambda seq, _: [int(target[seq.token_ids[len(prompt)]].argmax())] * 2)
+    runs = _run(engine, [prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=top_k,
+                                                      random_seed=i) for i in range(n)])
+    counts = {t1: torch.zeros_like(p) for t1, p in target.items()}
+    for run in runs:
+        counts[run[0]][run[1]] += 1
+    chi2, df = 0.0, 0
+    for t1, p in target.items():
+        total = counts[t1].sum()
+        keep = p > 0
+        assert counts[t1][~keep].sum() == 0  # nothing outside the target's support
+        expected = p[keep] * total
+        chi2 += float(((counts[t1][keep] - expected) ** 2 / expected.clamp_min(1e-9)).sum())
+        df += int(keep.sum()) - 1
+    stats = engine.stats
+    assert stats['spec_accepted_tokens'] < stats['spec_draft_tokens']
+    if drafts == 'forced':  # (the random head's top 4 rarely meets the target's: its drafts are mostly rejected)
+        assert stats['spec_accepted_tokens'] > 0
+    assert chi2 < df + 4 * (2 * df) ** 0.5, (chi2, df)  # about 4 sigma of a chi-square with df degrees
+
+
+def test_decode_interval_checkpoints_come_from_committed_steps_inside_accepted_runs(mtp_model):
+    """Forced full acceptance: the decode-interval steps 16, 32, 48 fall inside accepted runs, so each checkpoint is
+    saved from the spare row cut at that draft position. A later request resuming at step 32 is exact."""
+    path = mtp_model()
+    prompt = _prompt(10, 40)
+    (cont,) = _run(make_engine(path), [prompt], _greedy(44))
+    full = prompt + cont + [0] * (2 * K)
+    engine = make_engine(path, cache=True, prefix_cache_decode_state_interval=16, speculative_config=_spec())
+    engine.speculative.set_draft_override(lambda seq, _: full[seq.num_tokens:seq.num_tokens + K])
+    assert _run(engine, [prompt], _greedy(44)) == [cont]
+    later = full[:35] + _prompt(3, 41)
+    want, (want_logits,) = _run(make_engine(path), [later], _greedy(8), collect=True)
+    engine.speculative.set_draft_override(None)
+    hits = []
+    got, (got_logits,) = _run(engine, [later], _greedy(8), collect=True, after_step=lambda e: hits.extend(
+        seq.num_cached for seq, _ in e._seqs.values()))
+    assert got == want and hits[0] == 32
+    # the warm run feeds from step 32: its logits are the cold run's from there on
+    torch.testing.assert_close(got_logits, want_logits[32:], atol=ATOL, rtol=ATOL)
