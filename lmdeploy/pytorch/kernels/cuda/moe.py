@@ -16,12 +16,16 @@ Accumulation is float32; the intermediate and per-pair outputs are rounded to ``
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .launch import fast_kernel
-from .moe_align import align_pairs
+from .moe_align import align_pairs, align_pairs_reference
+
+_FUSED_ALIGN = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
 
 
 @fast_kernel
@@ -102,7 +106,10 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block
 
 def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring, in
-    three launches (`moe_align.py`; its `align_pairs_reference` is the torch form)."""
+    three launches (`moe_align.py`; its `align_pairs_reference` is the torch form, taken under the diagnostic
+    `LMDEPLOY_FUSED_OPS=0` like the `cuda` backend's other unfused sequences)."""
+    if not _FUSED_ALIGN:
+        return align_pairs_reference(topk_ids, num_experts, block_m)
     return align_pairs(topk_ids, num_experts, block_m)
 
 
