@@ -89,9 +89,9 @@ def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
     return not is_hybrid or (dtype != torch.float32 and _fla_available())
 
 
-# Until the chunked path inside graphs has passed on the H200, prefill graphs keep the token-by-token kernel unless
-# LMDEPLOY_GRAPH_GDR=chunked; then the default becomes 'chunked'.
-DEFAULT_GRAPH_GDR = 'recurrent'
+# Prefill graphs run fla's chunked kernels (as eager prefills do) unless LMDEPLOY_GRAPH_GDR=recurrent (the
+# token-by-token kernel, the behaviour before the chunked path was capturable).
+DEFAULT_GRAPH_GDR = 'chunked'
 
 
 def graph_gdr_chunked() -> bool:
