@@ -48,6 +48,18 @@ class _MultiModalBatch:
             inputs.vision_items = self.items
 
 
+def _fed_ids(seq: SchedulerSequence, start: int, n: int, drafts: int) -> np.ndarray:
+    """Token ids a piece feeds: known tokens, then zeros for tokens still in flight (async scheduling: the agent
+    writes their sampled values on the device, `TokenFeed`), then the piece's drafts."""
+    known = seq.token_array()[start:start + n - drafts]
+    if len(known) == n and not drafts:
+        return known
+    parts = [known, np.zeros(n - drafts - len(known), dtype=np.int64)]
+    if drafts:
+        parts.append(np.asarray(seq.draft_ids[:drafts], dtype=np.int64))
+    return np.concatenate(parts)
+
+
 class InputsMaker:
 
     def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int,
@@ -75,9 +87,7 @@ class InputsMaker:
             pos = np.arange(start, start + n, dtype=np.int64)
             pages = self.page_table(seq)
             drafts = out.drafts_of(len(q_lens))  # a verify piece: the last token, then its drafts
-            ids.append(seq.token_array()[start:start + n - drafts] if not drafts else
-                       np.concatenate([seq.token_array()[start:start + n - drafts],
-                                       np.asarray(seq.draft_ids[:drafts], dtype=np.int64)]))
+            ids.append(_fed_ids(seq, start, n, drafts))
             positions.append(mm.add(seq, start, n, offset) if seq.mm_spans else pos)
             slots.append(pages[pos // self.kernel_block_size] * self.kernel_block_size + pos % self.kernel_block_size)
             tables.append(pages)
@@ -86,7 +96,7 @@ class InputsMaker:
             state_ids.append(seq.state_slot or 0)
             fresh.append(start == 0)
             offset += n
-            if start + n - drafts == seq.num_tokens:
+            if start + n - drafts == seq.num_tokens + seq.num_pending:
                 logits_idx.append(offset - 1)
                 sampled.append(seq)
         max_pages = max(len(t) for t in tables)
@@ -171,7 +181,7 @@ def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator])
         penalty_ids=torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
         if params.repetition_penalty != 1.0 else None,
         banned_ids=torch.tensor(params.stop_token_ids, dtype=torch.int64)
-        if seq.num_generated < params.min_new_tokens and params.stop_token_ids else None,
+        if seq.num_generated + seq.num_pending < params.min_new_tokens and params.stop_token_ids else None,
         generator=generators.get(seq.seq_id), logprobs=params.logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         output_ids=torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64)
