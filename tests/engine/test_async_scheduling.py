@@ -193,8 +193,8 @@ def test_cuda_async_scheduling_gives_the_synchronous_tokens(model_path, arch, ca
     """On the GPU (CUDA graphs, streams, pinned copies): async scheduling (the CUDA default) against the
     synchronous loop; greedy tokens equal (both run the same kernels in the same batches but one step late)."""
     path = model_path(arch)
-    cuda = engine_factory(device_type='cuda', dtype='float32', block_size=B, kernel_block_size=8, num_gpu_blocks=96,
-                          max_batch_size=8, max_prefill_token_num=64)
+    cuda = engine_factory(device_type='cuda', dtype='float32', block_size=B, num_gpu_blocks=96, max_batch_size=8,
+                          max_prefill_token_num=64)
     reference, _ = run_mix(cuda(path, cache=cache, async_scheduling=False), {}, abort=True)
     stop_ids = {i: (reference[i][0][k],) for i, k in ((0, 2), (1, 4), (3, 1), (6, 3), (7, 5))}
     sync_engine = cuda(path, cache=cache, async_scheduling=False)
