@@ -89,8 +89,8 @@ class Engine:
             session_len=session_len(self.model_config, self.cache_config, engine_config.session_len))
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid,
                                    num_draft_tokens=num_draft_tokens)
-        # Speculative steps run eagerly: the verify forward keeps pre-norm hidden states and cuts states per draft.
-        use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode and not num_draft_tokens
+        # Speculative engines replay graphs of the verify forward and the draft head too (`engine/spec_graphs.py`).
+        use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode
         kbs = self.cache_config.kernel_block_size
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
@@ -99,7 +99,7 @@ class Engine:
             record_routed_experts=engine_config.enable_return_routed_experts,
             cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
             max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
-            max_prefill_tokens=engine_config.max_prefill_token_num,
+            max_prefill_tokens=engine_config.max_prefill_token_num, num_draft_tokens=num_draft_tokens,
             vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
             if self.model_config.image_token_id is not None else 0)
         self.cache_engine, self.agent = build_agent(self.model, self.model_config, agent_spec, self.device)
@@ -116,8 +116,7 @@ class Engine:
                                         self.cache_config.kernel_block_size,
                                         lora_slots={a.identity: a.slot for a in self.adapters.values()})
         self.speculative: SpeculativeStep | None = None
-        if num_draft_tokens:
-            self.agent.enable_speculative(num_draft_tokens)
+        if num_draft_tokens:  # the agent built its speculative decoder (and graphs) from `agent_spec`
             self.speculative = SpeculativeStep(self.agent, self.inputs_maker, num_draft_tokens, self.session_len)
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
                     self.cache_config.num_blocks, self.cache_config.block_size,
