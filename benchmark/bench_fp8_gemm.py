@@ -2,6 +2,8 @@
 and the bf16 matmul, on the linear and MoE shapes of Qwen3-Next-80B / Qwen3.5-35B-A3B (hidden 2048), at 1, 64 and
 8192 tokens. Every FP8 result is first checked against the torch reference (`kernels/default/blocked_fp8.py`); the
 FP8 times include the activation quantization. The winner per shape says which `LMDEPLOY_FP8_GEMM` default to keep.
+The linear GEMMs are first autotuned as the engine does at start-up (timed); the table gives the tuned tile and the
+time with the fixed tile used before autotuning (`fixed_tile`).
 
     python benchmark/bench_fp8_gemm.py            # ~1 minute on an H200; prints a markdown table and a JSON line
 """
@@ -11,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from functools import partial
 
 import torch
@@ -54,9 +57,12 @@ def linear_rows(tokens_list: list[int]) -> list[dict]:
             expected = ref.linear_blocked_fp8(x.float(), wq, ws, None, BLOCK)
             got = cuda_fp8.linear_blocked_fp8(x, wq, ws, None, BLOCK)
             err = ((got.float() - expected).norm() / expected.norm()).item()
+            fixed = cuda_fp8.fixed_tile(tokens)
             row = {'kind': 'linear', 'shape': name, 'tokens': tokens, 'N': n, 'K': k, 'rel_err_triton': err,
                    'bf16_ms': bench(partial(torch.nn.functional.linear, x, w16)),
-                   'triton_fp8_ms': bench(partial(cuda_fp8.linear_blocked_fp8, x, wq, ws, None, BLOCK))}
+                   'triton_fp8_ms': bench(partial(cuda_fp8.linear_blocked_fp8, x, wq, ws, None, BLOCK)),
+                   'fixed_fp8_ms': bench(partial(cuda_fp8.linear_blocked_fp8, x, wq, ws, None, BLOCK, tile=fixed)),
+                   'tile': tuned_tile(n, k, tokens), 'fixed_tile': fixed}
             if cuda_fp8.torch_scaled_mm_supported(x.device):
                 got_t = cuda_fp8.linear_blocked_fp8(x, wq, ws, None, BLOCK, use_torch=True)
                 row['rel_err_torch'] = ((got_t.float() - expected).norm() / expected.norm()).item()
@@ -65,6 +71,24 @@ def linear_rows(tokens_list: list[int]) -> list[dict]:
             rows.append(row)
             print(row, flush=True)
     return rows
+
+
+def tuned_tile(n: int, k: int, tokens: int) -> str:
+    """The autotuner's choice for this (N, K, row bucket), as BLOCK_M x BLOCK_N / warps / stages."""
+    tile = cuda_fp8.tuned_tile(n, k, tokens, BLOCK, torch.bfloat16)
+    if tile is None:
+        return 'fixed' if not cuda_fp8.AUTOTUNE else 'untuned'
+    return f'{tile[0]}x{tile[1]}/w{tile[2]}/s{tile[3]}'
+
+
+def tune(tokens_list: list[int]) -> None:
+    """What the engine does at start-up (`ModelAgent.tune_kernels`), for the linear shapes here, timed."""
+    shapes = {(n, k, BLOCK) for _, n, k in LINEARS}
+    began = time.perf_counter()
+    keys = cuda_fp8.tune_blocked_gemm_fp8(shapes, max(tokens_list), torch.bfloat16, torch.device('cuda', 0))
+    print(f'start-up autotuning: {keys} keys ({len(shapes)} shapes x row buckets up to '
+          f'{cuda_fp8.m_bucket(max(tokens_list))}) in {time.perf_counter() - began:.1f} s '
+          '(first start in this process: includes compiling each tile)', flush=True)
 
 
 def moe_rows(tokens_list: list[int]) -> list[dict]:
@@ -101,14 +125,18 @@ def main() -> None:
     torch.manual_seed(0)
     print(f'device: {torch.cuda.get_device_name()}  torch {torch.__version__}  scaled_mm block layout: '
           f'{cuda_fp8.torch_scaled_mm_supported(torch.device("cuda", 0))}')
+    tune(args.tokens)
     rows = linear_rows(args.tokens) + moe_rows(args.tokens)
-    print('\n| kind | shape | tokens | bf16 ms | triton fp8 ms | torch fp8 ms | rel err (triton / torch) |')
-    print('|---|---|---|---|---|---|---|')
+    print('\n| kind | shape | tokens | bf16 ms | triton fp8 ms (tuned) | fp8 / bf16 | tuned tile | fixed-tile fp8 ms '
+          '| torch fp8 ms | rel err (triton / torch) |')
+    print('|---|---|---|---|---|---|---|---|---|---|')
     for r in rows:
         torch_ms = f"{r['torch_fp8_ms']:.4f}" if 'torch_fp8_ms' in r else 'n/a'
         torch_err = f"{r['rel_err_torch']:.1e}" if 'rel_err_torch' in r else 'n/a'
+        fixed_ms = f"{r['fixed_fp8_ms']:.4f}" if 'fixed_fp8_ms' in r else 'n/a'
         print(f"| {r['kind']} | {r['shape']} | {r['tokens']} | {r['bf16_ms']:.4f} | {r['triton_fp8_ms']:.4f} | "
-              f"{torch_ms} | {r['rel_err_triton']:.1e} / {torch_err} |")
+              f"{r['triton_fp8_ms'] / r['bf16_ms']:.2f}x | {r.get('tile', 'n/a')} | {fixed_ms} | {torch_ms} | "
+              f"{r['rel_err_triton']:.1e} / {torch_err} |")
     print(json.dumps(rows))
 
 

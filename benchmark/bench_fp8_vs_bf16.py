@@ -12,6 +12,7 @@ b,a projections / lm_head left bf16). Decode: B requests of 128 prompt tokens, t
 
     python benchmark/bench_fp8_vs_bf16.py [--shape qwen3.5-35b-a3b|qwen3-next-80b] [--weights bf16 fp8]
     python benchmark/bench_fp8_vs_bf16.py --smoke     # a 2-layer shape on the CPU: checks the logic only
+    python benchmark/bench_fp8_vs_bf16.py --shape qwen3-next-80b --weights bf16 fp8 --startup-only  # does it fit
 
 Prints one line per measurement, a markdown table and a JSON line. A few minutes per shape on an H200.
 """
@@ -106,7 +107,8 @@ def cold_ttft_s(engine: Engine, vocab: int, length: int = 8192) -> float:
     return first[0] - start
 
 
-def measure(shape: str, weights: str, device: str, ttft_tokens: int, steps: int) -> dict:
+def measure(shape: str, weights: str, device: str, ttft_tokens: int, steps: int, startup_only: bool = False
+            ) -> dict:
     row = {'shape': shape, 'weights': weights}
     cuda = device == 'cuda'
     with tempfile.TemporaryDirectory() as folder:
@@ -131,8 +133,13 @@ def measure(shape: str, weights: str, device: str, ttft_tokens: int, steps: int)
             p.numel() for p in params)
         row['allocated_gib'] = ((torch.cuda.memory_allocated() if cuda else 0) - before) / 2**30
         vocab = SHAPES[shape]['vocab_size']
-        engine.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=4))  # warm-up (Triton compilation)
+        engine.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=4))  # it starts, and it generates
         engine.run_until_idle()
+        if startup_only:
+            print(row, flush=True)
+            del engine
+            gc.collect()
+            return row
         cold_ttft_s(engine, vocab, 1024)
         row['ttft_8k_ms'] = 1000 * cold_ttft_s(engine, vocab, ttft_tokens)
         for batch in (1, 64):
@@ -150,17 +157,22 @@ def main() -> None:
     parser.add_argument('--shape', choices=sorted(set(SHAPES) - {'smoke'}), default='qwen3.5-35b-a3b')
     parser.add_argument('--weights', nargs='+', choices=['bf16', 'fp8'], default=['bf16', 'fp8'])
     parser.add_argument('--smoke', action='store_true', help='tiny shape on the CPU (checks the logic only)')
+    parser.add_argument('--startup-only', action='store_true',
+                        help='start the engine and generate 4 tokens; no TTFT or decode measurement')
     args = parser.parse_args()
     device = 'cpu' if args.smoke else 'cuda'
     shape, ttft_tokens, steps = ('smoke', 256, 4) if args.smoke else (args.shape, 8192, 64)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}  torch {torch.__version__}  "
           f"LMDEPLOY_FP8_GEMM={os.environ.get('LMDEPLOY_FP8_GEMM', 'triton')}", flush=True)
-    rows = [measure(shape, weights, device, ttft_tokens, steps) for weights in args.weights]
+    rows = [measure(shape, weights, device, ttft_tokens, steps, args.startup_only) for weights in args.weights]
     print('\n| shape | weights | weight GiB | start-up s | decode b1 tok/s | decode b64 tok/s | cold TTFT 8K ms |')
     print('|---|---|---|---|---|---|---|')
     for r in rows:
         if 'error' in r:
             print(f"| {r['shape']} | {r['weights']} | {r['error']} | | | | |")
+            continue
+        if 'ttft_8k_ms' not in r:  # --startup-only
+            print(f"| {r['shape']} | {r['weights']} | {r['weight_gib']:.1f} | {r['startup_s']:.0f} | | | |")
             continue
         print(f"| {r['shape']} | {r['weights']} | {r['weight_gib']:.1f} | {r['startup_s']:.0f} | "
               f"{r['decode_b1_tok_s']:.1f} | {r['decode_b64_tok_s']:.0f} | {r['ttft_8k_ms']:.0f} |")

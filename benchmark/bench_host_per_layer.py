@@ -185,9 +185,15 @@ def main() -> None:
             env = {**os.environ, 'LMDEPLOY_FAST_LAUNCH': fast, 'LMDEPLOY_FUSED_OPS': fused}
             cmd = [sys.executable, __file__, '--json', '--model-root', args.model_root, '--shapes', *args.shapes,
                    *(['--smoke'] if args.smoke else [])]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-            rows += [dict(json.loads(line), fast=fast, fused=fused) for line in out.splitlines()
-                     if line.startswith('{')]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f'toggles {fast}/{fused} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}', flush=True)
+                continue
+            new = [dict(json.loads(line), fast=fast, fused=fused) for line in proc.stdout.splitlines()
+                   if line.startswith('{')]
+            print_rows(new)  # as it comes, so a run cut by a timeout still shows its rows
+            rows += new
+        print('all rows:')
         print_rows(sorted(rows, key=lambda r: (r['shape'], r['fast'], r['fused'])))
         return
     rows = [measure(shape, os.path.join(args.model_root, shape), args.smoke) for shape in args.shapes]

@@ -8,7 +8,8 @@
 # One bench process runs the workloads in the order given (the done-when workload first), under one timeout of
 # BUDGET seconds; after each workload it prints that workload's pressure table and verdicts to the log, so a run
 # cut short keeps the workloads it finished. Modes at each level: full, full-lru, aligned (MODES), against the
-# unbounded `full` run and the oracle.
+# unbounded `full` run and the oracle. Eager mode: each of the ~10 engines per workload starts without capturing
+# CUDA graphs (hit rates and outputs do not depend on them).
 #   BUDGET=150 WORKLOADS=shared_system,long_context bash scripts/gpu_bench_pressure.sh
 # Output: the log on stdout (per run: hit rate, cached tokens, pools, evictions by cause; per workload: the table and
 # verdicts); with OUT set, $OUT/pressure/{report.md,hit_rate.png,pressure.png} and $OUT/pressure.log as well.
@@ -19,6 +20,7 @@ MODEL_DIR="${MODEL_DIR:-/tmp/qwen3_5_08b_shape}"
 BUDGET="${BUDGET:-150}"
 REQUESTS="${REQUESTS:-16}"
 MODES="${MODES:-full-lru,aligned}"
+LEVELS="${LEVELS:-100,50,25}"   # pressure levels (percent of each workload's working set)
 WORKLOADS="${WORKLOADS:-shared_system,long_context,repeat,multi_turn,branching,shared_doc}"
 DEVICE="${DEVICE:-cuda}"     # DEVICE=cpu DTYPE=float32: a smoke run of the script without a GPU
 DTYPE="${DTYPE:-bfloat16}"
@@ -41,7 +43,7 @@ PY
 echo "=== model folder ready (t=$((SECONDS - START))s); workloads $WORKLOADS, budget ${BUDGET}s"
 
 args=(--model "$MODEL_DIR" --load-format dummy --device "$DEVICE" --dtype "$DTYPE" --workload "$WORKLOADS" --mode full
-      --requests "$REQUESTS" --max-new-tokens 6 --pressure 100,50,25 --pressure-modes "$MODES")
+      --requests "$REQUESTS" --max-new-tokens 6 --pressure "$LEVELS" --pressure-modes "$MODES" --eager-mode)
 if [ -n "$OUT" ]; then
     mkdir -p "$OUT"
     args+=(--out "$OUT/pressure")

@@ -123,6 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(PRESSURE_MODES)}; `full` always runs)")
     parser.add_argument('--load-format', default='auto', choices=['auto', 'safetensors', 'dummy'],
                         help="'dummy': random weights from config.json alone (a full-size shape without weights)")
+    parser.add_argument('--eager-mode', action='store_true',
+                        help='CUDA: no CUDA graphs (every mode builds an engine; hit rates do not depend on graphs, '
+                             'and each engine then starts without capturing any)')
     parser.add_argument('--out', default=None, help='folder for report.md and hit_rate.png (and pressure.png)')
     parser.add_argument('--json', action='store_true', help='print one JSON summary as the last stdout line')
 
@@ -149,6 +152,7 @@ class BenchConfig:
     pressures: tuple[float, ...] = ()
     pressure_modes: tuple[str, ...] = PRESSURE_MODES
     load_format: str = 'auto'
+    eager_mode: bool = False
 
     def __post_init__(self):
         for name in ('num_requests', 'max_new_tokens', 'concurrency'):
@@ -172,7 +176,8 @@ class BenchConfig:
                    decode_state_interval=args.decode_state_interval,
                    prefill_state_interval=args.prefill_state_interval,
                    pressures=args.pressure if isinstance(args.pressure, tuple) else parse_pressures(args.pressure),
-                   pressure_modes=_pressure_modes(args.pressure_modes), load_format=args.load_format)
+                   pressure_modes=_pressure_modes(args.pressure_modes), load_format=args.load_format,
+                   eager_mode=args.eager_mode)
 
     def engine_config(self, mode: str, pools: Pools | None = None) -> PytorchEngineConfig:
         if mode in ('full', 'full-aligned'):
@@ -183,7 +188,8 @@ class BenchConfig:
             policies = {mode.split('+', 1)[1]} if '+' in mode else set()
         pools = pools or Pools(self.num_blocks, self.state_budget, self.max_batch_size)
         return PytorchEngineConfig(
-            device_type=self.device, dtype=self.dtype, load_format=self.load_format, block_size=self.block_size,
+            device_type=self.device, dtype=self.dtype, load_format=self.load_format, eager_mode=self.eager_mode,
+            block_size=self.block_size,
             num_gpu_blocks=pools.num_blocks,
             max_batch_size=pools.max_batch_size, max_prefill_token_num=self.max_prefill_token_num,
             enable_prefix_caching=mode != 'off', prefix_cache=PrefixCacheConfig(

@@ -53,11 +53,13 @@ def test_cli_takes_workload_lists_pressure_modes_and_dummy_weights():
     from lmdeploy.cli.entrypoint import build_parser
     parse = build_parser().parse_args
     args = parse(['bench', 'prefix-cache', '--workload', 'shared_system,all', '--pressure', '50',
-                  '--pressure-modes', 'aligned,full-lru', '--load-format', 'dummy', '--model', '/m', '--device', 'cpu'])
+                  '--pressure-modes', 'aligned,full-lru', '--load-format', 'dummy', '--eager-mode', '--model', '/m',
+                  '--device', 'cpu'])
     config = BenchConfig.from_args(args)
     assert config.workloads == ('shared_system', *(w for w in workloads.WORKLOADS if w != 'shared_system'))
     assert config.pressure_modes == ('full', 'full-lru', 'aligned')   # full always, in the table's order
-    assert config.engine_config('full').load_format == 'dummy'
+    engine = config.engine_config('full')
+    assert engine.load_format == 'dummy' and engine.eager_mode
     with pytest.raises(SystemExit):
         parse(['bench', 'prefix-cache', '--workload', 'shared_sys'])
     with pytest.raises(SystemExit):

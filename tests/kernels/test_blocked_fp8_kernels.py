@@ -101,6 +101,45 @@ def test_cpu_linear_blocked_fp8_matches_reference(torch_quantization):
     assert_close(out, ref.linear_blocked_fp8(x, w, w_scale, bias, (16, 16)), atol=1e-3, rtol=1e-3)
 
 
+@interpreted
+def test_cpu_every_tile_matches_reference():
+    # the autotuner may pick any tile: each must cover the edges (37 rows, 80 columns, K = 40 in blocks of 16)
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    gen = torch.Generator().manual_seed(5)
+    a, a_scale = fp8_weight(37, 40, block=(1, 16), gen=gen)
+    b, b_scale = fp8_weight(80, 40, block=(16, 16), gen=gen)
+    expected = ref.blocked_gemm_fp8(a, a_scale, b, b_scale, (16, 16), torch.float32)
+    for tile in cuda.GEMM_TILES:
+        out = cuda.blocked_gemm_fp8(a, a_scale, b, b_scale, (16, 16), torch.float32, tile=tile)
+        assert_close(out, expected, atol=1e-5, rtol=1e-5, what=f'tile {tile}')
+
+
+def test_row_buckets_cover_every_count_and_their_tiles_fit():
+    pytest.importorskip('triton')
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    rows = (1, 16, 17, 64, 65, 200, 257, 1024, 1025, 9000)
+    assert [cuda.m_bucket(r) for r in rows] == [16, 16, 32, 64, 128, 256, 1024, 1024, 4096, 4096]
+    for bucket in cuda.M_BUCKETS:
+        tiles = cuda.tiles_for_bucket(bucket)
+        assert tiles and set(tiles) <= set(cuda.GEMM_TILES) and all(t[0] <= bucket for t in tiles), bucket
+    assert {t[0] for t in cuda.tiles_for_bucket(16)} == {16}  # decode times only 16-row tiles
+    assert {t[0] for t in cuda.tiles_for_bucket(4096)} == {64, 128}
+
+
+def test_autotuner_keys_on_kernel_arguments_and_prunes_by_bucket():
+    # a key that names no kernel argument is silently dropped by older Triton: the kernel would tune once, ever
+    pytest.importorskip('triton')
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    tuner = cuda._tuned_gemm_fp8_kernel
+    assert list(tuner.keys) == ['N', 'K', 'M_BUCKET', 'BLOCK_SIZE_N', 'BLOCK_K']
+    assert set(tuner.keys) <= set(tuner.arg_names)
+    assert len(tuner.configs) == len(cuda.GEMM_TILES)
+    for bucket in (16, 64, 1024):
+        kept = cuda._prune_tiles(tuner.configs, {}, M_BUCKET=bucket)
+        assert [(c.kwargs['BLOCK_M'], c.kwargs['BLOCK_N'], c.num_warps, c.num_stages) for c in kept] == \
+            cuda.tiles_for_bucket(bucket)
+
+
 def _moe_inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, block, device='cpu', seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=gen).to(device)
@@ -159,6 +198,40 @@ def test_blocked_gemm_matches_reference_on_cuda(rows, cols, depth):
     if cuda.torch_scaled_mm_supported(torch.device('cuda', 0)) and cols % 128 == 0 and depth % 128 == 0:
         got = cuda.linear_blocked_fp8(x, w, w_scale, None, (128, 128), use_torch=True)
         assert_close(got, expected, atol=3e-2, rtol=3e-2, what='torch._scaled_mm')
+
+
+@pytest.mark.gpu
+def test_every_tile_matches_reference_on_cuda():
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(300, 2176, generator=gen).to(torch.bfloat16).cuda()
+    w, w_scale = fp8_weight(640, 2176, block=(128, 128), gen=gen, device='cuda')
+    expected = ref.linear_blocked_fp8(x.cpu().float(), w.cpu(), w_scale.cpu(), None, (128, 128))
+    for tile in cuda.GEMM_TILES:
+        got = cuda.linear_blocked_fp8(x, w, w_scale, None, (128, 128), tile=tile)
+        assert_close(got, expected, atol=3e-2, rtol=3e-2, what=f'tile {tile}')
+
+
+@pytest.mark.gpu
+def test_start_up_tuning_covers_every_bucket_so_forwards_only_look_up():
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    if not cuda.AUTOTUNE:
+        pytest.skip('LMDEPLOY_FP8_AUTOTUNE=0')
+    device = torch.device('cuda', 0)
+    shape = (384, 1152, (128, 128))
+    assert cuda.tune_blocked_gemm_fp8({shape}, 300, torch.bfloat16, device) == 6  # buckets 16 ... 1024
+    for rows in (16, 32, 64, 128, 256, 1024):
+        assert cuda.tuned_tile(384, 1152, rows, (128, 128), torch.bfloat16) in cuda.tiles_for_bucket(rows)
+    assert cuda.tuned_tile(384, 1152, 4096, (128, 128), torch.bfloat16) is None  # past max_rows: not tuned
+    tuner = cuda._tuned_gemm_fp8_kernel
+    keys = len(tuner.cache)
+    gen = torch.Generator().manual_seed(8)
+    w, w_scale = fp8_weight(384, 1152, block=(128, 128), gen=gen, device='cuda')
+    for rows in (1, 5, 48, 300):
+        x = torch.randn(rows, 1152, generator=gen).to(torch.bfloat16).cuda()
+        expected = ref.linear_blocked_fp8(x.cpu().float(), w.cpu(), w_scale.cpu(), None, (128, 128))
+        assert_close(cuda.linear_blocked_fp8(x, w, w_scale, None, (128, 128)), expected, atol=3e-2, rtol=3e-2)
+    assert len(tuner.cache) == keys  # nothing was tuned at first use
 
 
 @pytest.mark.gpu

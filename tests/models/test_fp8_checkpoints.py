@@ -25,7 +25,7 @@ from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 from lmdeploy.pytorch.models import loader
-from lmdeploy.pytorch.nn.blocked_fp8 import FP8_DTYPE, dequantize_blocked_fp8
+from lmdeploy.pytorch.nn.blocked_fp8 import FP8_DTYPE, dequantize_blocked_fp8, fp8_linear_shapes
 
 transformers = pytest.importorskip('transformers')
 finegrained_fp8 = pytest.importorskip('transformers.integrations.finegrained_fp8')
@@ -248,6 +248,15 @@ def test_kept_fp8_engine_follows_the_dequantized_reference(fp8_checkpoints, keep
     assert rms < 0.25, rms
 
 
+def test_fp8_linear_shapes_are_the_kept_2d_fp8_weights(fp8_checkpoints, keep_fp8_on_cpu):
+    # the (N, K) the CUDA engine autotunes at start-up (`ModelAgent.tune_kernels`): every FP8 linear, no expert
+    model = loader.build_model(fp8_checkpoints('qwen3_next'), torch.device('cpu'), 'float32', 'cpu')[0]
+    fp8 = [p for p in model.parameters() if p.dtype == FP8_DTYPE]
+    assert any(p.dim() == 3 for p in fp8), 'the experts should be FP8 too'
+    shapes = fp8_linear_shapes(model)
+    assert shapes and shapes == {(p.shape[0], p.shape[1], tuple(BLOCK)) for p in fp8 if p.dim() == 2}
+
+
 # ---- refused checkpoints -------------------------------------------------------------------------------------------
 def _edited(fp8_checkpoints, tmp_path, edit) -> str:
     src = fp8_checkpoints('qwen3')
@@ -389,6 +398,19 @@ def test_cuda_fp8_decode_graphs_replay_the_eager_forward(tiny_model_factory, tmp
     assert rows >= len(PROMPT) + 1, 'parted within the first decode steps'
     diff = (graph_logits[:rows].float() - eager_logits[:rows].float()).norm() / eager_logits[:rows].float().norm()
     assert diff < 0.15, f'graph vs eager logits: relative RMS {diff:.3f}'
+
+
+@pytest.mark.gpu
+def test_cuda_engine_start_up_tunes_every_fp8_linear_shape(tiny_model_factory, tmp_path):
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8 as cuda
+    if not cuda.AUTOTUNE:
+        pytest.skip('LMDEPLOY_FP8_AUTOTUNE=0')
+    path = quantize_checkpoint(tiny_model_factory('qwen3', num_hidden_layers=2), str(tmp_path / 'fp8'), block=[32, 32])
+    engine = Engine(path, PytorchEngineConfig(device_type='cuda', dtype='bfloat16', block_size=16, num_gpu_blocks=32,
+                                              max_batch_size=4, max_prefill_token_num=64, eager_mode=True))
+    shapes = fp8_linear_shapes(engine.model)
+    assert shapes and all(cuda.tuned_tile(n, k, rows, block, torch.bfloat16) is not None
+                          for n, k, block in shapes for rows in (16, 32, 64)), shapes
 
 
 @pytest.mark.gpu

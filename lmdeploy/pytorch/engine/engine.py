@@ -103,6 +103,9 @@ class Engine:
             vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
             if self.model_config.image_token_id is not None else 0)
         self.cache_engine, self.agent = build_agent(self.model, self.model_config, agent_spec, self.device)
+        # before the graphs, so they capture tuned tiles; the largest forward is a prefill chunk or a decode batch
+        # (tp > 1 loads FP8 dequantized: the workers have no FP8 GEMM to tune)
+        self.agent.tune_kernels(max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
         self.wakeup = threading.Event()
         if self.tp_workers is not None:
             self.tp_workers.setup(agent_spec)

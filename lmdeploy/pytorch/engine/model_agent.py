@@ -11,12 +11,16 @@ CUDA graphs captured with `record_routed_experts` on (the engine flag) always re
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 from torch import nn
 
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
+from ..nn.blocked_fp8 import fp8_linear_shapes
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
@@ -24,6 +28,8 @@ from .device_streams import DeviceStreams
 from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
+
+logger = logging.getLogger('lmdeploy')
 
 
 class ForwardOutput:
@@ -147,6 +153,18 @@ class ModelAgent:
         return hidden, routes
 
     @torch.inference_mode()
+    def tune_kernels(self, max_tokens: int) -> None:
+        """Autotune the FP8 GEMM tiles for the model's FP8 linears and every row bucket up to `max_tokens` (CUDA
+        only), before any graph is captured or request served: no forward pays for tuning."""
+        shapes = fp8_linear_shapes(self.model)
+        if self.device.type != 'cuda' or not shapes:
+            return
+        from ..backends.cuda import tune_fp8_gemms
+        began = time.perf_counter()
+        keys = tune_fp8_gemms(shapes, max_tokens, getattr(torch, self.cache_engine.model_config.dtype), self.device)
+        logger.info('FP8 GEMM autotuning: %d keys (%d shapes) in %.1f s', keys, len(shapes),
+                    time.perf_counter() - began)
+
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs of every padded batch size now (no-op without graphs)."""
         if self.graph_runner is not None:
@@ -184,15 +202,17 @@ class ModelAgent:
     @torch.inference_mode()
     def draft(self, fixups: CacheCheckpointInputs | None, plan: HeadPlan, hidden: torch.Tensor,
               chains: list[ModelInputs], params: list[SampleParams | None],
-              cache_inputs: CacheCheckpointInputs | None) -> tuple[list[list[int]], list]:
-        """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies, drafts."""
-        fixups, head_inputs, *chains = self.streams.to_device(fixups, plan.inputs, *chains)
+              cache_inputs: CacheCheckpointInputs | None, verified: CacheCheckpointInputs | None = None
+              ) -> tuple[list[list[int]], list]:
+        """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies and those
+        of the checkpoints at committed steps (`verified`), drafts."""
+        fixups, verified, head_inputs, *chains = self.streams.to_device(fixups, verified, plan.inputs, *chains)
         plan = plan._replace(inputs=head_inputs)
         with self.streams.forward():
             if fixups is not None:
                 self.cache_engine.copy_state_slots(fixups.state_restore_plan)
             return self.spec.draft(self._context, plan, hidden, lambda step: self._context(chains[step - 1]),
-                                   params, lambda: self.save(cache_inputs))
+                                   params, lambda: (self.save(cache_inputs), self.save(verified)))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> ForwardOutput:

@@ -48,3 +48,10 @@ def dequantize_blocked_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block_
     scale = scale_inv.float().repeat_interleave(block_size[0], dim=-2)[..., :rows, :]
     scale = scale.repeat_interleave(block_size[1], dim=-1)[..., :cols]
     return (weight.float() * scale).to(dtype)
+
+
+def fp8_linear_shapes(model: nn.Module) -> set[tuple[int, int, tuple[int, int]]]:
+    """(N, K, block_size) of every block-wise FP8 linear of `model` (its GEMM shapes; experts are 3-D and not
+    included)."""
+    return {(m.weight.shape[0], m.weight.shape[1], m.weight_block_size) for m in model.modules()
+            if getattr(m, 'weight_scale_inv', None) is not None and m.weight.dim() == 2}

@@ -54,9 +54,12 @@ def _fix_operation(path: str, operation: dict) -> None:
         responses.setdefault(status, _error(description))
     ok = responses.setdefault('200', {'description': 'OK'})
     if path in STREAMED:
-        ok.setdefault('content', {})['text/event-stream'] = {
-            'schema': {'type': 'string', 'description': 'with "stream": true: server-sent events, each '
-                       '`data: <chunk JSON>`, ending with `data: [DONE]`'}}
+        # an SSE media type's schema describes one event (fields data / event / id / retry), as OpenAPI 3.2's
+        # itemSchema does and as schemathesis validates each event
+        event = {'type': 'object', 'required': ['data'], 'properties': {'data': {'type': 'string'}},
+                 'description': 'with "stream": true: server-sent events, each `data: <chunk JSON>`, ending with '
+                 '`data: [DONE]`'}
+        ok.setdefault('content', {})['text/event-stream'] = {'schema': event}
     if path == '/metrics':
         ok['content'] = {'text/plain': {'schema': {'type': 'string', 'description': 'Prometheus text format'}}}
     if path == '/health':

@@ -6,6 +6,9 @@
 `blocked_gemm_fp8`: C[M, N] = sum over K blocks of (A_blk @ B_blk^T) * a_scale[m, kb] * b_scale[n // bn, kb], with
 BLOCK_K = bk (one scale per operand row per K step) and float32 accumulation; each program owns a BLOCK_M x BLOCK_N
 output tile and loads the weight scales of its columns once per K step. Edge tiles are masked (zeros add nothing).
+The tile (BLOCK_M, BLOCK_N, warps, stages) is autotuned among `GEMM_TILES` per (N, K, row bucket, dtypes);
+`tune_blocked_gemm_fp8` runs that tuning at engine start-up for the model's shapes (a first forward or a CUDA graph
+capture then only looks the tile up). The interpreter and `LMDEPLOY_FP8_AUTOTUNE=0` take `fixed_tile`.
 
 `torch_scaled_mm_blocked` is the alternative through torch's `_scaled_mm` with 1x128 / 128x128 block scales
 (cuBLAS, Hopper): which layouts it accepts differs between torch versions, so it is probed once against the
@@ -15,6 +18,7 @@ benchmark, `benchmark/bench_fp8_gemm.py`, says otherwise).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -56,11 +60,11 @@ def quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Ten
     return q, scale
 
 
-@fast_kernel
-@triton.jit
-def _blocked_gemm_fp8_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn,
-                             stride_bsn, stride_cm, BLOCK_SIZE_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+@triton.jit(do_not_specialize=['M', 'M_BUCKET'])  # one compiled kernel per tile for every row count
+def _blocked_gemm_fp8(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, M_BUCKET, stride_am, stride_asm, stride_bn,
+                      stride_bsn, stride_cm, BLOCK_SIZE_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # M_BUCKET (`m_bucket(M)`) is only the autotuning key: every M of a bucket runs the bucket's tuned tile
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -84,18 +88,84 @@ def _blocked_gemm_fp8_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, str
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _gemm_blocks(rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): small row tiles for decode, larger ones for prefill."""
+# ---- tile configs and autotuning ----------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for Hopper; BLOCK_K is always the weight's bk, so each K step reads one
+# scale per operand row. Small row tiles serve decode, 128x128 with 8 warps large prefills.
+GEMM_TILES = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4),
+              (32, 64, 4, 3), (32, 128, 4, 4),
+              (64, 64, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3),
+              (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4))
+# Row-count buckets the tuning is keyed on: a decode batch of 1-16 rows tunes once, a prefill chunk past 1024 rows
+# takes the 4096 bucket's tile.
+M_BUCKETS = (16, 32, 64, 128, 256, 1024, 4096)
+# `LMDEPLOY_FP8_AUTOTUNE=0` keeps the fixed tiles of `fixed_tile` (the choice before autotuning); the Triton
+# interpreter always does (it cannot time configs).
+AUTOTUNE = os.environ.get('LMDEPLOY_FP8_AUTOTUNE', '1') != '0' and os.environ.get('TRITON_INTERPRET') != '1'
+
+
+def m_bucket(rows: int) -> int:
+    """The smallest bucket of `M_BUCKETS` holding `rows` (the largest for more rows)."""
+    return next((bucket for bucket in M_BUCKETS if rows <= bucket), M_BUCKETS[-1])
+
+
+def tiles_for_bucket(bucket: int) -> list[tuple[int, int, int, int]]:
+    """The tiles worth timing for a row bucket: no row tile taller than the bucket (the rows past M are masked
+    work), and no tile under 64 rows once a bucket has 256 or more (too many programs re-reading the weight)."""
+    return [t for t in GEMM_TILES if t[0] <= bucket and (bucket < 256 or t[0] >= 64)]
+
+
+def fixed_tile(rows: int) -> tuple[int, int, int, int]:
+    """The tile without autotuning: small row tiles for decode, larger ones for prefill."""
     if rows <= 16:
-        return 16, 64, 4
+        return 16, 64, 4, 3
     if rows <= 64:
-        return 64, 64, 4
-    return 128, 128, 8
+        return 64, 64, 4, 3
+    return 128, 128, 8, 3
+
+
+def _prune_tiles(configs, named_args, **kwargs):
+    bucket = {**named_args, **kwargs}['M_BUCKET']
+    keep = set(tiles_for_bucket(bucket))
+    return [c for c in configs if (c.kwargs['BLOCK_M'], c.kwargs['BLOCK_N'], c.num_warps, c.num_stages) in keep]
+
+
+def _quick_bench(fn, quantiles):
+    """Autotuning times each config for ~25 ms, not Triton's default ~125 ms: start-up pays this per shape."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _autotune_options() -> dict:
+    """`cache_results` keeps the tuned tiles in Triton's on-disk cache (a warm start skips the timing), where this
+    Triton has it."""
+    params = inspect.signature(triton.autotune).parameters
+    return {name: value for name, value in (('do_bench', _quick_bench), ('cache_results', True)) if name in params}
+
+
+# Launches with an explicit tile take the cheap path (`launch.fast_kernel`); the autotuner only chooses a key's tile
+# once (it times the tiles and runs the best), then `_TUNED` holds the choice and later calls launch it directly.
+_blocked_gemm_fp8_kernel = fast_kernel(_blocked_gemm_fp8)
+_tuned_gemm_fp8_kernel = triton.autotune(
+    configs=[triton.Config({'BLOCK_M': m, 'BLOCK_N': n}, num_warps=w, num_stages=s) for m, n, w, s in GEMM_TILES],
+    key=['N', 'K', 'M_BUCKET', 'BLOCK_SIZE_N', 'BLOCK_K'], prune_configs_by={'early_config_prune': _prune_tiles},
+    **_autotune_options())(_blocked_gemm_fp8)
+# (N, K, row bucket, block_size, out dtype) -> the tuned (BLOCK_M, BLOCK_N, num_warps, num_stages)
+_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def tuned_tile(cols: int, depth: int, rows: int, block_size: tuple[int, int], out_dtype: torch.dtype
+               ) -> tuple[int, int, int, int] | None:
+    """The autotuner's tile for this GEMM key, or None before it is tuned."""
+    return _TUNED.get((cols, depth, m_bucket(rows), tuple(block_size), out_dtype))
 
 
 def blocked_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                     block_size: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] FP8 (scales [M, ceil(K / bk)]) @ b [N, K] FP8 (scales [ceil(N / bn), ceil(K / bk)])^T -> [M, N]."""
+                     block_size: tuple[int, int], out_dtype: torch.dtype,
+                     tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """a [M, K] FP8 (scales [M, ceil(K / bk)]) @ b [N, K] FP8 (scales [ceil(N / bn), ceil(K / bk)])^T -> [M, N].
+
+    The tile is autotuned per (N, K, `m_bucket(M)`, dtypes) at the first call of each key (`tune_blocked_gemm_fp8`
+    does that at start-up); `tile` (BLOCK_M, BLOCK_N, num_warps, num_stages) forces one, and with autotuning off
+    (`AUTOTUNE`) it is `fixed_tile(M)`."""
     rows, depth = a.shape
     cols = b.shape[0]
     block_n, block_k = block_size
@@ -106,13 +176,45 @@ def blocked_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     out = torch.empty(rows, cols, dtype=out_dtype, device=a.device)
     if rows == 0:
         return out
-    block_m, tile_n, num_warps = _gemm_blocks(rows)
+    args = dict(M=rows, N=cols, K=depth, M_BUCKET=m_bucket(rows), stride_am=a.stride(0),
+                stride_asm=a_scale.stride(0), stride_bn=b.stride(0), stride_bsn=b_scale.stride(0),
+                stride_cm=out.stride(0), BLOCK_SIZE_N=block_n, BLOCK_K=block_k)
+    if tile is None and AUTOTUNE:
+        key = (cols, depth, m_bucket(rows), (block_n, block_k), out_dtype)
+        tile = _TUNED.get(key)
+        if tile is None:  # first call of this key: time the tiles (the tuner runs the best one on these operands)
+            grid = lambda meta: (triton.cdiv(rows, meta['BLOCK_M']), triton.cdiv(cols, meta['BLOCK_N']))  # noqa: E731
+            _tuned_gemm_fp8_kernel[grid](a, a_scale, b, b_scale, out, **args)
+            best = _tuned_gemm_fp8_kernel.best_config
+            _TUNED[key] = (best.kwargs['BLOCK_M'], best.kwargs['BLOCK_N'], best.num_warps, best.num_stages)
+            return out
+    block_m, tile_n, num_warps, num_stages = tile or fixed_tile(rows)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, tile_n))
-    _blocked_gemm_fp8_kernel[grid](a, a_scale, b, b_scale, out, rows, cols, depth, stride_am=a.stride(0),
-                                   stride_asm=a_scale.stride(0), stride_bn=b.stride(0), stride_bsn=b_scale.stride(0),
-                                   stride_cm=out.stride(0), BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n,
-                                   BLOCK_K=block_k, num_warps=num_warps, num_stages=3)
+    _blocked_gemm_fp8_kernel[grid](a, a_scale, b, b_scale, out, **args, BLOCK_M=block_m, BLOCK_N=tile_n,
+                                   num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def tune_blocked_gemm_fp8(shapes: set[tuple[int, int, tuple[int, int]]], max_rows: int, out_dtype: torch.dtype,
+                          device: torch.device) -> int:
+    """Autotune the GEMM now for every (N, K, block_size) of `shapes` and every row bucket up to `m_bucket(max_rows)`,
+    so no request's forward (and no CUDA graph capture) pays for it. Returns the number of keys run (0 with
+    autotuning off). A key times up to 12 tiles for ~25 ms each, and each tile compiles once per process (the
+    compiled kernels, and with `cache_results` the chosen tiles, stay in Triton's on-disk cache for a warm start)."""
+    if not AUTOTUNE or not shapes:
+        return 0
+    buckets = [b for b in M_BUCKETS if b <= m_bucket(max_rows)]
+    gen = torch.Generator(device=device).manual_seed(0)
+    count = 0
+    for cols, depth, (block_n, block_k) in sorted(shapes):
+        b = torch.randn(cols, depth, device=device, generator=gen).to(FP8_DTYPE)
+        b_scale = torch.ones(triton.cdiv(cols, block_n), triton.cdiv(depth, block_k), device=device)
+        for rows in buckets:
+            a = torch.randn(rows, depth, device=device, generator=gen).to(FP8_DTYPE)
+            a_scale = torch.ones(rows, triton.cdiv(depth, block_k), device=device)
+            blocked_gemm_fp8(a, a_scale, b, b_scale, (block_n, block_k), out_dtype)
+            count += 1
+    return count
 
 
 # ---- torch._scaled_mm with block scales ---------------------------------------------------------------------------
@@ -185,10 +287,10 @@ def use_torch_scaled_mm(block_size: tuple[int, int]) -> bool:
 
 
 def linear_blocked_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                       bias: torch.Tensor | None, block_size: tuple[int, int], use_torch: bool = False
-                       ) -> torch.Tensor:
+                       bias: torch.Tensor | None, block_size: tuple[int, int], use_torch: bool = False,
+                       tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """y = x W^T (+ b) with an FP8 weight; x [..., K] bf16 / fp16, y in x's dtype. `use_torch`: the GEMM through
-    `torch_scaled_mm_blocked` (see `use_torch_scaled_mm`)."""
+    `torch_scaled_mm_blocked` (see `use_torch_scaled_mm`); `tile`: see `blocked_gemm_fp8`."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -196,7 +298,7 @@ def linear_blocked_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: 
     if use_torch:
         out = torch_scaled_mm_blocked(q, scale, weight, weight_scale_inv, x.dtype)
     else:
-        out = blocked_gemm_fp8(q, scale, weight, weight_scale_inv, block_size, x.dtype)
+        out = blocked_gemm_fp8(q, scale, weight, weight_scale_inv, block_size, x.dtype, tile=tile)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
