@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -50,6 +51,7 @@ def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
 class Engine:
 
     def __init__(self, model_path: str, engine_config: PytorchEngineConfig | None = None):
+        began = time.perf_counter()
         self.engine_config = engine_config = engine_config or PytorchEngineConfig()
         if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
@@ -68,6 +70,9 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        # weights, pools, FP8 tuning, the eager warm-up and the CUDA graphs: what a first request no longer pays
+        self.startup_seconds = time.perf_counter() - began
+        logger.info('engine start-up: %.2f s', self.startup_seconds)
 
     def _build(self, engine_config: PytorchEngineConfig, dtype: str, speculative) -> None:
         self.model, self.model_config = self._build_model(dtype)
@@ -99,7 +104,7 @@ class Engine:
             record_routed_experts=engine_config.enable_return_routed_experts,
             cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
             max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
-            max_prefill_tokens=engine_config.max_prefill_token_num,
+            max_prefill_tokens=engine_config.max_prefill_token_num, max_batch_size=engine_config.max_batch_size,
             vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
             if self.model_config.image_token_id is not None else 0)
         self.cache_engine, self.agent = build_agent(self.model, self.model_config, agent_spec, self.device)
