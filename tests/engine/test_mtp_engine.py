@@ -205,7 +205,10 @@ def test_prefix_cache_hits_are_lossless_and_drafts_match_a_cold_run(mtp_model, p
     path = mtp_model()
     first = _prompt(prompt_len, 7)
     second = first + _prompt(6, 8)
-    plain = [_run(make_engine(path, **_on(device)), [p], _greedy(10))[0] for p in (first, second)]
+    plain, plain_logits = zip(*[_run(make_engine(path, **_on(device)), [p], _greedy(10), collect=True)
+                                for p in (first, second)])
+    plain = [tokens for (tokens,) in plain]
+    tol = ATOL if device == 'cpu' else 10 * ATOL
     cold = _Recorder()
     engine = make_engine(path, speculative_config=_spec(), **_on(device))
     engine.speculative.set_draft_override(cold)
@@ -222,17 +225,19 @@ def test_prefix_cache_hits_are_lossless_and_drafts_match_a_cold_run(mtp_model, p
         for block, data in cached.items():  # no forward writes a block the trie owns (the head's overlap row too)
             if block in now:
                 assert torch.equal(now[block], data), f'trie block {block} was rewritten'
-    out = _run(engine, [second], _greedy(10), after_step=after_step)
+    out, (logits,) = _run(engine, [second], _greedy(10), collect=True, after_step=after_step)
     assert out == [plain[1]]
     assert hits and hits[0] == prompt_len  # resumed at request 1's prompt-end checkpoint
+    torch.testing.assert_close(logits, plain_logits[1][0][prompt_len:], atol=tol, rtol=tol)
     assert warm.proposals == cold.proposals
     # a third request resumes from request 1's reply checkpoint (unaligned): still exact
     third = first + plain[0][:-1] + _prompt(3, 9)
-    want = _run(make_engine(path, **_on(device)), [third], _greedy(6))
+    want, (want_logits,) = _run(make_engine(path, **_on(device)), [third], _greedy(6), collect=True)
     hits.clear()
-    assert _run(engine, [third], _greedy(6), after_step=lambda e: hits.extend(
-        seq.num_cached for seq, _ in e._seqs.values())) == want
-    assert hits and hits[0] > prompt_len
+    got, (got_logits,) = _run(engine, [third], _greedy(6), collect=True, after_step=lambda e: hits.extend(
+        seq.num_cached for seq, _ in e._seqs.values()))
+    assert got == want and hits and hits[0] > prompt_len
+    torch.testing.assert_close(got_logits, want_logits[hits[0]:], atol=tol, rtol=tol)
 
 
 def test_concurrent_requests_with_prefix_cache_and_chunks(mtp_model):
@@ -319,3 +324,24 @@ def test_rejection_sampling_through_the_engine_samples_the_target_distribution(m
     if drafts == 'forced':  # (the random head's top 4 rarely meets the target's: its drafts are mostly rejected)
         assert stats['spec_accepted_tokens'] > 0
     assert chi2 < df + 4 * (2 * df) ** 0.5, (chi2, df)  # about 4 sigma of a chi-square with df degrees
+
+
+def test_decode_interval_checkpoints_come_from_committed_steps_inside_accepted_runs(mtp_model):
+    """Forced full acceptance: the decode-interval steps 16, 32, 48 fall inside accepted runs, so each checkpoint is
+    saved from the spare row cut at that draft position. A later request resuming at step 32 is exact."""
+    path = mtp_model()
+    prompt = _prompt(10, 40)
+    (cont,) = _run(make_engine(path), [prompt], _greedy(44))
+    full = prompt + cont + [0] * (2 * K)
+    engine = make_engine(path, cache=True, prefix_cache_decode_state_interval=16, speculative_config=_spec())
+    engine.speculative.set_draft_override(lambda seq, _: full[seq.num_tokens:seq.num_tokens + K])
+    assert _run(engine, [prompt], _greedy(44)) == [cont]
+    later = full[:35] + _prompt(3, 41)
+    want, (want_logits,) = _run(make_engine(path), [later], _greedy(8), collect=True)
+    engine.speculative.set_draft_override(None)
+    hits = []
+    got, (got_logits,) = _run(engine, [later], _greedy(8), collect=True, after_step=lambda e: hits.extend(
+        seq.num_cached for seq, _ in e._seqs.values()))
+    assert got == want and hits[0] == 32
+    # the warm run feeds from step 32: its logits are the cold run's from there on
+    torch.testing.assert_close(got_logits, want_logits[32:], atol=ATOL, rtol=ATOL)

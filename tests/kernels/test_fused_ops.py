@@ -29,6 +29,7 @@ from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
 from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
 from lmdeploy.pytorch.kernels.cuda.launch import FastKernel, _arg_key, fast_kernel
 from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
+from lmdeploy.pytorch.nn.attention import QKNorm
 
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_fused_kernels_interpreted')
@@ -128,7 +129,8 @@ def test_cpu_softmax_topk(case, dtype):
 ROTARY_FILL_CASES = [(1, 2, 1, 16, 16, 4), (7, 4, 2, 32, 8, 4), (0, 2, 1, 16, 16, 4), (37, 16, 2, 256, 64, 16)]
 
 
-def check_rotary_fill(case, dtype, device: str) -> None:
+def check_rotary_fill(case, dtype, device: str, norm: str = 'none') -> None:
+    """`norm`: 'none', 'plain' or 'zero_centered' q/k RMSNorm before the rotary (`QKNorm`)."""
     num_tokens, num_q, num_kv, head_dim, rotary_dim, kbs = case
     gen = torch.Generator().manual_seed(num_tokens + head_dim)
     # q and k are views of one fused projection output, as in the models (non-contiguous heads).
@@ -143,13 +145,23 @@ def check_rotary_fill(case, dtype, device: str) -> None:
     slots = torch.randperm(num_pages * kbs, generator=gen)[:num_tokens]
     if num_tokens > 1:
         slots[1] = -1  # a padding row of a captured graph: writes nothing
-    ref_q, ref_k = ref_elementwise.apply_rotary(q, k, cos, sin)
+    qk_norm = None
+    ref_qn, ref_kn = q, k
+    if norm != 'none':
+        qk_norm = QKNorm(randn(head_dim, gen=gen, dtype=dtype), randn(head_dim, gen=gen, dtype=dtype), 1e-6,
+                         norm == 'zero_centered')
+        ref_qn = ref_elementwise.rms_norm(q, qk_norm.q_weight, 1e-6, qk_norm.zero_centered)
+        ref_kn = ref_elementwise.rms_norm(k, qk_norm.k_weight, 1e-6, qk_norm.zero_centered)
+    ref_q, ref_k = ref_elementwise.apply_rotary(ref_qn, ref_kn, cos, sin)
     ref_pool = pool.clone()
     keep = slots >= 0
     ref_attn.fill_kv_cache(ref_k[keep], v[keep], ref_pool[:, 0], ref_pool[:, 1], slots[keep])
     dev_pool = pool.to(device)
     q_out = cuda_rotary.rotary_fill_kv_cache(q.to(device), k.to(device), v.to(device), cos.to(device),
-                                             sin.to(device), dev_pool[:, 0], dev_pool[:, 1], slots.to(device))
+                                             sin.to(device), dev_pool[:, 0], dev_pool[:, 1], slots.to(device),
+                                             qk_norm=None if qk_norm is None else
+                                             QKNorm(qk_norm.q_weight.to(device), qk_norm.k_weight.to(device),
+                                                    1e-6, qk_norm.zero_centered))
     assert q_out.shape == q.shape and q_out.dtype == dtype
     assert_close(q_out, ref_q, what='rotated q', **tol(dtype))
     # K is rotated in float32 and rounded like the unfused kernels; V and untouched rows are copied bit for bit.
@@ -163,16 +175,19 @@ def check_rotary_fill(case, dtype, device: str) -> None:
 
 @pytest.mark.gpu
 @DTYPES
+@pytest.mark.parametrize('norm', ['none', 'plain', 'zero_centered'])
 @pytest.mark.parametrize('case', ROTARY_FILL_CASES, ids=lambda c: 'T{}-Hq{}-Hk{}-D{}-R{}-kbs{}'.format(*c))
-def test_rotary_fill_kv_cache_matches_unfused_gpu(case, dtype):
-    check_rotary_fill(case, dtype, 'cuda')
+def test_rotary_fill_kv_cache_matches_unfused_gpu(case, norm, dtype):
+    check_rotary_fill(case, dtype, 'cuda', norm)
 
 
 @interpreted
 @DTYPES
 @pytest.mark.parametrize('case', ROTARY_FILL_CASES[:3], ids=lambda c: 'T{}-Hq{}-Hk{}-D{}-R{}-kbs{}'.format(*c))
 def test_cpu_rotary_fill_kv_cache(case, dtype):
-    check_rotary_fill(case, dtype, 'cpu')
+    check_rotary_fill(case, dtype, 'cpu', ['none', 'plain', 'zero_centered'][case[0] % 3])
+    if case[0] == 7:
+        check_rotary_fill(case, dtype, 'cpu', 'zero_centered')
 
 
 # ------------------------------------------------------------------------------------------- MoE alignment
@@ -250,6 +265,35 @@ def test_gated_delta_gating_matches_torch_gpu(case, dtype):
 @pytest.mark.parametrize('case', GATING_CASES[:3], ids=lambda c: f'T{c[0]}-H{c[1]}')
 def test_cpu_gated_delta_gating(case, dtype):
     check_gating(case, dtype, 'cpu')
+
+
+# ------------------------------------------------------------------------- conv with per-forward indices
+
+def check_conv_with_shared_indices(device: str) -> None:
+    """The conv kernel given the per-forward index tensors (built once for every layer) equals its own build."""
+    from lmdeploy.pytorch.kernels.cuda import causal_conv1d as cuda_conv
+    gen = torch.Generator().manual_seed(7)
+    lens, channels, kernel = [5, 1, 9], 24, 4
+    cu = torch.tensor([0, 5, 6, 15], device=device)
+    x = randn(sum(lens), channels, gen=gen).to(device)
+    weight, pool = randn(channels, kernel, gen=gen).to(device), randn(4, channels, kernel - 1, gen=gen).to(device)
+    ids, fresh = torch.tensor([2, 0, 3], device=device), torch.tensor([False, True, False], device=device)
+    pool_a, pool_b = pool.clone(), pool.clone()
+    want = cuda_conv.causal_conv1d(x, weight, None, pool_a, ids, fresh, cu)
+    got = cuda_conv.causal_conv1d(x, weight, None, pool_b, ids, fresh, cu, fresh_i8=fresh.to(torch.int8),
+                                  seq_of_token=cuda_conv.seq_of_token_of(cu, x.shape[0]))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(pool_b, pool_a, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_conv_with_shared_indices_gpu():
+    check_conv_with_shared_indices('cuda')
+
+
+@interpreted
+def test_cpu_conv_with_shared_indices():
+    check_conv_with_shared_indices('cpu')
 
 
 # ------------------------------------------------------------------------------------------- fast launcher

@@ -1,6 +1,8 @@
 """Routed experts over the OpenAI server: `return_routed_experts` in the body puts `routed_experts` (base64 of the
 little-endian uint16 array, with its shape) on the final choice only; without the engine flag the request is a 400.
-A real uvicorn server on loopback over a tiny Qwen3-Next, driven by the `openai` client and raw httpx."""
+A real uvicorn server on loopback over a tiny Qwen3-Next, driven by the `openai` client and raw httpx. A reply cut by
+a text stop string still returns the routes of exactly its returned positions (server, `AsyncEngine.stream`, `pipe()`
+and `ResponseBuilder` alone); `/metrics` reports the route memory the prefix cache holds."""
 from __future__ import annotations
 
 import base64
@@ -14,15 +16,20 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from routes_reference import assert_routes_match, build_qwen3_next, reference_routes
 
+from lmdeploy.demo_model import build_tokenizer
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.request import EngineOutput
 from lmdeploy.pytorch.paging.block_trie import route_store
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.serve.pipeline import Pipeline
+from lmdeploy.serve.request_builder import ResponseBuilder
+from lmdeploy.serve.tokenizer import Tokenizer
 
 MODEL = 'tiny-moe'
 PROMPT = list(range(100, 113))
@@ -167,7 +174,6 @@ def assert_cut_routes(routes: np.ndarray, num_kept: int, rows: np.ndarray, moe) 
 
 def moe_reply(moe, num_tokens: int) -> list[int]:
     """transformers' greedy reply to PROMPT (the reference for the tokens whose routes are compared)."""
-    import torch
     with torch.no_grad():
         out = moe[1].generate(torch.tensor([PROMPT]), max_new_tokens=num_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
@@ -251,3 +257,51 @@ def test_metrics_report_the_route_memory_the_prefix_cache_holds(cached_server, r
                            'lmdeploy:routed_experts_cache_bytes': held}
     # without prefix caching nothing is kept, and without the flag nothing is recorded: no such metric
     assert scrape(routed_server[0]) == {} and scrape(plain_server[0]) == {}
+
+
+# ---- ResponseBuilder alone: engine outputs fed by hand ----------------------------------------------------------
+@pytest.fixture(scope='module')
+def text_tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp('tok')
+    build_tokenizer('qwen3').save_pretrained(str(path))
+    return Tokenizer(str(path))
+
+
+def builder_case(tokenizer, ask: bool):
+    text = 'The quick brown fox jumps over the lazy dog.'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stop = 'fox'
+    num_kept = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))
+    gen = GenerationConfig(stop_words=[stop], return_routed_experts=ask)
+    num_prompt = 5
+    rows = np.arange((num_prompt + len(ids) - 1) * 2, dtype=np.uint16).reshape(-1, 1, 2)  # row p holds 2p, 2p+1
+    return ResponseBuilder(tokenizer, num_prompt, gen), ids, num_kept, rows, num_prompt
+
+
+def test_stop_string_in_the_engines_last_output_cuts_its_rows(text_tokenizer):
+    builder, ids, num_kept, rows, num_prompt = builder_case(text_tokenizer, ask=True)
+    assert num_kept < len(ids)
+    r = builder.update(EngineOutput(1, ids, finished=True, finish_reason='length', routed_experts=rows))
+    assert r.finish_reason == 'stop' and r.generate_token_len == num_kept and not builder.take_abort()
+    np.testing.assert_array_equal(r.routed_experts, rows[:num_prompt + num_kept - 1])
+
+
+def test_a_routed_request_finishes_on_the_engines_abort_output(text_tokenizer):
+    builder, ids, num_kept, rows, num_prompt = builder_case(text_tokenizer, ask=True)
+    responses = [builder.update(EngineOutput(1, [t])) for t in ids[:num_kept]]
+    assert all(r.finish_reason is None and r.routed_experts is None for r in responses)
+    assert builder.take_abort() and not builder.take_abort()  # once
+    assert builder.update(EngineOutput(1, [ids[num_kept]])) is None  # the engine ran a step past the stop
+    final = builder.update(EngineOutput(1, finished=True, finish_reason='abort',
+                                        routed_experts=rows[:num_prompt + num_kept]))
+    assert (final.text, final.token_ids, final.finish_reason) == ('', [], 'stop')
+    assert final.generate_token_len == num_kept and builder.finished and builder.engine_finished
+    np.testing.assert_array_equal(final.routed_experts, rows[:num_prompt + num_kept - 1])
+    assert ''.join(r.text for r in responses) == text_tokenizer.decode(ids[:num_kept]).split('fox')[0]
+
+
+def test_a_request_that_did_not_ask_finishes_at_the_stop_string(text_tokenizer):
+    builder, ids, num_kept, _, _ = builder_case(text_tokenizer, ask=False)
+    responses = [builder.update(EngineOutput(1, [t])) for t in ids[:num_kept]]
+    assert responses[-1].finish_reason == 'stop' and builder.take_abort()
+    assert builder.update(EngineOutput(1, finished=True, finish_reason='abort')) is None

@@ -202,15 +202,17 @@ class ModelAgent:
     @torch.inference_mode()
     def draft(self, fixups: CacheCheckpointInputs | None, plan: HeadPlan, hidden: torch.Tensor,
               chains: list[ModelInputs], params: list[SampleParams | None],
-              cache_inputs: CacheCheckpointInputs | None) -> tuple[list[list[int]], list]:
-        """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies, drafts."""
-        fixups, head_inputs, *chains = self.streams.to_device(fixups, plan.inputs, *chains)
+              cache_inputs: CacheCheckpointInputs | None, verified: CacheCheckpointInputs | None = None
+              ) -> tuple[list[list[int]], list]:
+        """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies and those
+        of the checkpoints at committed steps (`verified`), drafts."""
+        fixups, verified, head_inputs, *chains = self.streams.to_device(fixups, verified, plan.inputs, *chains)
         plan = plan._replace(inputs=head_inputs)
         with self.streams.forward():
             if fixups is not None:
                 self.cache_engine.copy_state_slots(fixups.state_restore_plan)
             return self.spec.draft(self._context, plan, hidden, lambda step: self._context(chains[step - 1]),
-                                   params, lambda: self.save(cache_inputs))
+                                   params, lambda: (self.save(cache_inputs), self.save(verified)))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> ForwardOutput:

@@ -112,23 +112,40 @@ class SpeculativeDecoder:
         # Rows without drafts sample their one position exactly as plain decoding does (every sampling option).
         plain_ids, logprobs = self._sample(first_logits, sampling)
         plain_ids = plain_ids.tolist()
+        greedy = self._greedy_runs(logits, plan, counts, params)
         runs, accepted = [], []
         for i, chunk in enumerate(logits.split(counts)):
             d = plan.num_drafts[i]
             if d == 0:
-                runs.append([plain_ids[i]])
-                accepted.append(0)
-                continue
-            drafts = torch.tensor([plan.draft_ids[i]], dtype=torch.int64, device=logits.device)
-            if params[i] is None:
-                result = greedy_accept(drafts, chunk[None])
+                run = [plain_ids[i]]
+            elif i in greedy:
+                run = greedy[i]
             else:
+                drafts = torch.tensor([plan.draft_ids[i]], dtype=torch.int64, device=logits.device)
                 target = processed_probs(chunk, params[i])[None]
                 result = rejection_sample(drafts, plan.draft_probs[i][:d][None], target, params[i].generator)
-            j = int(result.num_accepted[0])
-            runs.append(result.tokens[0, :j + 1].tolist())
-            accepted.append(j)
+                run = result.tokens[0, :int(result.num_accepted[0]) + 1].tolist()
+            runs.append(run)
+            accepted.append(len(run) - 1)
         return runs, accepted, logprobs
+
+    @staticmethod
+    def _greedy_runs(logits: torch.Tensor, plan: VerifyPlan, counts: list[int], params: list[SampleParams | None]
+                     ) -> dict[int, list[int]]:
+        """The emitted runs of every greedy row with drafts, by sampled index: one batched `greedy_accept` over
+        rows padded to the longest draft (a padded draft is -1, never an argmax), one copy to the host."""
+        rows = [i for i, d in enumerate(plan.num_drafts) if d and params[i] is None]
+        if not rows:
+            return {}
+        width = max(plan.num_drafts[i] for i in rows)
+        starts = [sum(counts[:i]) for i in rows]
+        index = torch.tensor([[s + min(c, plan.num_drafts[i]) for c in range(width + 1)] for s, i in zip(starts, rows)],
+                             dtype=torch.int64, device=logits.device)
+        drafts = torch.tensor([plan.draft_ids[i] + [-1] * (width - plan.num_drafts[i]) for i in rows],
+                              dtype=torch.int64, device=logits.device)
+        result = greedy_accept(drafts, logits[index])
+        num, tokens = result.num_accepted.tolist(), result.tokens.tolist()
+        return {i: tokens[r][:num[r] + 1] for r, i in enumerate(rows)}
 
     # ---- draft --------------------------------------------------------------------------------------------------
     def draft(self, make_ctx, plan: HeadPlan, hidden: torch.Tensor, chain_inputs: Callable[[int], ModelInputs],

@@ -86,7 +86,9 @@ class SpeculativeStep:
         params = [None if seq.sampling.is_greedy else sample_params(seq, generators) for seq in drafting]
         fixups = CacheCheckpointInputs(state_restore_plan=torch.tensor(sched.draft_fixups, dtype=torch.int64).T
                                        .contiguous()) if sched.draft_fixups else None
-        ids, probs = self.agent.draft(fixups, head, result.verify.hidden, chains, params, result.cache_inputs)
+        verified = maker.make_cache_inputs(sched.verified)  # decode-interval checkpoints at committed steps
+        ids, probs = self.agent.draft(fixups, head, result.verify.hidden, chains, params, result.cache_inputs,
+                                      verified)
         for seq, row, prob in zip(drafting, ids, probs):
             seq.draft_ids, seq.draft_probs = list(row), prob
 

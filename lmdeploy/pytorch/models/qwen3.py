@@ -7,7 +7,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP
-from ..nn.attention import PagedAttention
+from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.linear import Embedding, Linear, MergedLinear
 from ..nn.norm import RMSNorm
 from ..nn.parallel import AllReduce
@@ -37,10 +37,11 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        out = self.attn(q, k, v, ctx, cos_sin=cos_sin)  # rotary inside (fused with the KV fill)
+        # q/k norm and rotary inside the attention op (the cuda backend fuses them with the KV fill)
+        out = self.attn(q, k, v, ctx, cos_sin=cos_sin, qk_norm=qk_norm_of(self.q_norm, self.k_norm))
         return self.o_proj(out.flatten(-2))
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from ..config import ModelConfig, StateSpec
 from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP
-from ..nn.attention import PagedAttention
+from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
 from ..nn.linear import Embedding, Linear, MergedLinear
 from ..nn.lora import lora_step
@@ -73,10 +73,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
         q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        out = self.attn(q, k, v, ctx, cos_sin=cos_sin) * torch.sigmoid(gate)  # rotary inside (fused with KV fill)
+        # q/k norm and rotary inside the attention op (the cuda backend fuses them with the KV fill)
+        out = self.attn(q, k, v, ctx, cos_sin=cos_sin, qk_norm=qk_norm_of(self.q_norm, self.k_norm))
+        out = out * torch.sigmoid(gate)
         return self.o_proj(out.flatten(-2))
 
 

@@ -55,6 +55,9 @@ class NullPrefixCache(PrefixCache):
     def plan_replies(self, seqs: list[SchedulerSequence], plan: CopyPlan) -> None:
         pass
 
+    def plan_verified(self, seq: SchedulerSequence, first: int, last: int, slot_of, plan: CopyPlan) -> None:
+        pass
+
     def publish(self, plan: CopyPlan) -> None:
         pass
 

@@ -14,6 +14,8 @@ Which calls mutate, in what order within one engine step (each bullet runs after
    reserves the save targets of the final batch (prefill and chunk ends, branch points, in-prefill cuts, decode
    interval).
 2. The forward runs (restore copies, forward, save copies); the cache is not called.
+   With speculative decoding, `Scheduler.update` calls `plan_verified` per verify piece (decode-interval
+   checkpoints at the committed steps; their saves run after the draft head's catch-up).
 3. `Scheduler.commit()`: `commit` (attach newly computed full blocks, publish the reserved checkpoints, unpin the
    restore pins, keep prompt-end logits) -> `plan_replies` (reserve reply checkpoints of the sequences that stopped).
 4. `Scheduler.release()`, once the reply saves are queued (or failed): `publish` (or `discard`) the reply plan ->
@@ -174,6 +176,13 @@ class PrefixCache(ABC):
     @abstractmethod
     def plan_replies(self, seqs: list[SchedulerSequence], plan: CopyPlan) -> None:
         """Reserve reply checkpoints (after every token each sequence consumed) into `plan`."""
+
+    @abstractmethod
+    def plan_verified(self, seq: SchedulerSequence, first: int, last: int, slot_of: Callable[[int], int],
+                      plan: CopyPlan) -> None:
+        """Speculative decoding: a verify piece committed steps (first, last] (`Scheduler.update`, after acceptance).
+        Reserve the decode-interval checkpoints among them into `plan`, saving the state at a step from state row
+        `slot_of(step)` (a spare row cut at that draft position, or the runtime row): only committed steps."""
 
     @abstractmethod
     def publish(self, plan: CopyPlan) -> None:

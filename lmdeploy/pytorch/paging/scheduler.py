@@ -196,11 +196,20 @@ class Scheduler:
                 continue
             update, committed = append_run(row, self.config.session_len)
             self._commit_verified(out, row.seq, drafts, committed)
+            self._plan_verified(out, row.seq, drafts, committed)
             updates.append(update)
         for seq in out.seqs:  # verify pieces without a sampled row (their sampling failed): commit the last token
             if seq.seq_id in verify:
                 self._commit_verified(out, seq, verify[seq.seq_id], 1)
         return updates
+
+    def _plan_verified(self, out: SchedulerOutput, seq: SchedulerSequence, drafts: int, committed: int) -> None:
+        first = seq.num_computed - committed
+        slots = seq.draft_slots
+
+        def slot_of(step: int) -> int:  # the cut after offset o = step - first, or the runtime row after all fed
+            return slots[step - first - 1] if step - first <= drafts else seq.state_slot
+        self.prefix_cache.plan_verified(seq, first, seq.num_computed, slot_of, out.verified)
 
     @staticmethod
     def _commit_verified(out: SchedulerOutput, seq: SchedulerSequence, drafts: int, committed: int) -> None:
@@ -216,6 +225,7 @@ class Scheduler:
         prompt-end logits (`prompt_logits(seq)` gives the last prompt position's logits of a sampled sequence).
         Returns the reply-save plan of the sequences that stopped; queue its copies, then `release` it."""
         self.prefix_cache.commit(out, prompt_logits)
+        self.prefix_cache.publish(out.verified)
         self._drop_block_pins(out)
         return self.stop([(u.seq, u.finish_reason) for u in updates if u.finish_reason is not None])
 
@@ -241,6 +251,7 @@ class Scheduler:
         """The forward failed: drop its reservations and pins (nothing was published) and fail every sequence of
         its batch (status ABORTED, reason 'error'). Returns those sequences."""
         self.prefix_cache.discard(out)
+        self.prefix_cache.discard(out.verified)
         self._drop_block_pins(out)
         failed = [seq for seq in out.seqs + [seq for seq, _ in out.logits_hits] if not seq.is_finished]
         for seq in failed:

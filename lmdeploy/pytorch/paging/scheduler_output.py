@@ -89,6 +89,9 @@ class SchedulerOutput(CopyPlan):
     draft_cuts: list[StateCut] = field(default_factory=list)
     block_pins: list[int] = field(default_factory=list)
     draft_fixups: CopyPairs = field(default_factory=list)
+    # Decode-interval checkpoints at steps a verify piece committed (planned by `update`, saved after the draft
+    # head's catch-up, published by `commit`).
+    verified: CopyPlan = field(default_factory=CopyPlan)
     # Sequences this call could not schedule because scheduling them raised (a fault, not a lack of room): already
     # out of the queues with nothing allocated; the engine fails each with its error and the step goes on.
     rejected: list[tuple[SchedulerSequence, str]] = field(default_factory=list)

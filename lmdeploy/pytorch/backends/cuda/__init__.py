@@ -29,7 +29,7 @@ from ...kernels.cuda.varlen_attention import varlen_attention
 from ...model_inputs import upload_index_tensors
 from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
-from ..default import blocked_fp8_builder, causal_conv1d_builder, gated_delta_rule_builder
+from ..default import blocked_fp8_builder, gated_delta_rule_builder
 from ..default.elementwise import gated_delta_gating as default_gated_delta_gating
 from ..default.moe import softmax_topk as default_softmax_topk
 
@@ -43,10 +43,13 @@ def _const(fn):
 
 
 def _build_attention(**_kwargs):
-    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None):
-        if cos_sin is not None and _FUSED_OPS:  # one launch: the rotated K goes straight into the pool
-            q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping)
+    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None, qk_norm=None):
+        if cos_sin is not None and _FUSED_OPS:  # one launch: q/k norm, rotary, and K / V straight into the pool
+            q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping, qk_norm=qk_norm)
         else:
+            if qk_norm is not None:
+                q = rms_norm(q, qk_norm.q_weight, qk_norm.eps, qk_norm.zero_centered)
+                k = rms_norm(k, qk_norm.k_weight, qk_norm.eps, qk_norm.zero_centered)
             if cos_sin is not None:
                 q, k = apply_rotary(q, k, *cos_sin)
             fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
@@ -126,6 +129,27 @@ def _build_gated_delta_rule(**kwargs):
     return forward
 
 
+def _conv_index(inputs, x: torch.Tensor) -> dict:
+    """The conv kernel's per-forward index tensors (fresh flags as int8, each token's sequence), built once per
+    forward for every gated DeltaNet layer. Under CUDA graph capture they are built inside the graph instead (a
+    memo from an eager warm-up on the same inputs would be replayed stale)."""
+    def build() -> dict:
+        num_tokens = x.shape[0]
+        seq = _conv.seq_of_token_of(inputs.cu_seqlens_q, num_tokens) \
+            if num_tokens != inputs.state_ids.shape[0] else None
+        return {'fresh_i8': inputs.is_fresh.to(device=x.device, dtype=torch.int8), 'seq_of_token': seq}
+    if torch.cuda.is_current_stream_capturing():
+        return build()
+    return inputs.derived(('conv_index', x.device, x.shape[0]), build)
+
+
+def _build_causal_conv1d(**_kwargs):
+    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
+        return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
+                                   inputs.cu_seqlens_q, activation=activation, **_conv_index(inputs, x))
+    return forward
+
+
 def _build_lora(**_kwargs):
     def forward(x, out, lora_a, lora_b, slice_sizes, inputs):
         return sgmv_lora(x, out, lora_a, lora_b, slice_sizes, inputs.lora_ids, inputs.cu_seqlens_q,
@@ -158,7 +182,7 @@ _BUILDERS = {
     OpType.AddRMSNorm: _const(add_rms_norm if _FUSED_OPS else _unfused_add_rms_norm),
     OpType.GatedRMSNorm: _const(gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
-    OpType.CausalConv1d: causal_conv1d_builder(_conv.causal_conv1d),
+    OpType.CausalConv1d: _build_causal_conv1d,
     OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),

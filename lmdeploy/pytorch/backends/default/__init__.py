@@ -24,7 +24,10 @@ def _const(fn):
 
 
 def _build_attention(**_kwargs):
-    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None):
+    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None, qk_norm=None):
+        if qk_norm is not None:
+            q = elementwise.rms_norm(q, qk_norm.q_weight, qk_norm.eps, qk_norm.zero_centered)
+            k = elementwise.rms_norm(k, qk_norm.k_weight, qk_norm.eps, qk_norm.zero_centered)
         if cos_sin is not None:
             q, k = elementwise.apply_rotary(q, k, *cos_sin)
         _attn.fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)

@@ -112,6 +112,12 @@ def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens
              mask=c_mask[:, None] & col_mask[None, :])
 
 
+def seq_of_token_of(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T]: the sequence each packed token belongs to."""
+    return torch.searchsorted(cu_seqlens[1:].contiguous(),
+                              torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype), right=True)
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -121,13 +127,16 @@ def causal_conv1d(
     is_fresh: torch.Tensor,
     cu_seqlens: torch.Tensor,
     activation: str | None = 'silu',
+    fresh_i8: torch.Tensor | None = None,
+    seq_of_token: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv over packed varlen sequences, continuing from a stored input history.
 
     Same contract as `kernels.default.causal_conv1d.causal_conv1d`: x ``[T, C]``; weight ``[C, K]``; bias ``[C]``
     or None; conv_state pool ``[num_slots, C, K-1]`` (any strides); state_ids int64 ``[B]`` (distinct); is_fresh
     bool ``[B]``; cu_seqlens int64 ``[B+1]`` with ``cu_seqlens[-1] == T``. Returns ``[T, C]`` in ``x.dtype`` and
-    updates ``conv_state`` rows in place.
+    updates ``conv_state`` rows in place. ``fresh_i8`` (``is_fresh`` as int8 on x's device) and ``seq_of_token``
+    (`seq_of_token_of(cu_seqlens, T)`) may be given, built once per forward for every layer.
     """
     if activation not in (None, 'silu'):
         raise ValueError(f'unsupported activation: {activation}')
@@ -142,7 +151,7 @@ def causal_conv1d(
         return out
     if x.stride(-1) != 1:
         x = x.contiguous()
-    fresh = is_fresh.to(device=x.device, dtype=torch.int8)
+    fresh = is_fresh.to(device=x.device, dtype=torch.int8) if fresh_i8 is None else fresh_i8
     common = dict(stride_xt=x.stride(0), stride_wc=weight.stride(0), stride_wk=weight.stride(1),
                   stride_s0=conv_state.stride(0), stride_s1=conv_state.stride(1), stride_s2=conv_state.stride(2),
                   stride_ot=out.stride(0), KERNEL=kernel, HAS_BIAS=bias is not None, SILU=activation == 'silu')
@@ -150,9 +159,8 @@ def causal_conv1d(
     is_decode = num_tokens == num_seqs
     if not is_decode and num_tokens > 0:
         block_t, block_c = 16, min(triton.next_power_of_2(channels), 128)
-        seq_of_token = torch.searchsorted(cu_seqlens[1:].contiguous(),
-                                          torch.arange(num_tokens, device=x.device, dtype=cu_seqlens.dtype),
-                                          right=True)
+        if seq_of_token is None:
+            seq_of_token = seq_of_token_of(cu_seqlens, num_tokens)
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
         _conv_tokens_kernel[grid](x, weight, bias_arg, conv_state, out, seq_of_token, cu_seqlens, state_ids, fresh,
                                   num_tokens=num_tokens, channels=channels, BLOCK_T=block_t, BLOCK_C=block_c,

@@ -37,6 +37,34 @@ def _rotated(x_ptr, cos_ptr, sin_ptr, head_dim, ROTARY_DIM: tl.constexpr, BLOCK:
 
 
 @triton.jit
+def _normed_rotated(x_ptr, w_ptr, cos_ptr, sin_ptr, head_dim, eps, ZERO_CENTERED: tl.constexpr,
+                    ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """One head RMS-normalised (float32, scaled by w or 1 + w, rounded to x's dtype as the norm kernel's output
+    is), then rotated: `_rotated` of `rms_norm(x)`. The norm's scale is one scalar per head, so the partner
+    features are normalised on their own load."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    half = ROTARY_DIM // 2
+    is_rot = offs < ROTARY_DIM
+    first = offs < half
+    partner = tl.where(first, offs + half, offs - half)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w_partner = tl.load(w_ptr + partner, mask=is_rot, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+        w_partner = w_partner + 1.0
+    x_partner = tl.load(x_ptr + partner, mask=is_rot, other=0.0).to(tl.float32)
+    x = (x * r * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+    x_partner = (x_partner * r * w_partner).to(x_ptr.dtype.element_ty).to(tl.float32)
+    cos = tl.load(cos_ptr + offs, mask=is_rot, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + offs, mask=is_rot, other=0.0).to(tl.float32)
+    rotated = tl.where(first, -x_partner, x_partner)
+    return tl.where(is_rot, x * cos + rotated * sin, x)
+
+
+@triton.jit
 def _rotate_head(x_ptr, out_ptr, cos_ptr, sin_ptr, head_dim, ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     y = _rotated(x_ptr, cos_ptr, sin_ptr, head_dim, ROTARY_DIM, BLOCK)
@@ -97,17 +125,24 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 @fast_kernel
 @triton.jit
 def _rotary_fill_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
-                        stride_qot, stride_qoh, stride_cp, stride_co, stride_ch, page_size, num_q_heads, head_dim,
+                        qw_ptr, kw_ptr, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                        stride_cos, stride_sin, stride_qot, stride_qoh, stride_cp, stride_co, stride_ch, page_size,
+                        num_q_heads, head_dim, HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                         ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cos_row = cos_ptr + token * stride_cos
     sin_row = sin_ptr + token * stride_sin
     if head < num_q_heads:
-        _rotate_head(q_ptr + token * stride_qt + head * stride_qh,
-                     q_out_ptr + token * stride_qot + head * stride_qoh,
-                     cos_row, sin_row, head_dim, ROTARY_DIM, BLOCK)
+        q_row = q_ptr + token * stride_qt + head * stride_qh
+        if HAS_NORM:
+            offs = tl.arange(0, BLOCK)
+            q = _normed_rotated(q_row, qw_ptr, cos_row, sin_row, head_dim, eps, ZERO_CENTERED, ROTARY_DIM, BLOCK)
+            tl.store(q_out_ptr + token * stride_qot + head * stride_qoh + offs,
+                     q.to(q_out_ptr.dtype.element_ty), mask=offs < head_dim)
+        else:
+            _rotate_head(q_row, q_out_ptr + token * stride_qot + head * stride_qoh, cos_row, sin_row, head_dim,
+                         ROTARY_DIM, BLOCK)
     else:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
@@ -115,8 +150,12 @@ def _rotary_fill_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cach
             offs = tl.arange(0, BLOCK)
             mask = offs < head_dim
             dst = (slot // page_size) * stride_cp + (slot % page_size) * stride_co + kv_head * stride_ch + offs
-            k = _rotated(k_ptr + token * stride_kt + kv_head * stride_kh, cos_row, sin_row, head_dim, ROTARY_DIM,
-                         BLOCK)
+            k_row = k_ptr + token * stride_kt + kv_head * stride_kh
+            if HAS_NORM:
+                k = _normed_rotated(k_row, kw_ptr, cos_row, sin_row, head_dim, eps, ZERO_CENTERED, ROTARY_DIM,
+                                    BLOCK)
+            else:
+                k = _rotated(k_row, cos_row, sin_row, head_dim, ROTARY_DIM, BLOCK)
             k = k.to(k_ptr.dtype.element_ty)
             tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
             v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + offs, mask=mask)
@@ -124,10 +163,12 @@ def _rotary_fill_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cach
 
 
 def rotary_fill_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         qk_norm=None) -> torch.Tensor:
     """`apply_rotary` on q [T, Hq, D] and k [T, Hk, D], then `fill_kv_cache` of the rotated k and of v [T, Hk, D]
     into `k_cache` / `v_cache` ([P, kbs, Hk, D] views of one layout) at `slot_mapping` [T], in one launch.
-    Returns the rotated q (a new contiguous tensor)."""
+    `qk_norm` (`nn.attention.QKNorm`: q and k weights [D], eps, zero_centered) RMS-normalises each q and k head
+    first, as the separate `rms_norm` calls would. Returns the rotated q (a new contiguous tensor)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos.size(-1)
@@ -144,13 +185,20 @@ def rotary_fill_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     if num_tokens == 0:
         return q_out
     q, k, v, cos, sin, slot_mapping = (_unit_last_stride(x) for x in (q, k, v, cos, sin, slot_mapping))
+    if qk_norm is not None:
+        q_w, k_w, eps, zero_centered = qk_norm
+        assert q_w.shape == k_w.shape == (head_dim,), 'q/k norm weights must be [head_dim]'
+        q_w, k_w = q_w.contiguous(), k_w.contiguous()
+    else:
+        q_w = k_w = cos  # never read
+        eps, zero_centered = 0.0, False
     _rotary_fill_kernel[(num_tokens, num_q_heads + num_kv_heads)](
-        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, q_w, k_w, float(eps),
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
         stride_vt=v.stride(0), stride_vh=v.stride(1), stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         stride_qot=q_out.stride(0), stride_qoh=q_out.stride(1), stride_cp=k_cache.stride(0),
         stride_co=k_cache.stride(1), stride_ch=k_cache.stride(2), page_size=k_cache.size(1),
-        num_q_heads=num_q_heads, head_dim=head_dim, ROTARY_DIM=rotary_dim, BLOCK=triton.next_power_of_2(head_dim),
-        num_warps=1 if head_dim <= 256 else 4,
+        num_q_heads=num_q_heads, head_dim=head_dim, HAS_NORM=qk_norm is not None, ZERO_CENTERED=bool(zero_centered),
+        ROTARY_DIM=rotary_dim, BLOCK=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 256 else 4,
     )
     return q_out

@@ -531,6 +531,9 @@ class BlockTrie(PrefixCache):
     def plan_replies(self, seqs: list[SchedulerSequence], plan: CopyPlan) -> None:
         self.policy.plan_replies(seqs, plan)
 
+    def plan_verified(self, seq: SchedulerSequence, first: int, last: int, slot_of, plan: CopyPlan) -> None:
+        self.policy.plan_verified(seq, first, last, slot_of, plan)
+
     def publish(self, plan: CopyPlan) -> None:
         for seq, ck in plan.reserved:
             self.publish_checkpoint(seq, ck)

@@ -144,8 +144,19 @@ class CheckpointPolicy:
         out.reserved.append(ReservedCheckpoint(seq, ck))
         out.state_cuts.append(StateCut(seq, floor, slot))
 
-    def reserve(self, seq: SchedulerSequence, step: int, plan: CopyPlan) -> None:
-        """Reserve a checkpoint of `seq` at `step` with its save copies into `plan`, if wanted and affordable."""
+    def plan_verified(self, seq: SchedulerSequence, first: int, last: int, slot_of, plan: CopyPlan) -> None:
+        """Speculative decoding: the deepest decode-interval step a verify piece committed, (first, last], saved from
+        the state row that holds it (`slot_of(step)`); draft positions past `last` are never checkpointed."""
+        interval = self.decode_state_interval
+        if not self.trie.is_hybrid or not interval:
+            return
+        step = last - last % interval
+        if step > first:
+            self.reserve(seq, step, plan, src_slot=slot_of(step))
+
+    def reserve(self, seq: SchedulerSequence, step: int, plan: CopyPlan, src_slot: int | None = None) -> None:
+        """Reserve a checkpoint of `seq` at `step` with its save copies into `plan`, if wanted and affordable;
+        the state is copied from `src_slot` (default: the runtime row)."""
         trie = self.trie
         if not trie.wants_checkpoint(seq, step):
             return
@@ -163,7 +174,7 @@ class CheckpointPolicy:
             frozen = self.block_manager.allocate(1)[0]
         ck = trie.reserve_checkpoint(seq, step, slot, frozen)
         plan.reserved.append(ReservedCheckpoint(seq, ck))
-        plan.state_saves.append((seq.state_slot, slot))
+        plan.state_saves.append((seq.state_slot if src_slot is None else src_slot, slot))
         if frozen is not None:
             plan.kv_saves.append((seq.block_ids[step // self.block_size], frozen))
 
