@@ -1,7 +1,8 @@
 """Cold TTFT with prefill CUDA graphs against eager prefills, on a real-width hybrid with dummy weights.
 
-A Qwen3-Next-shaped model (the widths of `bench_vs_transformers.py`, `--layers` deep, 3 gated DeltaNet : 1
-attention) is written as a config-only folder and loaded with `load_format='dummy'` (random bf16 weights drawn on
+A Qwen3.5-9B-shaped model (`Qwen3_5TextConfig()`'s widths, dense MLP; `--shape qwen3-next`: the MoE widths of
+`bench_vs_transformers.py`), `--layers` deep, 3 gated DeltaNet : 1 attention, is written as a config-only folder and
+loaded with `load_format='dummy'` (random bf16 weights drawn on
 the device). Two engines in turn, same prompts: graphs (the default: decode graphs and, for every token bucket up
 to 4096, a prefill graph captured at start-up) and `eager_mode=True`. Prefix caching is off, so every prompt is
 a cold prefill of one forward. Per engine it reports:
@@ -12,7 +13,7 @@ a cold prefill of one forward. Per engine it reports:
 Host-bound prefills show as graphs << eager; the first-request column shows whether any request still pays for
 compilation or autotuning (target: within 1.2x of later requests).
 
-    python benchmark/bench_prefill_graphs.py [--layers 24] [--sizes 1024 2048 4096] [--reps 3]
+    python benchmark/bench_prefill_graphs.py [--layers 16] [--shape qwen3.5-9b] [--sizes 1024 2048 4096] [--reps 3]
     python benchmark/bench_prefill_graphs.py --smoke     # tiny float32 model on the CPU, eager: the logic only
 
 Prints one line per measurement, a markdown table and, last, one JSON line.
@@ -34,14 +35,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def write_config(path: str, layers: int, smoke: bool = False) -> None:
+def write_config(path: str, layers: int, shape: str, smoke: bool = False) -> None:
+    """A config-only folder: Qwen3.5-9B-shaped (`Qwen3_5TextConfig()`'s widths, dense MLP) or Qwen3-Next-shaped
+    (the widths of `bench_vs_transformers.py`, MoE), `layers` deep, 3 gated DeltaNet : 1 attention."""
     import transformers as tf
     from bench_vs_transformers import FULL, FULL_CONFIG, LINEAR, SMOKE_CONFIG
-    cfg = dict(SMOKE_CONFIG if smoke else FULL_CONFIG, num_hidden_layers=layers,
-               layer_types=[FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)])
-    tf.Qwen3NextConfig(**cfg, architectures=['Qwen3NextForCausalLM']).save_pretrained(path)
-    tf.GenerationConfig(bos_token_id=cfg['bos_token_id'], eos_token_id=cfg['eos_token_id'],
-                        pad_token_id=cfg['pad_token_id']).save_pretrained(path)
+    layer_types = [FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)]
+    if shape == 'qwen3.5-9b':
+        widths = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, vocab_size=1024) if smoke else {}
+        config = tf.Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=layer_types, **widths)
+        config.architectures = ['Qwen3_5ForCausalLM']
+    else:
+        cfg = dict(SMOKE_CONFIG if smoke else FULL_CONFIG, num_hidden_layers=layers, layer_types=layer_types)
+        config = tf.Qwen3NextConfig(**cfg, architectures=['Qwen3NextForCausalLM'])
+    config.save_pretrained(path)
+    tf.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=1).save_pretrained(path)
 
 
 def sync() -> None:
@@ -70,15 +80,16 @@ def run_engine(args, path: str, eager: bool) -> dict:
                                  cache_max_entry_count=args.cache_max_entry_count, max_batch_size=args.max_batch_size,
                                  max_prefill_token_num=max(args.sizes), session_len=max(args.sizes) + 64,
                                  enable_prefix_caching=False)
+    name = 'eager' if eager else 'graphs'
+    print(f'{name}: building the engine ...', flush=True)
     t = time.perf_counter()
     engine = Engine(path, config)
     sync()
     res = {'startup_s': time.perf_counter() - t}
-    runner = engine.agent.graph_runner
+    runner = getattr(engine.agent, 'graph_runner', None)
     if runner is not None:
         res.update(capture_s=runner.capture_seconds, capture_mib=runner.capture_bytes / 2**20,
                    graphs=len(runner.graphs))
-    name = 'eager' if eager else 'graphs'
     print(f'{name}: start-up {res["startup_s"]:.1f} s ' + (f'(capture {res["capture_s"]:.2f} s, '
           f'{res["capture_mib"]:.0f} MiB, {res["graphs"]} graphs)' if runner is not None else ''), flush=True)
     gen = torch.Generator().manual_seed(0)
@@ -100,7 +111,8 @@ def run_engine(args, path: str, eager: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--layers', type=int, default=24)
+    p.add_argument('--layers', type=int, default=16)
+    p.add_argument('--shape', choices=['qwen3.5-9b', 'qwen3-next'], default='qwen3.5-9b')
     p.add_argument('--sizes', type=int, nargs='+', default=[1024, 2048, 4096])
     p.add_argument('--reps', type=int, default=3)
     p.add_argument('--max-batch-size', type=int, default=16)
@@ -112,10 +124,10 @@ def main() -> None:
         args.modes, args.layers, args.sizes, args.reps = ['eager'], 4, [64, 128], 1
     results = {}
     with tempfile.TemporaryDirectory() as path:
-        write_config(path, args.layers, smoke=args.smoke)
+        write_config(path, args.layers, args.shape, smoke=args.smoke)
         for mode in args.modes:
             results[mode] = run_engine(args, path, eager=mode == 'eager')
-    print(f'\nQwen3-Next-shaped, {args.layers} layers, dummy bf16 weights, prefix caching off; '
+    print(f'\n{args.shape}-shaped, {args.layers} layers, dummy bf16 weights, prefix caching off; '
           f'{torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}')
     print('| prompt tokens | ' + ' | '.join(f'{m} first / later (ms)' for m in args.modes) + ' | eager / graphs |')
     print('|---:|' + '---:|' * (len(args.modes) + 1))
@@ -123,7 +135,8 @@ def main() -> None:
         cells = [f'{results[m][size]["first_ms"]:.1f} / {results[m][size]["ms"]:.1f}' for m in args.modes]
         ratio = results['eager'][size]['ms'] / results['graphs'][size]['ms'] if len(results) == 2 else float('nan')
         print(f'| {size} | ' + ' | '.join(cells) + f' | {ratio:.2f}x |')
-    print(json.dumps({'layers': args.layers, **{m: {str(k): v for k, v in r.items()} for m, r in results.items()}}))
+    per_mode = {m: {str(k): v for k, v in r.items()} for m, r in results.items()}
+    print(json.dumps({'shape': args.shape, 'layers': args.layers, **per_mode}))
 
 
 if __name__ == '__main__':

@@ -35,8 +35,11 @@ Prints progress, the markdown report and, last, one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -229,9 +232,29 @@ class RealDepthBench(Bench):
     cost: ModelCost | None = None
     rates: DeviceRates | None = None
     shape_info: dict
+    argv: list[str]
 
     def render(self) -> str:
         return render_report(self)
+
+    def write_report(self) -> None:
+        super().write_report()
+        if self.args.state_json:  # what the next phase's process starts from
+            state = dict(results=self.results, env=self.env,
+                         rates=None if self.rates is None else dataclasses.asdict(self.rates))
+            with open(self.args.state_json, 'w') as f:
+                json.dump(state, f, default=str)
+
+    def load_state(self, path: str | None = None) -> None:
+        path = path or self.args.state_json
+        if not path or not os.path.isfile(path):
+            return
+        with open(path) as f:
+            state = json.load(f)
+        self.results.update(state['results'])
+        self.env.update({k: v for k, v in state['env'].items() if k != 'command'})
+        if state.get('rates'):
+            self.rates = DeviceRates(**state['rates'])
 
 
 def phase_keys(bench: RealDepthBench, prefix_caching: bool, first: bool) -> list[str]:
@@ -316,8 +339,13 @@ def run_all(bench: RealDepthBench) -> None:
                             layers=config.num_hidden_layers, hidden=config.hidden_size,
                             experts=getattr(config, 'num_experts', 0) or 0, release_experts=release_experts,
                             top_k=getattr(config, 'num_experts_per_tok', 0) or 0, vocab=config.vocab_size)
-    device = torch.device(bench.device)
-    bench.rates = measure_device(device, dtype, *((16, 256, 3) if a.smoke else (2048, 8192, 10)))
+    if a.phase == 'all' and a.isolate:
+        run_isolated(bench)
+        return
+    bench.load_state()
+    if bench.rates is None:
+        device = torch.device(bench.device)
+        bench.rates = measure_device(device, dtype, *((16, 256, 3) if a.smoke else (2048, 8192, 10)))
     bench.log(f'device: copy {bench.rates.copy_bytes_per_s / 1e9:.0f} GB/s, '
               f'matmul {bench.rates.matmul_flops_per_s / 1e12:.1f} TFLOP/s; model {bench.cost.total_params / 1e9:.2f}B')
     bench.write_report()
@@ -336,10 +364,40 @@ def run_all(bench: RealDepthBench) -> None:
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         if 'engine' in a.systems:
-            first = not run_phase(bench, folder, hf, True, True, vocab=config.vocab_size)
-            run_phase(bench, folder, hf, False, first, vocab=config.vocab_size)
+            first = 'engine.startup' not in bench.results
+            if a.phase in ('all', 'on'):
+                first = not run_phase(bench, folder, hf, True, first, vocab=config.vocab_size) and first
+            if a.phase in ('all', 'off'):
+                run_phase(bench, folder, hf, False, first, vocab=config.vocab_size)
     del hf
     bench.free()
+
+
+def run_isolated(bench: RealDepthBench) -> None:
+    """Each engine phase in a process of its own (transformers rebuilt in each: a fraction of a second), so a
+    device fault of one engine cannot take the other's rows with it; the results travel through `--state-json`."""
+    a = bench.args
+    with tempfile.TemporaryDirectory() as tmp:
+        state = os.path.join(tmp, 'state.json')
+        for phase in ('on', 'off'):
+            extra = ['--phase', phase, '--state-json', state]
+            if a.time_budget > 0:
+                left = a.time_budget - (time.perf_counter() - bench.t_start)
+                if left <= 0:
+                    break
+                extra += ['--time-budget', f'{left:.0f}']
+            cmd = [sys.executable, os.path.abspath(__file__), *bench.argv, *extra]
+            bench.log(f'phase {phase}: {" ".join(cmd[1:])}')
+            child = subprocess.Popen(cmd)
+            try:
+                rc = child.wait()
+            finally:
+                if child.poll() is None:  # the parent was interrupted (an outer timeout): take the child with it
+                    child.kill()
+            if rc:
+                bench.log(f'phase {phase} exited with {rc}')
+            bench.load_state(state)
+            bench.write_report()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -374,7 +432,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--max-prefill-token-num', type=int, default=None)
     p.add_argument('--session-len', type=int, default=None)
     p.add_argument('--request-timeout', type=float, default=300.0)
+    p.add_argument('--phase', choices=['all', 'on', 'off'], default='all',
+                   help='which engine runs: prefix caching on, off, or both in turn')
+    p.add_argument('--isolate', action=argparse.BooleanOptionalAction, default=None,
+                   help='run each engine phase in its own process (default: on the GPU, not with --smoke)')
+    p.add_argument('--state-json', default=None, help='(between phase processes) results to start from and update')
     args = p.parse_args(argv)
+    if args.isolate is None:
+        args.isolate = not args.smoke
     if args.smoke:
         defaults = dict(cold_sizes=[64, 160], prefix_sizes=[50, 100], suffix_len=12, decode_batches=[1, 4],
                         decode_prompt_len=32, decode_steps=4, first_request_len=64, cb_requests=10, cb_rate=200.0,
@@ -402,12 +467,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise SystemExit('bench_real_depth needs a CUDA device (or --smoke for the CPU logic check)')
     bench = RealDepthBench(args)
+    bench.argv = list(argv if argv is not None else sys.argv[1:])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # an outer timeout: unwind (and kill a phase child)
     bench.shape_info = {'shape': args.shape}
     bench.env = collect_env(bench)
     bench.env['command'] = ' '.join(['python', 'benchmark/bench_real_depth.py', *(argv if argv is not None
                                                                                   else sys.argv[1:])])
     bench.log('env: ' + ', '.join(f'{k}={v}' for k, v in bench.env.items()))
     run_all(bench)
+    if args.state_json:  # a phase process: the parent prints the merged report
+        bench.write_report()
+        return {'results': bench.results}
     md = render_report(bench)
     print(md)
     bench.write_report()

@@ -7,6 +7,7 @@ the first cold size, "8K" the second, "32K" the last; decode "batch 1" the first
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 from dataclasses import dataclass
 
@@ -86,7 +87,7 @@ def startup_rows(b) -> list[Row]:
     first, later = _v(b.results, 'engine.startup', 'first_ms'), _v(b.results, 'engine.startup', 'later_ms')
     ratio = _div(first, later)
     second = _v(b.results, 'engine_pc_off.startup', 'startup_s')
-    return [Row('engine start-up (s): first engine of the process (second, warm process)',
+    return [Row('engine start-up (s): prefix caching on (off)',
                 f'{_f(r.get("startup_s"))} ({_f(second)})', '', '', '', '', ''),
             Row(f'first request after start-up vs a later one (faster of two), {r.get("prompt_len")}-tok prompt + '
                 f'{r.get("new_tokens")} tok (ms)', f'{_f(first)} / {_f(later)}', '', '', '', '',
@@ -171,6 +172,9 @@ def cb_rows(b) -> list[Row]:
 
 
 def _commit() -> str:
+    """$LMDEPLOY_COMMIT where the runner sets it (a copied checkout's git metadata may be stale), else git."""
+    if os.environ.get('LMDEPLOY_COMMIT'):
+        return os.environ['LMDEPLOY_COMMIT']
     try:
         return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
                               timeout=10).stdout.strip() or 'unknown'
@@ -209,7 +213,7 @@ def header(b) -> list[str]:
 def render_report(b) -> str:
     lines = header(b) + ['', '| row | engine | transformers | floor | floor from | engine vs transformers | '
                          'engine vs floor | target (issue #18) |', '|---|---:|---:|---:|---|---:|---:|---|']
-    rows = startup_rows(b) + suffix_rows(b) + cold_rows(b) + decode_rows(b) + cb_rows(b) if b.cost else []
+    rows = startup_rows(b) + suffix_rows(b) + cold_rows(b) + decode_rows(b) + cb_rows(b) if b.cost and b.rates else []
     for row in rows:
         target = '; '.join(c.verdict() for c in row.checks)
         lines.append(f'| {row.metric} | {row.engine} | {row.hf} | {row.floor} | {row.floor_how} | {row.vs_hf} | '

@@ -20,6 +20,7 @@ MODEL_DIR="${MODEL_DIR:-/tmp/qwen3_5_08b_shape}"
 BUDGET="${BUDGET:-150}"
 REQUESTS="${REQUESTS:-16}"
 MODES="${MODES:-full-lru,aligned}"
+LEVELS="${LEVELS:-100,50,25}"   # pressure levels (percent of each workload's working set)
 WORKLOADS="${WORKLOADS:-shared_system,long_context,repeat,multi_turn,branching,shared_doc}"
 DEVICE="${DEVICE:-cuda}"     # DEVICE=cpu DTYPE=float32: a smoke run of the script without a GPU
 DTYPE="${DTYPE:-bfloat16}"
@@ -42,7 +43,7 @@ PY
 echo "=== model folder ready (t=$((SECONDS - START))s); workloads $WORKLOADS, budget ${BUDGET}s"
 
 args=(--model "$MODEL_DIR" --load-format dummy --device "$DEVICE" --dtype "$DTYPE" --workload "$WORKLOADS" --mode full
-      --requests "$REQUESTS" --max-new-tokens 6 --pressure 100,50,25 --pressure-modes "$MODES" --eager-mode)
+      --requests "$REQUESTS" --max-new-tokens 6 --pressure "$LEVELS" --pressure-modes "$MODES" --eager-mode)
 if [ -n "$OUT" ]; then
     mkdir -p "$OUT"
     args+=(--out "$OUT/pressure")

@@ -4,6 +4,9 @@
 # the time left split evenly over the shapes still to run (a shape that finishes early leaves its time to the next).
 #   OUT=./out TOTAL_BUDGET=360 bash scripts/gpu_bench_real_depth.sh
 #   SHAPES="qwen3.5-9b" TOTAL_BUDGET=240 BENCH_ARGS="--reps 2" bash scripts/gpu_bench_real_depth.sh
+#   SLOTS="200 80 80": seconds per shape in order (capped by what is left), instead of the even split.
+# Each shape's two engine phases (prefix caching on, then off) run in processes of their own (--isolate), so a
+# device fault in one cannot take the other's rows; the report merges both.
 # Results: $OUT/real_depth_<shape>.md (the report, rewritten after every row) and $OUT/real_depth_<shape>.log (the
 # progress log; its last line is the JSON summary); the reports are also printed at the end.
 set -u
@@ -18,11 +21,17 @@ START=$SECONDS
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); $(nvidia-smi --query-gpu=name,memory.total \
     --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
 
+read -r -a slots <<< "${SLOTS:-}"
 set -- $SHAPES
+k=0
 while [ $# -gt 0 ]; do
     shape=$1
     left=$((TOTAL_BUDGET - (SECONDS - START)))
     slot=$((left / $#))
+    if [ -n "${slots[$k]:-}" ] && [ "${slots[$k]}" -lt "$left" ]; then
+        slot=${slots[$k]}
+    fi
+    k=$((k + 1))
     shift
     if [ "$slot" -le "$((MARGIN + 30))" ]; then
         echo "=== $shape: skipped (${left}s of the total budget left)"

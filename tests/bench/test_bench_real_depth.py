@@ -94,3 +94,14 @@ def test_smoke_run_fills_every_row_and_evaluates_every_target(bench, tmp_path):
     met, missed = (int(text.split('targets: ')[1].split(' met, ')[0]),
                    int(text.split(' met, ')[1].split(' missed')[0]))
     assert met + missed == 12
+
+
+def test_isolated_phases_merge_both_engines_rows_into_one_report(bench, tmp_path):
+    out = tmp_path / 'report.md'
+    summary = bench.main(['--smoke', '--isolate', '--rows', 'cold', '--systems', 'engine', '--cold-sizes', '64',
+                          '--reps', '1', '--out', str(out)])
+    results = summary['results']
+    # each phase ran in its own process; the parent holds both engines' rows and the first phase's device rates
+    assert {'engine_pc_on.cold.64', 'engine_pc_off.cold.64'} <= set(results)
+    assert not [k for k, v in results.items() if 'error' in v]
+    assert 'cold TTFT 64 tok, prefix cache on (ms)' in out.read_text() and 'copy ' in out.read_text()

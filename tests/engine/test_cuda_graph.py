@@ -258,7 +258,7 @@ def test_graph_keys():
     from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
     runner = CUDAGraphRunner(None, None, max_batch_size=40, max_pages=6, device=torch.device('cpu'),
                              max_prefill_tokens=300)
-    assert runner.token_buckets == (16, 32, 64, 128, 256, 512)
+    assert runner.token_buckets == (16, 32, 64, 128, 256, 384)
     assert runner.key_of(_decode_inputs(3, 2)) == GraphKey(4, 4, True)
     assert runner.key_of(_decode_inputs(33, 2)) == GraphKey(40, 40, True)
     assert runner.key_of(_decode_inputs(3, 7)) is None            # wider block table than the buffers
@@ -266,8 +266,8 @@ def test_graph_keys():
                                   max_seqlen_q=60)
     assert runner.key_of(prefill) == GraphKey(128, 8, False)       # 3 sequences + pad + one empty
     assert runner.key_of(dataclasses.replace(prefill, input_ids=torch.zeros(300, dtype=torch.int64))) == \
-        GraphKey(512, 8, False)
-    assert runner.key_of(dataclasses.replace(prefill, input_ids=torch.zeros(513, dtype=torch.int64))) is None
+        GraphKey(384, 8, False)
+    assert runner.key_of(dataclasses.replace(prefill, input_ids=torch.zeros(385, dtype=torch.int64))) is None
     mixed = dataclasses.replace(_decode_inputs(39, 2), input_ids=torch.zeros(60, dtype=torch.int64), max_seqlen_q=9)
     assert runner.key_of(mixed) == GraphKey(64, 42, False)         # a full batch: sequence bucket 40 + 2
     small = dataclasses.replace(_decode_inputs(20, 2), input_ids=torch.zeros(30, dtype=torch.int64), max_seqlen_q=9)
@@ -282,10 +282,18 @@ def _reference_prefill_key(tokens, seqs, token_buckets, seq_buckets):
 def test_prefill_buckets_and_keys():
     """Token buckets cover the largest forward (capped at 4096); sequence buckets 4, 8, ... then a full batch plus
     two; every key is the smallest (sequences, then tokens) that fits, as a brute-force search finds it."""
-    from lmdeploy.pytorch.engine.cuda_graph import prefill_key, prefill_seq_buckets, prefill_token_buckets
+    from lmdeploy.pytorch.engine.cuda_graph import (
+        PREFILL_TOKEN_BUCKETS,
+        prefill_key,
+        prefill_seq_buckets,
+        prefill_token_buckets,
+    )
     assert prefill_token_buckets(0) == ()
     assert prefill_token_buckets(56) == (16, 32, 64)
-    assert prefill_token_buckets(4096) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert prefill_token_buckets(4096) == PREFILL_TOKEN_BUCKETS
+    assert prefill_token_buckets(1100)[-3:] == (768, 1024, 1280)
+    for small, large in zip(PREFILL_TOKEN_BUCKETS[4:], PREFILL_TOKEN_BUCKETS[5:]):   # bounded padding past 256
+        assert large <= 1.5 * small and (small < 1024 or large <= 1.25 * small)
     assert prefill_token_buckets(9000)[-1] == 4096
     assert prefill_seq_buckets(1) == (3,) and prefill_seq_buckets(8) == (4, 8, 10)
     assert prefill_seq_buckets(64) == (4, 8, 16, 32, 64, 66)
@@ -334,24 +342,27 @@ def test_prefill_graph_limit_and_failed_keys_run_eagerly():
 
 
 # ------------------------------------------------------------------------------------------ prefill graphs (GPU)
-# A tiny hybrid (3 gated DeltaNet : 1 attention, MoE) with prefills up to 4096 tokens in one forward: graphs (warm
-# start) against eager mode, same weights, prefix caching on. One pair of engines per dtype for the whole module.
-BUCKET_EDGE_LENS = [255, 256, 257, 511, 1023, 1024, 1025, 2047, 2049, 4095, 4096]
+# Tiny hybrids (3 gated DeltaNet : 1 attention; Qwen3.5 with a dense MLP, Qwen3-Next with MoE) with prefills up to
+# 4096 tokens in one forward: graphs (warm start) against eager mode, same weights, prefix caching on. One pair of
+# engines per (arch, dtype) for the whole module.
+BUCKET_EDGE_LENS = [255, 256, 257, 767, 1024, 1025, 1536, 2049, 3583, 4095, 4096]
 
 
-@pytest.fixture(scope='module', params=['bfloat16', 'float16'])
+@pytest.fixture(scope='module', params=[('qwen3_5', 'bfloat16'), ('qwen3_5', 'float16'), ('qwen3_next', 'bfloat16')],
+                ids=lambda p: '-'.join(p))
 def hybrid_pair(request, tiny_model_factory):
     if not torch.cuda.is_available():
         pytest.skip('needs CUDA')
     pytest.importorskip('fla')
-    path = tiny_model_factory('qwen3_next', max_position_embeddings=8192)
-    common = dict(device_type='cuda', dtype=request.param, block_size=16, kernel_block_size=8, num_gpu_blocks=1536,
+    arch, dtype = request.param
+    path = tiny_model_factory(arch, max_position_embeddings=8192)
+    common = dict(device_type='cuda', dtype=dtype, block_size=16, kernel_block_size=8, num_gpu_blocks=1536,
                   max_batch_size=8, max_prefill_token_num=4096, session_len=8192, enable_prefix_caching=True)
     start = time.perf_counter()
     graphs = Engine(path, PytorchEngineConfig(**common))
     startup = time.perf_counter() - start
     eager = Engine(path, PytorchEngineConfig(eager_mode=True, **common))
-    return graphs, eager, request.param, startup
+    return graphs, eager, dtype, startup
 
 
 def _prompts(lens: list[int], seed: int) -> list[list[int]]:
@@ -363,10 +374,10 @@ def _prompts(lens: list[int], seed: int) -> list[list[int]]:
 def test_warm_start_captures_every_prefill_bucket(hybrid_pair):
     """At start-up: decode graphs and one prefill graph per token bucket (one or two sequences), within a start-up
     that stays short for this tiny model."""
-    from lmdeploy.pytorch.engine.cuda_graph import prefill_warm_keys
+    from lmdeploy.pytorch.engine.cuda_graph import PREFILL_TOKEN_BUCKETS, prefill_warm_keys
     graphs, _, _, startup = hybrid_pair
     runner = graphs.agent.graph_runner
-    assert runner.token_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert runner.token_buckets == PREFILL_TOKEN_BUCKETS
     warm = set(prefill_warm_keys(runner.token_buckets, runner.seq_buckets))
     assert warm <= set(runner.graphs) and not runner.failed
     assert runner.static.chunk_indices is not None   # hybrids on fla: the chunked kernel inside the graphs

@@ -13,20 +13,13 @@ import time
 
 import pytest
 import torch
+from tp_models import BLOCK, HYBRID, MODELS
 
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 from lmdeploy.pytorch.nn.parallel import reduction_points
 
-HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=4, num_key_value_heads=2)
-MODELS = {
-    'qwen3_5': ('qwen3_5', HYBRID),
-    'qwen3_next': ('qwen3_next', HYBRID),
-    'qwen3_gqa': ('qwen3', dict(num_attention_heads=6, num_key_value_heads=2)),
-    'qwen3_kv_replicated': ('qwen3', dict(num_attention_heads=4, num_key_value_heads=1)),
-}
-BLOCK = 16
 RTOL, ATOL = 1e-4, 1e-4   # float32 (as against transformers); TP=2 only reorders the row-parallel sums
 
 

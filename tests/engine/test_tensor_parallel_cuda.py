@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from tp_models import BLOCK, HYBRID, MODELS
 
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -22,14 +23,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason='needs two CUDA devices')]
 
-HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=4, num_key_value_heads=2)
-MODELS = {
-    'qwen3_5': ('qwen3_5', HYBRID),
-    'qwen3_next': ('qwen3_next', HYBRID),
-    'qwen3_gqa': ('qwen3', dict(num_attention_heads=6, num_key_value_heads=2)),
-    'qwen3_kv_replicated': ('qwen3', dict(num_attention_heads=4, num_key_value_heads=1)),
-}
-BLOCK = 16
 
 
 def make(path: str, tp: int, dtype: str = 'float32', **overrides) -> Engine:

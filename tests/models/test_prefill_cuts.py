@@ -169,6 +169,10 @@ def test_cuda_backend_routes_the_gated_delta_rule_and_hands_fla_chunk_indices(mo
     assert first[1]['chunk_indices'] is second[1]['chunk_indices']  # built once per forward
     assert [kind for kind, _ in run([1, 1])] == ['recurrent'] * 2
     assert [kind for kind, _ in run([5, 3], use_recurrent_kernel=True)] == ['recurrent'] * 2
+    static = torch.tensor([[0, 0], [1, 0], [2, 0]])   # a CUDA-graph prefill: the runner's static, padded indices
+    graph_calls = run([5, 3, 0], graph_chunk_indices=static)
+    assert [kind for kind, _ in graph_calls] == ['chunk'] * 2
+    assert all(kw['chunk_indices'] is static and kw['cu_seqlens_in_place'] for _, kw in graph_calls)
     before = len(calls)
     run([70], dtype=torch.float32)
     assert len(calls) == before  # the torch kernels ran, not fla

@@ -9,8 +9,8 @@ A graph is keyed by `(tokens, sequences)`:
 - Decode (every sequence feeds one token): a batch of `B` is padded to the smallest capture size `G >= B` (1, 2,
   4, 8, then multiples of 16 up to `max_batch_size`), key `(G, G)`. These are captured at start-up.
 - Prefills and mixed batches (`prefill_key`): `T` tokens of `B` sequences are padded to token bucket `Tg`
-  (16, 32, ..., 4096, up to `max_prefill_tokens`: `prefill_graph_tokens`, 256 by default until the wide buckets
-  have passed on the H200) and sequence bucket `Sg >= B + 2` (4, 8, 16, ..., then
+  (`PREFILL_TOKEN_BUCKETS`: 16, 32, ..., 256, 384, 512, 768, 1024, 1280, ..., 4096, up to `max_prefill_tokens`,
+  see `prefill_graph_tokens`) and sequence bucket `Sg >= B + 2` (4, 8, 16, ..., then
   `max_batch_size + 2`), with `Tg > Sg` (so no prefill shape looks like a decode batch to a kernel that tells
   them apart by `T == B`). The `Tg - T` pad tokens form one extra sequence (index `B`) and the rest are empty
   sequences: the last one is always empty. Larger forwards, in-prefill checkpoints and image tokens run eagerly.
@@ -56,13 +56,18 @@ from ..model_inputs import ModelInputs, StepContext
 
 logger = logging.getLogger('lmdeploy')
 
-PREFILL_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Powers of two up to 256 (forwards there are host-bound whatever their padding), then steps of a quarter or a half
+# octave: a prompt just past an edge pads by at most 50% (256..1024) or 25% (1024..4096), where the device time
+# of the pad tokens starts to count.
+PREFILL_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
 # Sequence counts of the prefill graphs captured at start-up: one or two sequences (a lone prompt, or a prompt
 # beside one decode), i.e. sequence bucket 4. Mixed batches with more decodes capture on first use.
 WARM_PREFILL_SEQS = 2
 MAX_PREFILL_GRAPHS = 48
-# The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise. 256 (the limit before the chunked
-# gated delta rule was capturable) until the wider buckets have passed on the H200; then 4096.
+# The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise. 256 (graphs with the token-by-token
+# gated delta rule): on the H200 (2026-12-01) the 4096-token limit with the chunked rule inside graphs gave illegal
+# memory accesses in FP8 and prefix-cache engine tests, and graph-vs-eager logit mismatches at bucket edges; opt in
+# with LMDEPLOY_PREFILL_GRAPH_TOKENS=4096 LMDEPLOY_GRAPH_GDR=chunked until that is found.
 DEFAULT_PREFILL_GRAPH_TOKENS = 256
 
 

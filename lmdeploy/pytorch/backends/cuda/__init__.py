@@ -89,8 +89,8 @@ def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
     return not is_hybrid or (dtype != torch.float32 and _fla_available())
 
 
-# Until the chunked path inside graphs has passed on the H200, prefill graphs keep the token-by-token kernel unless
-# LMDEPLOY_GRAPH_GDR=chunked; then the default becomes 'chunked'.
+# Prefill graphs run the token-by-token kernel unless LMDEPLOY_GRAPH_GDR=chunked (fla's chunked kernels inside the
+# graphs: opt-in, see DEFAULT_PREFILL_GRAPH_TOKENS in engine/cuda_graph.py for the H200 failures it showed).
 DEFAULT_GRAPH_GDR = 'recurrent'
 
 

@@ -25,7 +25,9 @@ import triton.language as tl
 from .launch import fast_kernel
 from .moe_align import align_pairs, align_pairs_reference
 
-_FUSED_ALIGN = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
+# The Triton alignment is opt-in (LMDEPLOY_MOE_ALIGN=triton) until it has passed on the H200: its first GPU run failed
+# inside a CUDA graph capture of a MoE model (see docs/benchmarks.md).
+_TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'torch') == 'triton'
 
 
 @triton.jit
@@ -120,10 +122,9 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block
 
 
 def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring, in
-    three launches (`moe_align.py`; its `align_pairs_reference` is the torch form, taken under the diagnostic
-    `LMDEPLOY_FUSED_OPS=0` like the `cuda` backend's other unfused sequences)."""
-    if not _FUSED_ALIGN:
+    """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring:
+    `moe_align.py`'s torch form, or its three Triton launches with `LMDEPLOY_MOE_ALIGN=triton`."""
+    if not _TRITON_ALIGN:
         return align_pairs_reference(topk_ids, num_experts, block_m)
     return align_pairs(topk_ids, num_experts, block_m)
 

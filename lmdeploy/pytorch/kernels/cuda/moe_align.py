@@ -26,10 +26,11 @@ _FILL = 1024  # sentinel elements per step of the offsets program
 
 @fast_kernel
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    mask = mask & (expert >= 0) & (expert < num_experts)  # memory safety: an invalid id is never counted
     tl.atomic_add(counts_ptr + expert, 1, mask=mask)
 
 
@@ -57,10 +58,11 @@ def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, 
 
 @fast_kernel
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    mask = mask & (expert >= 0) & (expert < num_experts)
     row = tl.atomic_add(cursor_ptr + expert, 1, mask=mask)
     tl.store(sorted_pairs_ptr + row, offs.to(tl.int64), mask=mask)
 
@@ -81,12 +83,12 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     counts = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)  # [counts, cursors]
     cursor = counts[num_experts:]
     grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
-    _count_kernel[grid](flat, counts, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
+    _count_kernel[grid](flat, counts, num_pairs, num_experts, BLOCK=_PAIRS_PER_PROGRAM)
     block_e = triton.next_power_of_2(num_experts)
     _offsets_kernel[(1,)](counts, cursor, block_expert, sorted_pairs, num_experts, num_pairs, max_blocks,
                           BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(1, _COMPARE_ELEMS // block_e), FILL=_FILL,
                           num_warps=4)
-    _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
+    _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, num_experts, BLOCK=_PAIRS_PER_PROGRAM)
     return sorted_pairs, block_expert
 
 

@@ -30,18 +30,20 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l
     logits = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=-float('inf')).to(tl.float32)
     shifted = tl.exp(logits - tl.max(logits, axis=0))
     probs = shifted / tl.sum(shifted, axis=0)
-    probs = tl.where(mask, probs, -1.0)  # padding never wins
+    # Valid experts are >= -1 (a NaN probability, e.g. from a CUDA graph's garbage padding row, becomes -1, so the
+    # ids stay valid and distinct as torch.topk's do), taken ones -2, padding lanes -3: padding never wins.
+    probs = tl.where(mask, tl.where(probs == probs, probs, -1.0), -3.0)
     ks = tl.arange(0, BLOCK_K)
     top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_i = tl.zeros([BLOCK_K], dtype=tl.int64)
     total = 0.0
     for k in tl.static_range(TOP_K):
         best = tl.max(probs, axis=0)
-        best_id = tl.min(tl.where(probs == best, offs, BLOCK_E), axis=0)
+        best_id = tl.minimum(tl.min(tl.where(probs == best, offs, BLOCK_E), axis=0), num_experts - 1)
         top_w = tl.where(ks == k, best, top_w)
         top_i = tl.where(ks == k, best_id.to(tl.int64), top_i)
         total += best
-        probs = tl.where(offs == best_id, -1.0, probs)
+        probs = tl.where(offs == best_id, -2.0, probs)
     if RENORMALIZE:
         top_w = top_w / total
     kmask = ks < TOP_K

@@ -27,28 +27,15 @@ from . import route_store
 from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
 from .checkpoint_policy import CheckpointPolicy, cap_at_hint
+from .coverage import PromptCoverage
 from .eviction_policy import ReusePolicy
 from .kv_lifecycle import TrieKVLifecycle
 from .miss_tracker import MissTracker
 from .node import Node, NodeStateCheckpoint, tail_hash
-from .prefix_keys import PrefixHasher, common_prefix, equal_tokens, mm_identity_of
+from .prefix_keys import PrefixHasher, equal_tokens, mm_identity_of
 
 # Token bytes compared at once when verifying a run of trie nodes (keeps temporaries small).
 _VERIFY_BYTES = 1 << 14
-
-
-def _common_nodes(a: list[Node], b: list[Node]) -> int:
-    """Leading nodes two root paths share (by identity; shared nodes form a prefix of both)."""
-    lo, hi = 0, min(len(a), len(b))
-    if hi and a[hi - 1] is b[hi - 1]:
-        return hi
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] is b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 __all__ = ['BASE_DESIGN', 'BlockTrie', 'PrefixCacheStats', 'PrefixMatch']
@@ -101,6 +88,7 @@ class BlockTrie(PrefixCache):
         self._junctions: dict[int, int] = {}
         self._clock = 0
         self.policy = CheckpointPolicy(self, block_manager, state_manager, config)
+        self.coverage = PromptCoverage(self)
 
     def tick(self) -> int:
         self._clock += 1
@@ -143,11 +131,12 @@ class BlockTrie(PrefixCache):
             if seq.routed_experts is not None and route_store.routed_depth(path, depth) < depth:
                 routes_limited, depth = depth * bs, route_store.routed_depth(path, depth)
             hit = depth * bs
-        covered, evicted_until = self._coverage(seq, tokens, path)
+        covered, evicted_until = self.coverage.cached(seq, tokens, path)
         junction = 0
         if self.branch_checkpoints and self.is_hybrid:
-            junction = self._junction(seq, max(covered, self._peer_coverage(seq, tokens, path, peers, hit)), hit)
-        miss = self._attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited, routes_limited)
+            peers_covered = self.coverage.in_flight(seq, tokens, path, peers, hit)
+            junction = self.coverage.junction(seq, max(covered, peers_covered), hit)
+        miss = self.coverage.attribute(seq, tokens, path, hit, covered, evicted_until, mm_limited, routes_limited)
         return PrefixMatch(hit, path[:hit // bs], ck, junction, miss)
 
     def _find_checkpoint(self, seq: SchedulerSequence, tokens: np.ndarray, max_step: int
@@ -211,7 +200,7 @@ class BlockTrie(PrefixCache):
                 else:
                     found, lo = node, mid + 1
             if found is not None:
-                path += self._verified_run(seq, tokens, path, found)
+                path += self.verified_run(seq, tokens, path, found)
         parent = path[-1] if path else self.kv.root(seq.adapter_name)
         for i in range(len(path), max_depth):
             parent = self.kv.find_child(parent, tokens[i * bs:(i + 1) * bs], mm_identity_of(seq, i * bs, (i + 1) * bs))
@@ -221,7 +210,7 @@ class BlockTrie(PrefixCache):
         memo.nodes = path
         return path
 
-    def _verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node,
+    def verified_run(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], node: Node,
                       top: Node | None = None) -> list[Node]:
         """The nodes from just below the end of `path` (or below `top`, a root) down to `node` if they hold exactly
         the sequence's blocks there (tokens and multimodal identity), else []."""
@@ -252,93 +241,6 @@ class BlockTrie(PrefixCache):
                                             for i in blocks):
                 return []
         return run
-
-    def _coverage(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node]) -> tuple[int, int]:
-        """(tokens of the prompt present in the trie: matched blocks plus the longest common prefix with a child
-        block or a checkpoint tail of the last matched node; the end of a run of evicted blocks after that)."""
-        bs, base = self.block_size, len(path) * self.block_size
-        parent = path[-1] if path else self.kv.root(seq.adapter_name)
-        covered = base + parent.longest_continuation(tokens[base:base + bs].tobytes())
-        evicted_until = base
-        if covered == base:
-            keys, depth = self.hasher.block_keys(seq), len(path)
-            while depth + 1 < len(keys) and int(keys[depth + 1]) in self.misses.evicted_blocks:
-                depth += 1
-            evicted_until = depth * bs
-        return min(covered, len(tokens)), evicted_until
-
-    def _peer_coverage(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], peers, hit: int) -> int:
-        """The branch point shared with in-flight or queued sequences of the same adapter: among their common
-        prefixes with this prompt deeper than `hit`, the one serving the most tokens (its length times the peers
-        reaching it), the deeper on a tie. A peer holding the whole prompt is left out when the prompt-end
-        checkpoint serves it (it is longer, or identical with kept logits).
-
-        Each common prefix is exact and costs O(1) for a peer sharing too little (one token), else the blocks it
-        shares with the prompt's cached run through its own canonical trie path (node identity, binary search)
-        plus a token comparison of the rest, which is the part not yet in the trie."""
-        n = len(tokens)
-        need = max(hit + 1, min(self.block_size, n))  # a peer counts from this many shared tokens on
-        if need > n:
-            return 0
-        ids, lcps = seq.token_ids, []
-        for peer in peers:
-            other = peer.token_ids
-            if (peer is seq or peer.adapter_name != seq.adapter_name or len(other) < need
-                    or other[need - 1] != ids[need - 1]):
-                continue
-            shared = _common_nodes(path, self._paths.get(peer.seq_id, ())) * self.block_size
-            if shared < min(n, len(other)) and other[shared] != ids[shared]:
-                lcp = shared
-            else:
-                lcp = common_prefix(tokens, peer.token_array(), start=shared)
-            if lcp >= need and not (lcp == n and (self.prompt_logits or peer.num_tokens > lcp)):
-                lcps.append(lcp)
-        lcps.sort(reverse=True)
-        return max(((lcp * (i + 1), lcp) for i, lcp in enumerate(lcps)), default=(0, 0))[1]
-
-    def _junction(self, seq: SchedulerSequence, covered: int, hit: int) -> int:
-        """Where this prompt diverges from cached ones (a branch point to checkpoint), or 0."""
-        junction = min(covered, seq.num_tokens - 1)
-        if not self.exact_steps:
-            junction -= junction % self.block_size
-        while junction > hit:
-            # Every step in (start, junction] of a span containing the junction is inside it: jump to its start.
-            starts = [span.start for span in seq.mm_spans if span.start < junction < span.end]
-            if not starts:
-                break
-            junction = min(starts)
-        return junction if junction > hit else 0
-
-    def _attribute(self, seq: SchedulerSequence, tokens: np.ndarray, path: list[Node], hit: int, covered: int,
-                   evicted_until: int, mm_limited: int, routes_limited: int = 0) -> Counter:
-        bs = self.block_size
-        first, last = hit // bs, min(covered, len(tokens)) // bs
-        gap_anchors = self.hasher.block_keys(seq)[first:min(last, len(path)) + 1].tolist()
-        other = self._other_adapter_coverage(seq, tokens) if len(self.kv.roots) > 1 else 0
-        return self.misses.attribute(len(tokens), hit, covered, evicted_until, mm_limited, gap_anchors, other,
-                                     routes_limited)
-
-    def _other_adapter_coverage(self, seq: SchedulerSequence, tokens: np.ndarray) -> int:
-        """Leading prompt tokens the trie holds under another adapter's root (its cached run of blocks, found by
-        binary search on that adapter's block prefix keys and verified, plus the longest continuation after it):
-        what the `adapter` miss reason counts. Attribution only; a hit never reads another root."""
-        bs, max_depth, best = self.block_size, len(tokens) // self.block_size, 0
-        for adapter, root in self.kv.roots.items():
-            if adapter == seq.adapter_name:
-                continue
-            keys, found, lo, hi = self.hasher.block_keys_under(seq, adapter), root, 1, max_depth
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                node = self.kv.lookup(int(keys[mid]))
-                if node is None or node.depth != mid or node.adapter_name != adapter:
-                    hi = mid - 1
-                else:
-                    found, lo = node, mid + 1
-            if found is not root and not self._verified_run(seq, tokens, [], found, top=root):
-                found = root
-            base = found.depth * bs
-            best = max(best, base + found.longest_continuation(tokens[base:base + bs].tobytes()))
-        return min(best, len(tokens))
 
     def _tail_start(self, step: int) -> int:
         rem = step % self.block_size
@@ -397,6 +299,10 @@ class BlockTrie(PrefixCache):
             self.stats.branch_points += int(match.junction > 0)
             if match.miss:
                 self.stats.miss_reasons.update(match.miss)
+
+    def path_of(self, seq_id: int) -> list[Node]:
+        """The canonical path (trie nodes of its leading full blocks) of an admitted sequence; [] otherwise."""
+        return self._paths.get(seq_id, [])
 
     def on_released(self, seq: SchedulerSequence) -> None:
         self._paths.pop(seq.seq_id, None)
