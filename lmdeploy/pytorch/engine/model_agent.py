@@ -77,7 +77,8 @@ class ModelAgent:
             self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
                                                 device, max_prefill_tokens=prefill_tokens,
                                                 routes_shape=self.routes_shape, has_lora=has_lora,
-                                                chunk_indices=cfg.is_hybrid and graph_gdr_chunked())
+                                                chunk_indices=cfg.is_hybrid and graph_gdr_chunked(),
+                                                kernel_block_size=cache_engine.cache_config.kernel_block_size)
 
     def enable_speculative(self, num_draft_tokens: int) -> None:
         """Verify and draft with the model's MTP head (`forward_verify`, `draft`)."""
