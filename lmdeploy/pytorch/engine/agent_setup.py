@@ -79,7 +79,7 @@ def make_agent_spec(cfg: PytorchEngineConfig, cache_config: CacheConfig, model_c
         cache_config, cfg.device_type, record_routed_experts=cfg.enable_return_routed_experts,
         cuda_graph_batch_size=cfg.max_batch_size if use_graphs else 0,
         max_pages_per_seq=-(-session_len // cache_config.kernel_block_size), has_lora=has_lora,
-        max_prefill_tokens=cfg.max_prefill_token_num,
+        max_prefill_tokens=cfg.max_prefill_token_num, max_batch_size=cfg.max_batch_size,
         vision_cache_bytes=cfg.vision_encoder_cache_mb << 20 if model_config.image_token_id is not None else 0)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -46,6 +47,7 @@ def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
 class Engine:
 
     def __init__(self, model_path: str, engine_config: PytorchEngineConfig | None = None):
+        began = time.perf_counter()
         self.engine_config = engine_config = engine_config or PytorchEngineConfig()
         if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
@@ -65,6 +67,9 @@ class Engine:
             self.close()
             raise
         self._init_step_state()
+        # weights, pools, FP8 tuning, the eager warm-up and the CUDA graphs: what a first request no longer pays
+        self.startup_seconds = time.perf_counter() - began
+        logger.info('engine start-up: %.2f s', self.startup_seconds)
 
     def _build(self, engine_config: PytorchEngineConfig, dtype: str, num_drafts: int) -> None:
         """Model, adapters, pools, scheduler, agent (see `agent_setup` for the order and the TP ranks' part)."""
