@@ -26,9 +26,10 @@ from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
 from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
-from .spec_graphs import HeadGraphs, VerifyGraphRunner
+from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
+from .warm_start import padding_inputs, warm_up_shapes
 
 logger = logging.getLogger('lmdeploy')
 
@@ -52,7 +53,7 @@ class ModelAgent:
     def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
                  cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0, record_routed_experts: bool = False,
                  has_lora: bool = False, vision_cache_bytes: int = 0, max_prefill_tokens: int = 8192,
-                 num_draft_tokens: int = 0):
+                 max_batch_size: int = 1, num_draft_tokens: int = 0):
         """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
         captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence, and prefills /
         mixed batches of up to `max_prefill_tokens` prompt tokens plus a decode batch, within the largest prefill
@@ -74,6 +75,10 @@ class ModelAgent:
         self.streams = DeviceStreams(device)
         self.graph_runner = None
         self.spec: SpeculativeDecoder | None = None
+        # the eager warm-up's bounds: the largest forward the scheduler makes, and the most sequences in one
+        self.max_forward_tokens = max(max_prefill_tokens, max_batch_size)
+        self.max_batch_size = max_batch_size
+        self.has_lora = has_lora
         self.verify_graphs: VerifyGraphRunner | None = None
         self.head_graphs: HeadGraphs | None = None
         if num_draft_tokens:
@@ -89,17 +94,18 @@ class ModelAgent:
             self.graph_runner = CUDAGraphRunner(target, self._context, cuda_graph_batch_size, max_pages_per_seq,
                                                 device, max_prefill_tokens=prefill_tokens,
                                                 routes_shape=self.routes_shape, has_lora=has_lora,
-                                                chunk_indices=cfg.is_hybrid and graph_gdr_chunked())
+                                                chunk_indices=cfg.is_hybrid and graph_gdr_chunked(),
+                                                kernel_block_size=cache_engine.cache_config.kernel_block_size)
             if num_draft_tokens:
-                self.verify_graphs = VerifyGraphRunner(model.pre_norm_hidden, self._context, cuda_graph_batch_size,
-                                                       max_pages_per_seq, num_draft_tokens, device, has_lora=has_lora)
-                self.head_graphs = HeadGraphs(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
-                                              num_draft_tokens, cfg.hidden_size, getattr(torch, cfg.dtype), device)
+                self.verify_graphs, self.head_graphs = build_spec_graphs(
+                    model, self._context, cache_engine, cuda_graph_batch_size, max_pages_per_seq, num_draft_tokens,
+                    device, has_lora)
 
     def enable_speculative(self, num_draft_tokens: int) -> None:
-        """Verify and draft with the model's MTP head (`forward_verify`, `draft`), eagerly (graphs need
-        `num_draft_tokens` at construction)."""
-        self.spec = SpeculativeDecoder(self.model, self.cache_engine, self._sample, num_draft_tokens)
+        """Verify and draft with the model's MTP head (`forward_verify`, `draft`); graphs of the speculative steps
+        need `num_draft_tokens` at construction. Idempotent for the same K."""
+        if self.spec is None or self.spec.k != num_draft_tokens:
+            self.spec = SpeculativeDecoder(self.model, self.cache_engine, self._sample, num_draft_tokens)
 
     def _target_hidden(self, inputs: ModelInputs) -> torch.Tensor:
         """The target's pre-norm hidden states of a speculative step: a verify graph for a uniform verify
@@ -204,7 +210,11 @@ class ModelAgent:
                     time.perf_counter() - began)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs of every padded batch size now (no-op without graphs)."""
+        """Warm start (CUDA): the eager warm-up (`warm_start.py`), then the graphs of every decode size and prefill
+        warm key (`CUDAGraphRunner.capture_all`); no-op on the CPU."""
+        if self.device.type != 'cuda':
+            return
+        self.warm_up_eager()
         if self.graph_runner is not None:
             with self.streams.forward():
                 self.graph_runner.capture_all()
@@ -212,6 +222,24 @@ class ModelAgent:
                     self.verify_graphs.capture_all()
                     self.head_graphs.capture_all()
             torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def warm_up_eager(self) -> float:
+        """Run the eager warm-up forwards (`warm_start.warm_up_shapes`) on all-padding inputs; returns seconds."""
+        began = time.perf_counter()
+        shapes = warm_up_shapes(self.max_forward_tokens, self.max_batch_size)
+        kbs = self.cache_engine.cache_config.kernel_block_size
+        for q_lens in shapes:
+            (inputs,) = self.streams.to_device(padding_inputs(q_lens, kbs, has_lora=self.has_lora))
+            with self.streams.forward():
+                hidden = self.model(self._context(inputs))
+                self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - began
+        logger.info('eager warm-up: %d forwards (up to %d tokens, %d sequences) in %.2f s', len(shapes),
+                    self.max_forward_tokens, self.max_batch_size, seconds)
+        return seconds
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, sampling: SamplingInputs,

@@ -50,17 +50,29 @@ def capture_graph(fn: Callable[[], torch.Tensor], pool, device: torch.device) ->
     return graph, out
 
 
+def build_spec_graphs(model, make_context, cache_engine, max_batch_size: int, max_pages: int, num_draft_tokens: int,
+                      device: torch.device, has_lora: bool) -> tuple[VerifyGraphRunner, HeadGraphs]:
+    """The verify and head graph runners of a speculative engine (captured by `capture_all`)."""
+    cfg, kbs = cache_engine.model_config, cache_engine.cache_config.kernel_block_size
+    verify = VerifyGraphRunner(model.pre_norm_hidden, make_context, max_batch_size, max_pages, num_draft_tokens,
+                               device, has_lora=has_lora, kernel_block_size=kbs)
+    head = HeadGraphs(model, make_context, max_batch_size, max_pages, num_draft_tokens, cfg.hidden_size,
+                      getattr(torch, cfg.dtype), device, kernel_block_size=kbs)
+    return verify, head
+
+
 class VerifyGraphRunner:
     """Replays uniform verify forwards (see the module docstring); `size_of(inputs)` says whether one fits."""
 
     def __init__(self, forward_pre: Callable[[StepContext], torch.Tensor],
                  make_context: Callable[[ModelInputs], StepContext], max_batch_size: int, max_pages: int,
-                 num_draft_tokens: int, device: torch.device, has_lora: bool = False):
+                 num_draft_tokens: int, device: torch.device, has_lora: bool = False, kernel_block_size: int = 1):
         self.forward_pre, self.make_context = forward_pre, make_context
         self.k, self.rows = num_draft_tokens, num_draft_tokens + 1
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size, self.max_pages, self.device = max_batch_size, max_pages, device
-        self.static = _StaticInputs(max_batch_size * self.rows, max_batch_size, max_pages, device, has_lora=has_lora)
+        self.static = _StaticInputs(max_batch_size * self.rows, max_batch_size, max_pages, device, has_lora=has_lora,
+                                    kernel_block_size=kernel_block_size)
         self.draft_slots = torch.zeros(max_batch_size, self.k, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -108,6 +120,7 @@ class VerifyGraphRunner:
             s.state_ids[b:size].zero_()
             s.is_fresh[b:size].fill_(True)
             s.lora_ids[b:size].zero_()
+            s.block_tables[b:size].zero_()  # pad rows read their K + 1 keys from page 0
             self.draft_slots[b:size].zero_()
 
     def run(self, inputs: ModelInputs, size: int) -> torch.Tensor:
@@ -146,11 +159,12 @@ class HeadGraphs:
 
     def __init__(self, model, make_context: Callable[[ModelInputs, torch.Tensor | None], StepContext],
                  max_batch_size: int, max_pages: int, num_draft_tokens: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, kernel_block_size: int = 1):
         self.model = model
         # the catch-up feeds up to K + 1 committed positions per sequence, plus the position before a cache hit
         self.runner = CUDAGraphRunner(self._forward, make_context, max_batch_size, max_pages, device,
-                                      max_prefill_tokens=max_batch_size * (num_draft_tokens + 2))
+                                      max_prefill_tokens=max_batch_size * (num_draft_tokens + 2),
+                                      kernel_block_size=kernel_block_size)
         self.prev = torch.zeros(self.runner.static.input_ids.numel(), hidden_size, dtype=dtype, device=device)
 
     def _forward(self, ctx: StepContext) -> torch.Tensor:
