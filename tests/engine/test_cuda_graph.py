@@ -430,14 +430,21 @@ def test_warm_start_captures_every_prefill_bucket(hybrid_pair):
     assert 0 < runner.capture_seconds < startup < 300
 
 
+def _rms(x: torch.Tensor) -> float:
+    return x.float().pow(2).mean().sqrt().item()
+
+
 @pytest.mark.gpu
 def test_prefills_at_bucket_edges_replay_warm_graphs_like_eager(hybrid_pair, float32_truth):
     """Lone prompts just below, at and above each bucket edge up to 4096 tokens: every prefill replays a graph
-    captured at start-up (no capture on the request path). A prompt that fills its bucket runs the very kernels on
-    the very shapes eager mode runs (no pad token), so its logits equal eager's to within 1e-2; a padded one runs
-    GEMMs of another row count, whose bf16 / fp16 rounding differs, so over thousands of positions its logits may
-    differ from eager's by more than a fixed tolerance: they must be no further from the float32 run than eager's
-    are (2x margin). A replay bug (wrong state, KV or chunk indices) is far off both."""
+    captured at start-up (no capture on the request path).
+
+    A prompt that fills its bucket runs the very kernels on the very shapes eager mode runs (no pad token), so its
+    logits and tokens equal eager's (1e-2). A padded one runs GEMMs and MoE tiles of other row counts, whose bf16 /
+    fp16 rounding differs; in the tiny MoE model that flips router near-ties at a few positions (whole rows of
+    logits then differ by ~1, as between any two segmentations; see test_cuda_engine). So there: at most 1% of
+    the prompt positions may differ from eager by more than 0.1, and the logits must be no further (RMS) from the
+    float32 run than eager's are (2x margin). A replay bug (wrong state, KV or chunk indices) breaks every one."""
     graphs, eager, dtype, _, _ = hybrid_pair
     runner = graphs.agent.graph_runner
     captured, replays = set(runner.graphs), runner.num_prefill_replays
@@ -445,17 +452,18 @@ def test_prefills_at_bucket_edges_replay_warm_graphs_like_eager(hybrid_pair, flo
     for i, prompt in enumerate(_prompts(BUCKET_EDGE_LENS, seed=11)):
         got = _generate(graphs, [prompt], max_new_tokens=4)
         ref = _generate(eager, [prompt], max_new_tokens=4)
-        truth = _generate(float32_truth, [prompt], max_new_tokens=1)[0][1].float()
-        n = len(prompt)   # prompt positions: teacher-forced, the same inputs in every run
-        got_err = (got[0][1][:n].float() - truth[:n]).abs().max().item()
-        eager_err = (ref[0][1][:n].float() - truth[:n]).abs().max().item()
-        vs_eager = (got[0][1][:n].float() - ref[0][1][:n].float()).abs().max().item()
-        report[n] = f'graph-eager {vs_eager:.3g}, graph-fp32 {got_err:.3g}, eager-fp32 {eager_err:.3g}'
+        n = len(prompt)
         assert runner.num_prefill_replays == replays + i + 1, f'prompt of {n} tokens ran eagerly'
         if n in runner.token_buckets:
-            assert vs_eager < 1e-2, f'{n} tokens (no padding): {report[n]}'
-        assert got_err <= 2 * eager_err + 1e-2, f'{n} tokens: {report[n]}; all: {report}'
-        _assert_same_greedy_path(got, ref, tol=max(0.1, 2 * eager_err), min_equal=3)
+            _assert_same_greedy_path(got, ref, tol=1e-2, min_equal=4)
+            continue
+        truth = _generate(float32_truth, [prompt], max_new_tokens=1)[0][1][:n].float()
+        graph_rows, eager_rows = got[0][1][:n].float(), ref[0][1][:n].float()   # teacher-forced prompt positions
+        far = ((graph_rows - eager_rows).abs().amax(dim=-1) > 0.1).sum().item()
+        graph_rms, eager_rms = _rms(graph_rows - truth), _rms(eager_rows - truth)
+        report[n] = f'{far} positions > 0.1 from eager; RMS vs fp32 graph {graph_rms:.3g}, eager {eager_rms:.3g}'
+        assert far <= max(2, n // 100), f'{n} tokens: {report[n]}'
+        assert graph_rms <= 2 * eager_rms + 1e-3, f'{n} tokens: {report[n]}'
     print(f'{dtype} bucket edges: {report}')
     assert set(runner.graphs) == captured
 
@@ -504,8 +512,8 @@ def test_prefix_hit_with_unaligned_restore_replays_like_eager(hybrid_pair):
 @pytest.mark.gpu
 def test_state_after_a_graph_prefill_equals_eager(hybrid_pair):
     """One packed prefill of three fresh sequences through `ModelAgent.forward_logits`: the graph engine runs it
-    twice (first use: eager through the static buffers, then capture; second: replay) and leaves the same logits
-    and the same recurrent and conv state in the sequences' pool rows as the eager engine."""
+    twice (on first use of its key: eager through the static buffers, then capture; then replay) and leaves the
+    same logits and the same recurrent and conv state in the sequences' pool rows as the eager engine."""
     from lmdeploy.pytorch.messages import SchedulerSequence
     graphs, eager, dtype, _, _ = hybrid_pair
     results = []
@@ -518,11 +526,14 @@ def test_state_after_a_graph_prefill_equals_eager(hybrid_pair):
         sched = engine.scheduler.schedule()
         assert sched.num_new_tokens == [len(p) for p in prompts]
         inputs, _ = engine.inputs_maker.make(sched)
-        replays = engine.agent.graph_runner.num_prefill_replays if engine.agent.graph_runner else 0
+        runner = engine.agent.graph_runner
+        replays = runner.num_prefill_replays if runner else 0
+        # an earlier test of the module may have captured this key already: then both runs replay
+        first_use = runner is not None and runner.key_of(inputs) not in runner.graphs
         for _ in range(runs):
             logits, _ = engine.agent.forward_logits(inputs)
         if runs == 2:
-            assert engine.agent.graph_runner.num_prefill_replays == replays + 1
+            assert runner.num_prefill_replays == replays + runs - first_use
         rows = inputs.state_ids.tolist()
         states = [{name: pool[rows].float().cpu() for name, pool in layer.items()}
                   for layer in engine.cache_engine.state_caches]

@@ -28,6 +28,7 @@ from .device_streams import DeviceStreams
 from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
+from .warm_start import padding_inputs, warm_up_shapes
 
 logger = logging.getLogger('lmdeploy')
 
@@ -50,7 +51,8 @@ class ModelAgent:
 
     def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
                  cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0, record_routed_experts: bool = False,
-                 has_lora: bool = False, vision_cache_bytes: int = 0, max_prefill_tokens: int = 8192):
+                 has_lora: bool = False, vision_cache_bytes: int = 0, max_prefill_tokens: int = 8192,
+                 max_batch_size: int = 1):
         """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
         captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence, and prefills /
         mixed batches of up to `max_prefill_tokens` prompt tokens plus a decode batch, within the largest prefill
@@ -69,6 +71,10 @@ class ModelAgent:
         self.streams = DeviceStreams(device)
         self.graph_runner = None
         self.spec: SpeculativeDecoder | None = None
+        # the eager warm-up's bounds: the largest forward the scheduler makes, and the most sequences in one
+        self.max_forward_tokens = max(max_prefill_tokens, max_batch_size)
+        self.max_batch_size = max_batch_size
+        self.has_lora = has_lora
         if cuda_graph_batch_size > 0 and device.type == 'cuda':
             from ..backends.cuda import graph_gdr_chunked, prefill_graphs_supported
             cfg = cache_engine.model_config
@@ -167,11 +173,33 @@ class ModelAgent:
                     time.perf_counter() - began)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs of every padded batch size now (no-op without graphs)."""
+        """Warm start (CUDA): the eager warm-up (`warm_start.py`), then the graphs of every decode size and prefill
+        warm key (`CUDAGraphRunner.capture_all`); no-op on the CPU."""
+        if self.device.type != 'cuda':
+            return
+        self.warm_up_eager()
         if self.graph_runner is not None:
             with self.streams.forward():
                 self.graph_runner.capture_all()
             torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def warm_up_eager(self) -> float:
+        """Run the eager warm-up forwards (`warm_start.warm_up_shapes`) on all-padding inputs; returns seconds."""
+        began = time.perf_counter()
+        shapes = warm_up_shapes(self.max_forward_tokens, self.max_batch_size)
+        kbs = self.cache_engine.cache_config.kernel_block_size
+        for q_lens in shapes:
+            (inputs,) = self.streams.to_device(padding_inputs(q_lens, kbs, has_lora=self.has_lora))
+            with self.streams.forward():
+                hidden = self.model(self._context(inputs))
+                self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - began
+        logger.info('eager warm-up: %d forwards (up to %d tokens, %d sequences) in %.2f s', len(shapes),
+                    self.max_forward_tokens, self.max_batch_size, seconds)
+        return seconds
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, sampling: SamplingInputs,
