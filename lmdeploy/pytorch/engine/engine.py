@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -19,26 +20,22 @@ import torch
 from ...messages import PytorchEngineConfig, UnknownAdapterError
 from ..config import SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
-from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..models.model_source import resolve_model_path
 from ..models.tp_geometry import check_tp_supported
-from ..models.tp_load import build_rank_model
-from ..nn.parallel import attach_tp_group
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
-from .agent_spec import AgentSpec, build_agent
+from .agent_setup import build_engine_agent, free_memory, load_model, make_agent_spec, rank0_device, start_workers
 from .async_scheduling import LaunchedStep, build_feed, is_deferrable, needs_host_tokens
-from .cache_sizing import free_memory_bytes, make_cache_config, session_len
+from .cache_sizing import make_cache_config, session_len
 from .engine_stats import EngineStats
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
 from .request import EngineOutput, OutputCallback
 from .routes_recorder import RoutesRecorder
+from .spec_setup import build_speculative, num_draft_tokens
 from .spec_step import SpecForwardResult, SpeculativeStep
-from .tp_agent import TPModelAgent
-from .tp_worker import WorkerSpec
-from .tp_workers import TensorParallelFailure, TPWorkers
+from .tp_workers import TensorParallelFailure
 
 logger = logging.getLogger('lmdeploy')
 
@@ -52,79 +49,65 @@ def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
 class Engine:
 
     def __init__(self, model_path: str, engine_config: PytorchEngineConfig | None = None):
+        began = time.perf_counter()
         self.engine_config = engine_config = engine_config or PytorchEngineConfig()
         if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
-        self.device = torch.device(engine_config.device_type)
         # a local folder, or a hub id resolved through huggingface_hub (`ModelNotFoundError`: one line to print)
         self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
                                              with_weights=engine_config.load_format != 'dummy')
-        speculative = engine_config.speculative_config
         check_tp_supported(self.model_path, engine_config.tp, adapters=bool(engine_config.adapters),
-                           speculative=speculative is not None)  # before any weight is read
+                           speculative=engine_config.speculative_config is not None)  # before any weight is read
+        num_drafts = num_draft_tokens(engine_config)
         dtype = resolve_dtype(engine_config)
         # Tensor parallelism: ranks 1..tp-1 are worker processes (`tp_workers.py`); this process is rank 0.
-        self.tp_workers = self._start_workers(dtype) if engine_config.tp > 1 else None
+        self.tp_workers = start_workers(engine_config, self.model_path, dtype)
+        self.device = rank0_device(engine_config, self.tp_workers)
         try:
-            self._build(engine_config, dtype, speculative)
+            self._build(engine_config, dtype, num_drafts)
         except BaseException:
             self.close()
             raise
+        self._init_step_state()
+        # weights, pools, FP8 tuning, the eager warm-up and the CUDA graphs: what a first request no longer pays
+        self.startup_seconds = time.perf_counter() - began
+        logger.info('engine start-up: %.2f s', self.startup_seconds)
 
-    def _build(self, engine_config: PytorchEngineConfig, dtype: str, speculative) -> None:
-        self.model, self.model_config = self._build_model(dtype)
-        num_draft_tokens = speculative.num_speculative_tokens if speculative is not None else 0
-        if speculative is not None and engine_config.enable_return_routed_experts:
-            raise ValueError('speculative decoding and enable_return_routed_experts cannot be combined yet (a verify '
-                             'forward also routes draft tokens that may be rejected)')
+    def _build(self, engine_config: PytorchEngineConfig, dtype: str, num_drafts: int) -> None:
+        """Model, adapters, pools, scheduler, agent (see `agent_setup` for the order and the TP ranks' part)."""
+        self.model, self.model_config = load_model(engine_config, self.model_path, self.device, dtype,
+                                                   self.tp_workers)
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
             engine_config.max_lora_rank)
-        free = None if engine_config.num_gpu_blocks else free_memory_bytes(self.device)
-        if self.tp_workers is not None:  # every rank reports; the pools are sized by the least free memory
-            least = self.tp_workers.finish_start(free or 0)
-            free = None if free is None else least
-        self.cache_config = make_cache_config(self.model_config, engine_config, free)
+        self.cache_config = make_cache_config(self.model_config, engine_config,
+                                              free_memory(engine_config, self.device, self.tp_workers))
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
             session_len=session_len(self.model_config, self.cache_config, engine_config.session_len))
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid,
-                                   num_draft_tokens=num_draft_tokens)
-        # Speculative steps run eagerly: the verify forward keeps pre-norm hidden states and cuts states per draft.
-        use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode and not num_draft_tokens
-        kbs = self.cache_config.kernel_block_size
+                                   num_draft_tokens=num_drafts)
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
-        agent_spec = AgentSpec(
-            self.cache_config, engine_config.device_type,
-            record_routed_experts=engine_config.enable_return_routed_experts,
-            cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
-            max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
-            max_prefill_tokens=engine_config.max_prefill_token_num,
-            vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
-            if self.model_config.image_token_id is not None else 0)
-        self.cache_engine, self.agent = build_agent(self.model, self.model_config, agent_spec, self.device)
-        # before the graphs, so they capture tuned tiles; the largest forward is a prefill chunk or a decode batch
-        # (tp > 1 loads FP8 dequantized: the workers have no FP8 GEMM to tune)
-        self.agent.tune_kernels(max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
+        agent_spec = make_agent_spec(engine_config, self.cache_config, self.model_config, self.session_len,
+                                     has_lora=bool(self.adapters))
         self.wakeup = threading.Event()
-        if self.tp_workers is not None:
-            self.tp_workers.setup(agent_spec)
-            self.tp_workers.on_failure = self.wakeup.set
-            self.agent = TPModelAgent(self.agent, self.tp_workers)
-        self.agent.capture_cuda_graphs()
+        # the largest forward is a prefill chunk or a decode batch
+        self.cache_engine, self.agent = build_engine_agent(
+            self.model, self.model_config, agent_spec, self.device, self.tp_workers, on_failure=self.wakeup.set,
+            max_tokens=max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
                                         self.cache_config.kernel_block_size,
                                         lora_slots={a.identity: a.slot for a in self.adapters.values()})
-        self.speculative: SpeculativeStep | None = None
-        if num_draft_tokens:
-            self.agent.enable_speculative(num_draft_tokens)
-            self.speculative = SpeculativeStep(self.agent, self.inputs_maker, num_draft_tokens, self.session_len)
+        self.speculative: SpeculativeStep | None = build_speculative(self.agent, self.inputs_maker, num_drafts,
+                                                                     self.session_len)
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
                     self.cache_config.num_blocks, self.cache_config.block_size,
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
                     self.cache_engine.state_pool_bytes / 2**20)
+
+    def _init_step_state(self) -> None:
         self._lock = threading.Lock()
         # Held for a whole step, so a check from another thread (`check_integrity` in tests) runs between steps.
         self._step_lock = threading.RLock()
@@ -142,30 +125,13 @@ class Engine:
         self._fatal: str | None = None
         self.last_step_idle = False
         # Async scheduling: the launched forward whose tokens are not settled yet (None: nothing in flight).
-        self.async_scheduling = engine_config.async_scheduling if engine_config.async_scheduling is not None else (
-            engine_config.device_type == 'cuda' and engine_config.tp == 1 and speculative is None
-            and not engine_config.prefix_cache_decode_state_interval)
+        cfg = self.engine_config
+        self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None else (
+            cfg.device_type == 'cuda' and cfg.tp == 1 and cfg.speculative_config is None
+            and not cfg.prefix_cache_decode_state_interval)
         self._inflight: LaunchedStep | None = None
         self.num_overlapped_steps = 0  # steps launched while another was in flight
         self._snapshot = self._make_stats(0)
-
-    def _start_workers(self, dtype: str) -> TPWorkers:
-        cfg = self.engine_config
-        spec = WorkerSpec(self.model_path, dtype, cfg.state_dtype, cfg.load_format)
-        workers = TPWorkers.start(cfg.tp, cfg.device_type, spec)
-        if cfg.device_type == 'cuda':
-            self.device = torch.device('cuda', 0)
-        return workers
-
-    def _build_model(self, dtype: str):
-        cfg = self.engine_config
-        if self.tp_workers is None:
-            return build_model(self.model_path, self.device, dtype, cfg.device_type, cfg.state_dtype,
-                               load_format=cfg.load_format, mtp=cfg.speculative_config is not None)
-        model, model_config = build_rank_model(self.model_path, self.device, dtype, cfg.device_type, cfg.tp, 0,
-                                               cfg.state_dtype, cfg.load_format)
-        attach_tp_group(model, self.tp_workers.group)
-        return model, model_config
 
     def close(self) -> None:
         """Stop and join the tensor-parallel workers (nothing to do at tp=1); idempotent."""
