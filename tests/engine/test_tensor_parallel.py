@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -155,6 +156,39 @@ def test_a_killed_worker_fails_every_request_clearly_and_stops_the_engine(tiny_m
     assert worker.exitcode == -signal.SIGKILL
     import torch.distributed as dist
     assert not dist.is_initialized(), 'the broken group was not left: no later TP engine could start here'
+
+
+def test_a_dead_worker_reads_the_same_exit_code_from_every_thread(monkeypatch):
+    """The monitor thread and a failed step describe a dead worker at the same time (the race behind a killed-worker
+    failure reading 'exited with code None'): the reaping is serialized, so both read its exit code. A `waitpid`
+    that stalls after reaping, as a descheduled thread does under load, makes the race certain here."""
+    from multiprocessing.connection import wait
+
+    from lmdeploy.pytorch.engine.tp_workers import _Worker
+    ctx = multiprocessing.get_context('fork')
+    process = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    process.start()
+    reports, _ = ctx.Pipe(duplex=False)
+    worker = _Worker(1, process, None, reports)
+    os.kill(process.pid, signal.SIGKILL)
+    wait([process.sentinel])
+    real_waitpid = os.waitpid
+
+    def stalling_waitpid(pid, options):
+        result = real_waitpid(pid, options)
+        if result[0] == pid:
+            time.sleep(0.3)   # reaped, exit code not yet stored on the `Process`
+        return result
+    monkeypatch.setattr(os, 'waitpid', stalling_waitpid)
+    descriptions = []
+    threads = [threading.Thread(target=lambda: descriptions.append(worker.describe_exit())) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for thread in threads:
+        thread.join()
+    want = f'tensor-parallel worker rank 1 (pid {process.pid}) exited with code -9'
+    assert descriptions == [want, want]
 
 
 def test_ctrl_c_reaching_the_workers_does_not_stop_the_engine(tiny_model_factory, no_leftover_workers):
