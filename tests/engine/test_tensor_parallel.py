@@ -221,13 +221,37 @@ def test_a_worker_dying_while_idle_stops_the_loop_and_refuses_new_requests(tiny_
         loop.close()
 
 
-def test_tp1_starts_no_process_and_attaches_no_group(tiny_model_factory):
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5'])
+def test_tp1_is_the_single_device_path_no_worker_no_group_no_collective(tiny_model_factory, monkeypatch, arch):
+    """TP=1 runs the code it ran before tensor parallelism existed, so its decode and prefill numbers are the plain
+    path's: building and serving (chunked prefill, decode, a prefix hit) never reach a TP entry point (each refuses
+    here), no process starts, no process group exists, and every reduction point is an identity."""
+    import torch.distributed as dist
+
+    from lmdeploy.pytorch.engine import agent_setup, tp_dist
+    from lmdeploy.pytorch.engine.model_agent import ModelAgent
+
+    def refuse(name: str):
+        def called(*args, **kwargs):
+            raise AssertionError(f'tp=1 reached {name}')
+        return called
+    for owner, name in ((agent_setup.TPWorkers, 'start'), (agent_setup, 'build_rank_model'),
+                        (agent_setup, 'attach_tp_group'), (agent_setup, 'TPModelAgent'), (tp_dist, 'init_rank'),
+                        (dist, 'init_process_group'), (dist, 'all_reduce')):
+        monkeypatch.setattr(owner, name, refuse(name))
     before = set(multiprocessing.active_children())
-    engine = make(tiny_model_factory('qwen3'), 1)
+    engine = make(tiny_model_factory(arch, **HYBRID if arch == 'qwen3_5' else {}), 1, enable_prefix_caching=True)
+    prompt = prompts_of(7, lengths=(45,))[0]
+    (tokens, logits), = run(engine, [prompt])
+    (hit_tokens, _), = run(engine, [prompt + tokens])
+    engine.check_integrity()
+    assert len(tokens) == 4 and len(hit_tokens) == 4 and logits.shape[0] == 45 + 3
+    assert engine.stats_snapshot.prefix_cache.hit_tokens >= BLOCK
     assert engine.tp_workers is None and set(multiprocessing.active_children()) == before
+    assert not dist.is_initialized()
     reductions = reduction_points(engine.model)
     assert reductions and all(m.group is None for m in reductions)
-    assert type(engine.agent).__name__ == 'ModelAgent'
+    assert type(engine.agent) is ModelAgent
 
 
 def test_pipeline_at_tp2_answers_like_tp1_and_its_close_joins_the_worker(tiny_model_factory, no_leftover_workers):
