@@ -298,9 +298,14 @@ def allreduce_rows(args, tps: list[int], rows: list[dict], hidden: int, layers: 
     return table
 
 
-def report(args, rows: list[dict], allreduce: dict, hidden: int, layers: int) -> dict:
-    print(f'\nbench_tp: shape {args.shape}, {layers} layers, hidden {hidden}, dummy '
-          f'{"float32 (CPU)" if args.smoke else "bf16"} weights; commit {_commit()}')
+def report(args, rows: list[dict], allreduce: dict, config) -> dict:
+    from real_depth_floors import model_cost
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    experts = getattr(config, 'num_experts', 0) or 0
+    weights_gib = model_cost(config).total_params * 2 / 2**30
+    print(f'\nbench_tp: shape {args.shape}, {layers} layers, hidden {hidden}, {experts} experts, dummy '
+          f'{"float32 (CPU)" if args.smoke else "bf16"} weights ({weights_gib:.1f} GiB in bf16 at TP=1); '
+          f'commit {_commit()}')
     keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != 'tp']
     print('| metric | ' + ' | '.join(f'TP={r["tp"]}' for r in rows) + ' |')
     print('|---|' + '---:|' * len(rows))
@@ -311,7 +316,8 @@ def report(args, rows: list[dict], allreduce: dict, hidden: int, layers: int) ->
             how = 'no process group: every reduction point is an identity' if tp == 1 else \
                 f'{v["op_us"]} us per op x {2 * layers} per step'
             print(f'all-reduce per step, TP={tp}, [{tokens}, {hidden}]: {v["per_step_ms"]} ms ({how})')
-    result = {'shape': args.shape, 'layers': layers, 'commit': _commit(), 'engines': rows,
+    result = {'shape': args.shape, 'layers': layers, 'experts': experts, 'weights_gib': round(weights_gib, 1),
+              'commit': _commit(), 'engines': rows,
               'allreduce': {str(k): {str(t): v for t, v in tab.items()} for k, tab in allreduce.items()}}
     print(json.dumps(result), flush=True)
     return result
@@ -332,11 +338,11 @@ def main(argv: list[str] | None = None) -> dict:
         for tp in tps:
             rows.append(run_child(argv, tp, tmp))
             print(f'tp={tp}: {rows[-1]}', flush=True)
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    return report(args, rows, allreduce_rows(args, tps, rows, hidden, layers), hidden, layers)
+    return report(args, rows, allreduce_rows(args, tps, rows, config.hidden_size, config.num_hidden_layers), config)
 
 
 def fit_80b(args, tp: int) -> dict:
+    """One request (1024-token prompt, 16 tokens) on the 80B shape; rank 0's weights against one GPU's memory."""
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
     from lmdeploy.pytorch.models.model_init import param_bytes
@@ -348,8 +354,9 @@ def fit_80b(args, tp: int) -> dict:
         start_s = time.perf_counter() - t
         t0, recs = run(engine, [prompt(1024, 1, engine.model_config.vocab_size)], 16)
         out = {'tp': tp, 'start_s': round(start_s, 1), 'rank0_weights_gib': round(param_bytes(engine.model) / 2**30, 1),
+               'gpu_total_gib': round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
                'tokens': len(recs[0]['times']), 'ttft_ms': round((recs[0]['first'] - t0) * 1e3, 1),
-               'kv_blocks': engine.cache_config.num_blocks}
+               'kv_blocks': engine.cache_config.num_blocks, **collectives(engine, tp)}
     finally:
         engine.close()
     print('RESULT ' + json.dumps(out), flush=True)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from tp_models import BLOCK, HYBRID, MODELS
+from tp_models import BLOCK, HYBRID, MODELS, rank_slice_of_state
 
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -74,22 +74,6 @@ def test_tp2_logits_equal_tp1_under_teacher_forcing(tiny_model_factory, case, no
         torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
 
 
-def _rank_slice_of_state(full: dict[str, torch.Tensor], text, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """The TP=1 state rows of one layer cut to rank `rank`'s heads (written out here, not taken from the plan):
-    conv channels are the rank's chunk of each of the q, k, v sections; recurrent state its value heads."""
-    key_dim = text.linear_num_key_heads * text.linear_key_head_dim
-    value_dim = text.linear_num_value_heads * text.linear_value_head_dim
-    conv = full['conv']  # [rows, conv_dim, K - 1]
-    parts, start = [], 0
-    for size in (key_dim, key_dim, value_dim):
-        width = size // tp
-        parts.append(conv[:, start + rank * width:start + (rank + 1) * width])
-        start += size
-    heads = text.linear_num_value_heads // tp
-    recurrent = full['recurrent'][:, rank * heads:(rank + 1) * heads]
-    return {'conv': torch.cat(parts, dim=1), 'recurrent': recurrent}
-
-
 def test_tp2_prefix_hit_at_a_non_aligned_step_equals_cold_and_restores_each_ranks_head_slice(
         tiny_model_factory, no_leftover_workers):
     from lmdeploy.pytorch.models.loader import load_hf_config
@@ -126,7 +110,7 @@ def test_tp2_prefix_hit_at_a_non_aligned_step_equals_cold_and_restores_each_rank
     assert len(ranks) == 2 and len(ranks[0]) == len(tp1_state) > 0
     for rank, layers in enumerate(ranks):
         for full, mine in zip(tp1_state, layers):
-            want = _rank_slice_of_state(full, text, rank, 2)
+            want = rank_slice_of_state(full, text, rank, 2)
             assert mine['conv'].abs().sum() > 0
             torch.testing.assert_close(mine['conv'], want['conv'], rtol=RTOL, atol=ATOL)
             torch.testing.assert_close(mine['recurrent'], want['recurrent'], rtol=RTOL, atol=ATOL)
@@ -193,10 +177,15 @@ def test_a_dead_worker_reads_the_same_exit_code_from_every_thread(monkeypatch):
 
 def test_ctrl_c_reaching_the_workers_does_not_stop_the_engine(tiny_model_factory, no_leftover_workers):
     """A terminal's Ctrl-C goes to every process of the group (`lmdeploy chat` uses it to stop a reply)."""
+    from lmdeploy.pytorch.engine.tp_dist import MULTICAST_OFF
     path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
     engine = make(path, 2)
     try:
-        os.kill(engine.tp_workers.workers[0].process.pid, signal.SIGINT)
+        pid = engine.tp_workers.workers[0].process.pid
+        with open(f'/proc/{pid}/environ', 'rb') as f:  # NVLink multicast off in the worker too
+            env = dict(item.decode().split('=', 1) for item in f.read().split(b'\0') if b'=' in item)
+        assert {k: env.get(k) for k in MULTICAST_OFF} == MULTICAST_OFF
+        os.kill(pid, signal.SIGINT)
         time.sleep(0.5)
         (tokens, _), = run(engine, prompts_of(6)[:1])
         assert len(tokens) == 4 and engine.fatal_error is None
