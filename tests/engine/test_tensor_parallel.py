@@ -153,6 +153,8 @@ def test_a_killed_worker_fails_every_request_clearly_and_stops_the_engine(tiny_m
     finally:
         engine.close()
     assert worker.exitcode == -signal.SIGKILL
+    import torch.distributed as dist
+    assert not dist.is_initialized(), 'the broken group was not left: no later TP engine could start here'
 
 
 def test_ctrl_c_reaching_the_workers_does_not_stop_the_engine(tiny_model_factory, no_leftover_workers):

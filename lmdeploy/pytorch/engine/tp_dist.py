@@ -11,6 +11,7 @@ machines here require it, and NCCL reads it at communicator creation.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -82,6 +83,10 @@ def abort_group() -> None:
 
 
 def destroy_rank() -> None:
+    """Leave the group (idempotent); a group broken by a dead peer may fail to tear down cleanly: logged only."""
     import torch.distributed as dist
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # the process must still be able to start another engine or exit
+            logging.getLogger('lmdeploy').exception('leaving the tensor-parallel group failed')

@@ -201,7 +201,11 @@ class TPWorkers:
 
     # ---- shutdown ---------------------------------------------------------------------------------------------
     def close(self) -> None:
+        """After a failure rank 0 leaves the group first, so a worker stuck in a collective fails it at once
+        instead of waiting to be terminated."""
         self._closing.set()
+        if self.error is not None:
+            destroy_rank()
         self._finalizer()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=JOIN_TIMEOUT_S)
