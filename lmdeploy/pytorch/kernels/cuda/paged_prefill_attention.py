@@ -8,7 +8,8 @@ rounded down to `BLOCK_N`) are visible to every row of the tile and take the unm
 
 Two launch shapes, chosen on the host from static shapes only (`prefill_num_splits`):
 - `S == 1`: program `(m, h, b)` runs the whole tile and writes the output. Long prompts have many tiles; this is
-  the cold-prefill path.
+  the cold-prefill path. Program `m` takes tile `num_m - 1 - m`: the heaviest tiles of the causal triangle start
+  first and the light ones fill the tail.
 - `S > 1` (split-KV, flash-decoding style): a 100-token suffix after a 32K prefix has one or two tiles per head,
   i.e. a few dozen programs each scanning 32K keys in series, on a GPU with 132 SMs. Program `(m, h, b * S + s)`
   takes split `s` of the tile's unmasked keys: `split_len = max(min_split, cdiv(full_end, S))` rounded up to
@@ -50,7 +51,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
                     stride_cp, stride_co, stride_ch, stride_bt, qk_scale, head_dim, num_splits, min_split,
                     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
-    m_start = tl.program_id(0) * BLOCK_M
+    # The last tiles (most keys under the causal mask) first: the scheduler then fills the tail with short tiles.
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     head = tl.program_id(1)
     if SPLIT:
         seq = (tl.program_id(2) // num_splits).to(tl.int64)
