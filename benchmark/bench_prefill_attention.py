@@ -1,6 +1,6 @@
 """Prefill attention on the device: the engine's Triton kernel (`paged_prefill_attention`, over the paged pool)
-against torch SDPA (flash backend) and flash-attn (where importable) over contiguous K/V, in TFLOP/s beside the
-device's bf16 matmul rate (`torch.mm` 8192^3).
+against torch SDPA (flash and cuDNN backends) and flash-attn (where importable) over contiguous K/V, in TFLOP/s
+beside the device's bf16 matmul rate (`torch.mm` 8192^3).
 
 Cases (GQA `--heads` : `--kv-heads`, bf16, pages of `--page-size` tokens in shuffled order, as the pool hands them):
 - `cold T`: a T-token prompt as the engine runs it, in forwards of `--chunk` tokens (chunk i attends to the i
@@ -92,26 +92,47 @@ class Pool:
                                        self.scale, **kwargs)
 
 
-def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal, bottom-right aligned (query i at position kv_len - q_len + i); q [Tq, Hq, D], k / v [Tk, Hkv, D].
-    The flash backend only (an error, not a silent fallback, where it cannot run)."""
+def sdpa(backend_name: str):
+    """SDPA restricted to one backend (an error, not a silent fallback, where it cannot run): causal, bottom-right
+    aligned (query i at position kv_len - q_len + i); q [Tq, Hq, D], k / v [Tk, Hkv, D]. GQA by `enable_gqa`, or
+    (a backend without it) K / V expanded per query head first, outside the timed call's kernel but inside it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
-    q_, k_, v_ = (x.transpose(0, 1)[None] for x in (q, k, v))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        if q.size(0) == k.size(0):
-            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=causal_lower_right(q.size(0), k.size(0)),
-                                                 scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    backend = getattr(SDPBackend, backend_name)
+    state = {'expand': False}
+
+    def call(q, k, v, scale):
+        q_, k_, v_ = (x.transpose(0, 1)[None] for x in (q, k, v))
+        if state['expand']:
+            group = q.size(1) // k.size(1)
+            k_, v_ = k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1)
+        kwargs = {'is_causal': True} if q.size(0) == k.size(0) else {
+            'attn_mask': causal_lower_right(q.size(0), k.size(0))}
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q_, k_, v_, scale=scale, enable_gqa=not state['expand'],
+                                                  **kwargs)[0].transpose(0, 1)
+
+    def run(q, k, v, scale):
+        try:
+            return call(q, k, v, scale)
+        except RuntimeError:
+            if state['expand']:
+                raise
+            state['expand'] = True  # no GQA in this backend: expanded K / V from now on
+            return call(q, k, v, scale)
+    run.state = state
+    return run
+
+
+sdpa_flash = sdpa('FLASH_ATTENTION')
+BACKENDS = (('sdpa flash', sdpa_flash), ('sdpa cudnn', sdpa('CUDNN_ATTENTION')))
 
 
 def guarded(label: str, name: str, fn) -> None:
     try:
         fn()
     except Exception as exc:  # a backend that cannot run this shape: say so and go on
-        print(f'{label:18s} {name:28s} failed: {type(exc).__name__}: {str(exc)[:100]}', flush=True)
+        print(f'{label:18s} {name:28s} failed: {type(exc).__name__}: {str(exc)[:200]}', flush=True)
 
 
 def flash_attn_fn():
@@ -165,8 +186,10 @@ def cold_case(pool: Pool, total: int, args, cfgs, results: dict) -> None:
             results.setdefault(pool.head_dim, {}).setdefault(tuple(cfg.values()), []).append(flops / ms)
     gather_ms = timed(lambda: [pool.gather(hh + nn) for hh, nn in parts], args.reps)
     print(f'{label:18s} {"gather K/V (pool->contig)":28s} {gather_ms:9.2f} ms', flush=True)
-    guarded(label, 'sdpa flash', lambda: report(label, 'sdpa flash', timed(lambda: run_ref(sdpa_flash), args.reps),
-                                                flops, args, '(+ gather)'))
+    for name, fn in BACKENDS:
+        guarded(label, name, lambda name=name, fn=fn: report(label, name, timed(lambda: run_ref(fn), args.reps), flops,
+                                                             args, '(+ gather' + (', expanded K/V)' if fn.state[
+                                                                 'expand'] else ')')))
     fa = flash_attn_fn()
     if fa is not None:
         guarded(label, 'flash-attn', lambda: report(label, 'flash-attn', timed(lambda: run_ref(fa), args.reps), flops,
@@ -186,9 +209,10 @@ def suffix_case(pool: Pool, args) -> None:
         err = (pool.triton(rows, prefix + suffix, **kwargs).float() - ref).abs().max().item()
         report(label, name, timed(lambda kw=kwargs: pool.triton(rows, prefix + suffix, **kw), args.reps), flops,
                args, f'max err {err:.1e}')
-    guarded(label, 'sdpa flash', lambda: report(
-        label, 'sdpa flash (no gather)', timed(lambda: sdpa_flash(pool.q[rows], k, v, pool.scale), args.reps), flops,
-        args, ''))
+    for name, fn in BACKENDS:
+        guarded(label, name, lambda name=name, fn=fn: report(
+            label, name + ' (no gather)', timed(lambda: fn(pool.q[rows], k, v, pool.scale), args.reps), flops, args,
+            '(expanded K/V)' if fn.state['expand'] else ''))
 
 
 def report(label: str, name: str, ms: float, flops: float, args, note: str) -> None:
