@@ -26,6 +26,6 @@ setup(
     python_requires='>=3.10',
     install_requires=read_requirements('runtime.txt'),
     extras_require={'test': read_requirements('test.txt'), 'cuda': read_requirements('cuda.txt')},
-    entry_points={'console_scripts': ['lmdeploy = lmdeploy.cli.entrypoint:main']},
+    entry_points={'console_scripts': ['lmdeploy = lmdeploy.cli.entrypoint:run']},
     package_data={'lmdeploy': ['py.typed']},
 )

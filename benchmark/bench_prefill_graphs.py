@@ -23,13 +23,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
 
-import torch
+print('bench_prefill_graphs: importing torch ...', flush=True)  # progress before the slow imports
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +87,7 @@ def run_engine(args, path: str, eager: bool) -> dict:
     t = time.perf_counter()
     engine = Engine(path, config)
     sync()
-    res = {'startup_s': time.perf_counter() - t}
+    res = {'startup_s': time.perf_counter() - t, 'engine_startup_s': engine.startup_seconds}
     runner = getattr(engine.agent, 'graph_runner', None)
     if runner is not None:
         res.update(capture_s=runner.capture_seconds, capture_mib=runner.capture_bytes / 2**20,
@@ -120,6 +122,12 @@ def main() -> None:
     p.add_argument('--modes', nargs='+', default=['graphs', 'eager'], choices=['graphs', 'eager'])
     p.add_argument('--smoke', action='store_true', help='tiny float32 model, eager, on the CPU: checks the logic')
     args = p.parse_args()
+    # the engine's start-up log lines (eager warm-up, each captured graph, start-up time) are the progress report
+    logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s', stream=sys.stdout, force=True)
+    logging.getLogger('lmdeploy').setLevel(logging.INFO)
+    print(f'bench_prefill_graphs: LMDEPLOY_PREFILL_GRAPH_TOKENS={os.environ.get("LMDEPLOY_PREFILL_GRAPH_TOKENS")} '
+          f'LMDEPLOY_GRAPH_GDR={os.environ.get("LMDEPLOY_GRAPH_GDR")} commit={os.environ.get("LMDEPLOY_COMMIT")}',
+          flush=True)
     if args.smoke:
         args.modes, args.layers, args.sizes, args.reps = ['eager'], 4, [64, 128], 1
     results = {}

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import os
 import sys
 
 from ..version import __version__
@@ -49,5 +51,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The process entry (`lmdeploy`, `python -m lmdeploy.cli.entrypoint`): `main`, then exit without tearing the
+    interpreter down. Every command closes what it opened (engine, workers, sockets, executors) before `main`
+    returns; what is left is freeing modules and objects, which the OS does anyway and which takes seconds on a
+    loaded CPU box: enough to push a server's exit past `--timeout-graceful-shutdown`, within which lifecycle.py
+    promises it. The atexit handlers still run (logging's flush among them)."""
+    code = main()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == '__main__':
-    sys.exit(main())
+    run()

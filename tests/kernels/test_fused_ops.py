@@ -12,13 +12,12 @@ inside the subprocess `test_fused_kernels_interpreted` starts (TRITON_INTERPRET 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from interpreted import run_cpu_tests_interpreted
 from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
@@ -386,9 +385,4 @@ def test_fast_launch_is_cheaper_than_jit_call_gpu():
 @pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
 def test_fused_kernels_interpreted():
     """Run the `test_cpu_*` tests in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported)."""
-    env = {**os.environ, 'TRITON_INTERPRET': '1', 'CUDA_VISIBLE_DEVICES': ''}
-    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', 'test_cpu_']
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert proc.returncode == 0, f'interpreted kernels failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}'
-    assert ' passed' in proc.stdout and 'skipped' not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    run_cpu_tests_interpreted(__file__)

@@ -9,12 +9,11 @@ subprocess `test_triton_lora_interpreted` starts, since TRITON_INTERPRET must be
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
+from interpreted import run_cpu_tests_interpreted
 from numeric import assert_close
 
 from lmdeploy.pytorch.backends.base import OpType
@@ -134,10 +133,4 @@ def test_sgmv_replays_in_a_cuda_graph():
 @pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
 def test_triton_lora_interpreted():
     """Run the `test_cpu_*` tests in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported)."""
-    pytest.importorskip('triton')
-    env = {**os.environ, 'TRITON_INTERPRET': '1', 'CUDA_VISIBLE_DEVICES': ''}
-    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', 'test_cpu_']
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert proc.returncode == 0, f'interpreted kernels failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}'
-    assert ' passed' in proc.stdout and 'skipped' not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    run_cpu_tests_interpreted(__file__)

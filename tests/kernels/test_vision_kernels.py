@@ -8,11 +8,11 @@ the vision-language model on CUDA against the CPU path.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_cpu_tests_interpreted
 from numeric import assert_close
 
 from lmdeploy.pytorch.kernels.default.varlen_attention import varlen_attention as ref_varlen
@@ -50,12 +50,7 @@ def test_cpu_varlen_attention_matches_reference(lengths, heads, dim):
 
 @pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
 def test_varlen_attention_interpreted():
-    env = {**os.environ, 'TRITON_INTERPRET': '1', 'CUDA_VISIBLE_DEVICES': ''}
-    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__, '-k', 'test_cpu_']
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, f'interpreted kernel failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}'
-    assert ' passed' in proc.stdout and 'skipped' not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    run_cpu_tests_interpreted(__file__)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,12 @@ A graph is keyed by `(tokens, sequences)`:
 Padding is harmless by construction of the kernels' contracts: pad tokens write no KV (`slot_mapping = -1`), pad
 and empty sequences use state row 0 (a reserved dummy no sequence owns), decode padding rows have `kv_len = 0`
 (decode attention writes zeros and reads nothing), and every other op is row-wise or per sequence, so whatever the
-pad rows compute never reaches a real row.
+pad rows compute never reaches a real row. The pad sequence attends to its own `Tg - T` keys (`kv_len = q_len`),
+so attention reads `ceil((Tg - T) / kernel_block_size)` entries of its block-table row: the table buffer is at
+least that wide for the largest bucket (`table_width`), whatever `max_pages` (the longest session) is, and the pad
+and empty rows are zeroed each fill, so those reads name page 0 and stay inside the row. (A table only
+`max_pages` wide let a 4096-token pad sequence of a short-session engine read past its row and past the buffer:
+the illegal memory accesses seen on the H200.)
 
 The first run at a key runs eagerly *through the static buffers*: at start-up on all-padding inputs (it compiles /
 autotunes every kernel for exactly the captured shapes and writes nothing a sequence owns), on first use with the
@@ -129,12 +134,19 @@ def prefill_warm_keys(token_buckets: tuple[int, ...], seq_buckets: tuple[int, ..
     return sorted((k for k in keys if k is not None), reverse=True)
 
 
+def table_width(max_pages: int, max_tokens: int, kernel_block_size: int) -> int:
+    """Columns of the static block-table buffer: `max_pages` (a real sequence's table) and at least the pages a
+    pad sequence of up to `max_tokens` tokens reads (see the module docstring)."""
+    return max(max_pages, -(-max_tokens // kernel_block_size))
+
+
 class _StaticInputs:
     """Device buffers the captured graphs read; `view(key)` is the `ModelInputs` of the graph at `key`.
-    `max_chunks > 0`: a chunk-index buffer for the chunked gated delta rule (hybrids on fla)."""
+    `max_chunks > 0`: a chunk-index buffer for the chunked gated delta rule (hybrids on fla). `max_pages`: the
+    widest block table a batch may bring; the buffer is `table_width` columns wide."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device,
-                 has_lora: bool = False, max_chunks: int = 0):
+                 has_lora: bool = False, max_chunks: int = 0, kernel_block_size: int = 1):
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(*shape, dtype=dtype, device=device)
         self.device = device
@@ -146,7 +158,7 @@ class _StaticInputs:
         self.cu_seqlens_q = zeros(max_seqs + 1)
         self.state_ids = zeros(max_seqs)
         self.is_fresh = zeros(max_seqs, dtype=torch.bool)
-        self.block_tables = zeros(max_seqs, max_pages)
+        self.block_tables = zeros(max_seqs, table_width(max_pages, max_tokens, kernel_block_size))
         # LoRA slots per sequence (0 = base model) when adapters are loaded: graphs then always run the LoRA op,
         # whose programs exit at once for base rows and padding.
         self.has_lora = has_lora
@@ -224,6 +236,7 @@ class _StaticInputs:
         self.state_ids[b:sg].zero_()
         self.is_fresh[b:sg].fill_(True)
         self.lora_ids[b:sg].zero_()
+        self.block_tables[b:sg].zero_()  # the pad sequence reads page 0 only, within its (wide enough) row
         if self.chunk_indices is not None:
             lens = (inputs.q_lens_list if inputs is not None else []) + [tg - t]
             host = padded_chunk_indices_host(lens, max_graph_chunks(tg, sg), pad_seq=sg - 1)
@@ -239,10 +252,11 @@ class CUDAGraphRunner:
                  max_batch_size: int, max_pages: int, device: torch.device,
                  max_prefill_tokens: int = 256, routes_shape: tuple[int, int] | None = None,
                  has_lora: bool = False, chunk_indices: bool = False,
-                 max_prefill_graphs: int = MAX_PREFILL_GRAPHS):
+                 max_prefill_graphs: int = MAX_PREFILL_GRAPHS, kernel_block_size: int = 1):
         """`max_prefill_tokens`: the largest forward the prefill graphs should cover (0: decode graphs only).
         `chunk_indices`: prefill graphs run the chunked gated delta rule on static chunk indices (hybrids on fla);
-        otherwise the token-by-token one."""
+        otherwise the token-by-token one. `kernel_block_size`: tokens per KV page (sizes the block-table buffer
+        for the pad sequence, see the module docstring; 1, the default, is the widest, safe for any page size)."""
         self.model = model
         self.make_context = make_context
         self.sizes = capture_sizes(max_batch_size)
@@ -254,7 +268,8 @@ class CUDAGraphRunner:
         max_tokens = max((max_batch_size, *self.token_buckets))
         max_chunks = max((max_graph_chunks(t, self.seq_buckets[-1]) for t in self.token_buckets), default=0)
         self.static = _StaticInputs(max_tokens, max_seqs, max_pages, device, has_lora=has_lora,
-                                    max_chunks=max_chunks if chunk_indices else 0)
+                                    max_chunks=max_chunks if chunk_indices else 0,
+                                    kernel_block_size=kernel_block_size)
         self.static_routes = None if routes_shape is None else \
             torch.zeros((max_tokens, *routes_shape), dtype=torch.int16, device=device)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -3,13 +3,15 @@
 Thread model: `add_request` / `abort_request` may be called from any thread; they only queue commands. `step()`
 runs on one thread (the `EngineLoop` thread, or the caller's in synchronous use): drain commands -> schedule ->
 make inputs -> forward -> update -> deliver -> commit -> copy -> release (`_run_forward`; the scheduler's calls are
-described in `paging/scheduler.py`).
+described in `paging/scheduler.py`). With async scheduling on (`async_scheduling.py`) a step launches its forward
+before it settles the previous one, which was left in flight: `_run_async`.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -18,25 +20,22 @@ import torch
 from ...messages import PytorchEngineConfig, UnknownAdapterError
 from ..config import SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
-from ..models.loader import build_model
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
 from ..models.model_source import resolve_model_path
 from ..models.tp_geometry import check_tp_supported
-from ..models.tp_load import build_rank_model
-from ..nn.parallel import attach_tp_group
 from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
-from .agent_spec import AgentSpec, build_agent
-from .cache_sizing import free_memory_bytes, make_cache_config, session_len
+from .agent_setup import build_engine_agent, free_memory, load_model, make_agent_spec, rank0_device, start_workers
+from .async_scheduling import LaunchedStep, build_feed, is_deferrable, needs_host_tokens
+from .cache_sizing import make_cache_config, session_len
 from .engine_stats import EngineStats
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .mm_inputs import validate_mm_spans
 from .request import EngineOutput, OutputCallback
 from .routes_recorder import RoutesRecorder
+from .spec_setup import build_speculative, num_draft_tokens
 from .spec_step import SpecForwardResult, SpeculativeStep
-from .tp_agent import TPModelAgent
-from .tp_worker import WorkerSpec
-from .tp_workers import TensorParallelFailure, TPWorkers
+from .tp_workers import TensorParallelFailure
 
 logger = logging.getLogger('lmdeploy')
 
@@ -50,79 +49,65 @@ def resolve_dtype(engine_config: PytorchEngineConfig) -> str:
 class Engine:
 
     def __init__(self, model_path: str, engine_config: PytorchEngineConfig | None = None):
+        began = time.perf_counter()
         self.engine_config = engine_config = engine_config or PytorchEngineConfig()
         if engine_config.device_type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is available; use device_type='cpu'")
-        self.device = torch.device(engine_config.device_type)
         # a local folder, or a hub id resolved through huggingface_hub (`ModelNotFoundError`: one line to print)
         self.model_path = resolve_model_path(model_path, engine_config.revision, engine_config.download_dir,
                                              with_weights=engine_config.load_format != 'dummy')
-        speculative = engine_config.speculative_config
         check_tp_supported(self.model_path, engine_config.tp, adapters=bool(engine_config.adapters),
-                           speculative=speculative is not None)  # before any weight is read
+                           speculative=engine_config.speculative_config is not None)  # before any weight is read
+        num_drafts = num_draft_tokens(engine_config)
         dtype = resolve_dtype(engine_config)
         # Tensor parallelism: ranks 1..tp-1 are worker processes (`tp_workers.py`); this process is rank 0.
-        self.tp_workers = self._start_workers(dtype) if engine_config.tp > 1 else None
+        self.tp_workers = start_workers(engine_config, self.model_path, dtype)
+        self.device = rank0_device(engine_config, self.tp_workers)
         try:
-            self._build(engine_config, dtype, speculative)
+            self._build(engine_config, dtype, num_drafts)
         except BaseException:
             self.close()
             raise
+        self._init_step_state()
+        # weights, pools, FP8 tuning, the eager warm-up and the CUDA graphs: what a first request no longer pays
+        self.startup_seconds = time.perf_counter() - began
+        logger.info('engine start-up: %.2f s', self.startup_seconds)
 
-    def _build(self, engine_config: PytorchEngineConfig, dtype: str, speculative) -> None:
-        self.model, self.model_config = self._build_model(dtype)
-        num_draft_tokens = speculative.num_speculative_tokens if speculative is not None else 0
-        if speculative is not None and engine_config.enable_return_routed_experts:
-            raise ValueError('speculative decoding and enable_return_routed_experts cannot be combined yet (a verify '
-                             'forward also routes draft tokens that may be rejected)')
+    def _build(self, engine_config: PytorchEngineConfig, dtype: str, num_drafts: int) -> None:
+        """Model, adapters, pools, scheduler, agent (see `agent_setup` for the order and the TP ranks' part)."""
+        self.model, self.model_config = load_model(engine_config, self.model_path, self.device, dtype,
+                                                   self.tp_workers)
         # name -> resident LoRA adapter (slot in every LoRA layer, prefix-cache identity); all loaded now.
         self.adapters: dict[str, ResidentAdapter] = load_lora_adapters(
             self.model, engine_config.adapters or {}, engine_config.device_type, engine_config.max_loras,
             engine_config.max_lora_rank)
-        free = None if engine_config.num_gpu_blocks else free_memory_bytes(self.device)
-        if self.tp_workers is not None:  # every rank reports; the pools are sized by the least free memory
-            least = self.tp_workers.finish_start(free or 0)
-            free = None if free is None else least
-        self.cache_config = make_cache_config(self.model_config, engine_config, free)
+        self.cache_config = make_cache_config(self.model_config, engine_config,
+                                              free_memory(engine_config, self.device, self.tp_workers))
         self.scheduler_config = SchedulerConfig(
             max_batch_size=engine_config.max_batch_size, max_prefill_token_num=engine_config.max_prefill_token_num,
             session_len=session_len(self.model_config, self.cache_config, engine_config.session_len))
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, needs_state=self.model_config.is_hybrid,
-                                   num_draft_tokens=num_draft_tokens)
-        # Speculative steps run eagerly: the verify forward keeps pre-norm hidden states and cuts states per draft.
-        use_graphs = engine_config.device_type == 'cuda' and not engine_config.eager_mode and not num_draft_tokens
-        kbs = self.cache_config.kernel_block_size
+                                   num_draft_tokens=num_drafts)
         self.routes = RoutesRecorder(self.model_config, engine_config.enable_return_routed_experts,
                                      keep_in_cache=engine_config.enable_prefix_caching)
-        agent_spec = AgentSpec(
-            self.cache_config, engine_config.device_type,
-            record_routed_experts=engine_config.enable_return_routed_experts,
-            cuda_graph_batch_size=engine_config.max_batch_size if use_graphs else 0,
-            max_pages_per_seq=-(-self.session_len // kbs), has_lora=bool(self.adapters),
-            max_prefill_tokens=engine_config.max_prefill_token_num,
-            vision_cache_bytes=engine_config.vision_encoder_cache_mb << 20
-            if self.model_config.image_token_id is not None else 0)
-        self.cache_engine, self.agent = build_agent(self.model, self.model_config, agent_spec, self.device)
-        # before the graphs, so they capture tuned tiles; the largest forward is a prefill chunk or a decode batch
-        # (tp > 1 loads FP8 dequantized: the workers have no FP8 GEMM to tune)
-        self.agent.tune_kernels(max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
+        agent_spec = make_agent_spec(engine_config, self.cache_config, self.model_config, self.session_len,
+                                     has_lora=bool(self.adapters))
         self.wakeup = threading.Event()
-        if self.tp_workers is not None:
-            self.tp_workers.setup(agent_spec)
-            self.tp_workers.on_failure = self.wakeup.set
-            self.agent = TPModelAgent(self.agent, self.tp_workers)
-        self.agent.capture_cuda_graphs()
+        # the largest forward is a prefill chunk or a decode batch
+        self.cache_engine, self.agent = build_engine_agent(
+            self.model, self.model_config, agent_spec, self.device, self.tp_workers, on_failure=self.wakeup.set,
+            max_tokens=max(engine_config.max_prefill_token_num, engine_config.max_batch_size))
         self.inputs_maker = InputsMaker(self.scheduler.block_manager, self.cache_config.block_size,
                                         self.cache_config.kernel_block_size,
                                         lora_slots={a.identity: a.slot for a in self.adapters.values()})
-        self.speculative: SpeculativeStep | None = None
-        if num_draft_tokens:
-            self.agent.enable_speculative(num_draft_tokens)
-            self.speculative = SpeculativeStep(self.agent, self.inputs_maker, num_draft_tokens, self.session_len)
+        self.speculative: SpeculativeStep | None = build_speculative(self.agent, self.inputs_maker, num_drafts,
+                                                                     self.session_len)
         logger.info('KV pool: %d blocks of %d tokens (%.1f MiB); state pool: %d rows (%.1f MiB)',
                     self.cache_config.num_blocks, self.cache_config.block_size,
                     self.cache_engine.kv_pool_bytes / 2**20, self.cache_config.num_state_slots,
                     self.cache_engine.state_pool_bytes / 2**20)
+
+    def _init_step_state(self) -> None:
         self._lock = threading.Lock()
         # Held for a whole step, so a check from another thread (`check_integrity` in tests) runs between steps.
         self._step_lock = threading.RLock()
@@ -139,25 +124,14 @@ class Engine:
         self._ids = itertools.count(1)
         self._fatal: str | None = None
         self.last_step_idle = False
+        # Async scheduling: the launched forward whose tokens are not settled yet (None: nothing in flight).
+        cfg = self.engine_config
+        self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None else (
+            cfg.device_type == 'cuda' and cfg.tp == 1 and cfg.speculative_config is None
+            and not cfg.prefix_cache_decode_state_interval)
+        self._inflight: LaunchedStep | None = None
+        self.num_overlapped_steps = 0  # steps launched while another was in flight
         self._snapshot = self._make_stats(0)
-
-    def _start_workers(self, dtype: str) -> TPWorkers:
-        cfg = self.engine_config
-        spec = WorkerSpec(self.model_path, dtype, cfg.state_dtype, cfg.load_format)
-        workers = TPWorkers.start(cfg.tp, cfg.device_type, spec)
-        if cfg.device_type == 'cuda':
-            self.device = torch.device('cuda', 0)
-        return workers
-
-    def _build_model(self, dtype: str):
-        cfg = self.engine_config
-        if self.tp_workers is None:
-            return build_model(self.model_path, self.device, dtype, cfg.device_type, cfg.state_dtype,
-                               load_format=cfg.load_format, mtp=cfg.speculative_config is not None)
-        model, model_config = build_rank_model(self.model_path, self.device, dtype, cfg.device_type, cfg.tp, 0,
-                                               cfg.state_dtype, cfg.load_format)
-        attach_tp_group(model, self.tp_workers.group)
-        return model, model_config
 
     def close(self) -> None:
         """Stop and join the tensor-parallel workers (nothing to do at tp=1); idempotent."""
@@ -287,7 +261,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._commands) or self.scheduler.has_unfinished
+            return bool(self._commands) or self.scheduler.has_unfinished or self._inflight is not None
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -310,7 +284,10 @@ class Engine:
             self._deliver(out)
         if self.fatal_error is not None:
             self.last_step_idle = True
+            self._inflight = None
             return outputs + self._fail_everything(self.fatal_error)
+        if self._inflight is not None and not self.scheduler.can_schedule_ahead():
+            outputs += self._settle(self._take_inflight())  # no room to schedule without preempting pending tokens
         sched = self.scheduler.schedule()
         for seq, error in sched.rejected:  # faults while scheduling fail their own requests
             logger.error('request %d: %s', seq.seq_id, error)
@@ -318,9 +295,12 @@ class Engine:
             self._deliver(out)
             outputs.append(out)
         # True when this step ran nothing on the device (the loop thread then backs off instead of spinning).
-        self.last_step_idle = sched.is_empty and not sched.has_copies
-        if not self.last_step_idle:
-            outputs += self._run_forward(sched)  # delivers its outputs itself, before its bookkeeping
+        self.last_step_idle = sched.is_empty and not sched.has_copies and self._inflight is None
+        if not (sched.is_empty and not sched.has_copies):
+            # both deliver their outputs themselves, before their bookkeeping
+            outputs += self._run_async(sched) if self.async_scheduling else self._run_forward(sched)
+        elif self._inflight is not None:
+            outputs += self._settle(self._take_inflight())
         elif self.scheduler.waiting and not self.scheduler.running:
             # Nothing runs and the head of the queue still cannot be admitted: it never will be (everything else
             # the pools hold is evictable), so fail it instead of spinning.
@@ -364,9 +344,71 @@ class Engine:
             self._forget(seq.seq_id)
         return outputs + self._deliver_all([self._reject(seq, error) for seq, error in rejected])
 
-    def _forward(self, sched: SchedulerOutput, rejected: list[tuple[SchedulerSequence, str]]):
+    # ---- async scheduling ---------------------------------------------------------------------------------------
+    def _take_inflight(self) -> LaunchedStep:
+        launched, self._inflight = self._inflight, None
+        return launched
+
+    def _run_async(self, sched: SchedulerOutput) -> list[EngineOutput]:
+        """Launch this step's forward (fed on the device with the tokens of the one in flight), then settle the one
+        in flight while the device runs this one; this one stays in flight when it is deferrable."""
+        prev = self._take_inflight() if self._inflight is not None else None
+        self.num_overlapped_steps += prev is not None
+        try:
+            launched = self._launch(sched, prev)
+        except Exception as exc:  # this batch fails; the one in flight still settles
+            outputs = self._fail_forward(sched, exc)
+            return (self._settle(prev) if prev is not None else []) + outputs
+        outputs = self._settle(prev) if prev is not None else []
+        if launched.deferrable and self.fatal_error is None:
+            self._inflight = launched
+            return outputs
+        return outputs + self._settle(launched)
+
+    def _launch(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Restore copies, forward, save copies, sampling (left on the device when the step is deferrable), then
+        `Scheduler.advance`."""
+        rejected: list[tuple[SchedulerSequence, str]] = []
+        host_bound = any(needs_host_tokens(seq, seq.seq_id in self._collected_logits, self.routes.wants([seq]))
+                         for seq in sched.seqs)
+        result, sampled = self._forward(sched, rejected, prev, defer=not host_bound)
+        hits = self._sample_logits_hits(sched.logits_hits, rejected)
+        if result is not None:
+            self.routes.store(sched.seqs, sched.num_new_tokens, result.routed_experts)
+        self.scheduler.advance(sched, sampled + [row.seq for row in hits])
+        return LaunchedStep(sched, sampled, result, hits, rejected,
+                            is_deferrable(sched, result, rejected, host_bound))
+
+    def _settle(self, launched: LaunchedStep) -> list[EngineOutput]:
+        """The launched step's tokens to the host: settle (append, stops), deliver, commit, copy, release."""
+        sched, result = launched.sched, launched.result
+        try:
+            rows = self._sampled_rows(result, launched.sampled) + launched.hits
+        except Exception as exc:  # the device failed under this forward
+            return self._fail_forward(sched, exc)
+        updates = self.scheduler.settle(rows)
+        outputs = self._deliver_all([self._update_output(update) for update in updates])
+        plan = self.scheduler.commit(sched, updates, self._prompt_logits(launched.sampled, result))
+        self.scheduler.release(plan, copied=self._copy(plan))
+        for seq, _ in plan.finishing:
+            self._forget(seq.seq_id)
+        return outputs + self._deliver_all([self._reject(seq, error) for seq, error in launched.rejected])
+
+    def _fail_forward(self, sched: SchedulerOutput, exc: Exception) -> list[EngineOutput]:
+        logger.error('forward failed', exc_info=exc)
+        outputs = self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
+                                     for seq in self.scheduler.cancel(sched)])
+        if isinstance(exc, TensorParallelFailure):
+            self._fatal = str(exc)
+            outputs += self._fail_everything(self._fatal)
+        return outputs
+
+    def _forward(self, sched: SchedulerOutput, rejected: list[tuple[SchedulerSequence, str]],
+                 prev: LaunchedStep | None = None, defer: bool = False):
         """Restore copies, forward, save copies, sampling of the fed rows. Returns the forward's output (None: no
-        forward) and the sequences it sampled, in row order; rows whose sampling inputs fail go to `rejected`."""
+        forward) and the sequences it sampled, in row order; rows whose sampling inputs fail go to `rejected`.
+        Async scheduling: `prev` is the step in flight whose tokens some pieces feed; `defer` leaves the sampled ids
+        on the device (a plain forward only)."""
         sampled, result = [], None
         cache_inputs = self.inputs_maker.make_cache_inputs(sched)
         if sched.seqs:
@@ -377,11 +419,14 @@ class Engine:
                 rejected += [(sampled[i], error) for i, error in errors.items()]
                 sampled = drop_sampled_rows(inputs, sampled, errors)
             collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
+            feed = build_feed(sched, sampled, prev)
             if self.speculative is not None:
                 result = self.speculative.forward(sched, inputs, sampled, sampling, cache_inputs, self._generators,
                                                   any(collect))
             elif any(collect):
-                result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect)
+                result = self._forward_collecting(inputs, sampling, cache_inputs, sched, collect, feed)
+            elif feed is not None or defer:
+                result = self.agent.forward(inputs, sampling, cache_inputs, feed=feed, defer=defer)
             else:
                 result = self.agent.forward(inputs, sampling, cache_inputs)
         elif cache_inputs is not None:
@@ -392,7 +437,8 @@ class Engine:
     def _sampled_rows(result, sampled: list[SchedulerSequence]) -> list[SampledToken]:
         if isinstance(result, SpecForwardResult):
             return result.rows(sampled)
-        return [SampledToken(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
+        ids = result.resolve() if result is not None else []
+        return [SampledToken(seq, ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(sampled)]
 
     def _prompt_logits(self, sampled: list[SchedulerSequence], result) -> Callable | None:
@@ -443,8 +489,9 @@ class Engine:
         return [SampledToken(seq, result.next_token_ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(seqs)]
 
-    def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect):
-        logits, routes = self.agent.forward_logits(inputs, cache_inputs)
+    def _forward_collecting(self, inputs, sampling, cache_inputs, sched, collect, feed=None):
+        logits, routes = self.agent.forward_logits(inputs, cache_inputs, feed) if feed is not None else \
+            self.agent.forward_logits(inputs, cache_inputs)
         start = 0
         for seq, n, keep in zip(sched.seqs, sched.num_new_tokens, collect):
             if keep:

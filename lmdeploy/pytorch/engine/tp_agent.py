@@ -46,7 +46,8 @@ class TPModelAgent:
         self._step(('copy', cache_inputs), lambda: self.local.copy_only(cache_inputs))
 
     def capture_cuda_graphs(self) -> None:
-        if self.local.graph_runner is not None:
+        """The warm start on every rank in step (the eager warm-up runs collectives even without graphs)."""
+        if self.local.device.type == 'cuda':
             self._step(('capture',), self.local.capture_cuda_graphs)
 
     def sample(self, logits, sampling) -> ForwardOutput:

@@ -1,8 +1,6 @@
 """Qwen3 dense decoder (`Qwen3ForCausalLM`): GQA attention with per-head q/k RMSNorm, SwiGLU MLP."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -11,11 +9,10 @@ from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.linear import Embedding, Linear, MergedLinear
-from ..nn.lora import lora_step
 from ..nn.norm import RMSNorm
 from ..nn.parallel import AllReduce
 from ..nn.rotary import RotaryEmbedding
-from .weight_loading import load_weights
+from .causal_lm import CausalLM
 
 
 def head_dim_of(cfg) -> int:
@@ -82,10 +79,7 @@ class Qwen3Model(nn.Module):
         return self.norm(x)
 
 
-class Qwen3ForCausalLM(nn.Module):
-
-    stacked_params = [('qkv_proj', 'q_proj', 0), ('qkv_proj', 'k_proj', 1), ('qkv_proj', 'v_proj', 2),
-                      ('gate_up_proj', 'gate_proj', 0), ('gate_up_proj', 'up_proj', 1)]
+class Qwen3ForCausalLM(CausalLM):
 
     def __init__(self, hf_config):
         super().__init__()
@@ -94,8 +88,8 @@ class Qwen3ForCausalLM(nn.Module):
             raise NotImplementedError(f'Qwen3 layer types {sorted(unsupported)} are not supported')
         self.config = hf_config
         self.model = Qwen3Model(hf_config)
-        self.tie_word_embeddings = bool(getattr(hf_config, 'tie_word_embeddings', False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
+        self.init_lm_head(hf_config.hidden_size, hf_config.vocab_size,
+                          bool(getattr(hf_config, 'tie_word_embeddings', False)))
 
     @staticmethod
     def build_model_config(hf_config, dtype: str, state_dtype: str = 'float32') -> ModelConfig:
@@ -105,24 +99,3 @@ class Qwen3ForCausalLM(nn.Module):
             attn_layer_ids=tuple(range(hf_config.num_hidden_layers)), num_kv_heads=hf_config.num_key_value_heads,
             head_dim=head_dim_of(hf_config), dtype=dtype,
             max_position_embeddings=getattr(hf_config, 'max_position_embeddings', 32768))
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        with lora_step(ctx.inputs):
-            return self.model(ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
-
-    def rename_weight(self, name: str) -> str | None:
-        """Checkpoint name -> model name, or None to drop it (a tied `lm_head` duplicates the embedding)."""
-        if self.tie_word_embeddings and name.startswith('lm_head.'):
-            return None
-        return name
-
-    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **fp8) -> None:
-        """All checkpoint tensors; `fp8` as `weight_loading.load_weights` takes it."""
-        load_weights(self, weights, self.stacked_params, self.rename_weight, self.convert_weight, **fp8)

@@ -12,7 +12,7 @@ Qwen3-Next checkpoints interleave those per key head; `Qwen3NextForCausalLM` reo
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,8 +28,8 @@ from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
 from ..nn.parallel import AllReduce
 from ..nn.rotary import RotaryEmbedding
+from .causal_lm import CausalLM
 from .mtp import MTPHead, mtp_num_layers_of
-from .weight_loading import StackedMapping, load_weights
 
 LINEAR_ATTENTION = 'linear_attention'
 FULL_ATTENTION = 'full_attention'
@@ -192,20 +192,16 @@ class HybridModel(nn.Module):
         return x
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(CausalLM):
     """Shared causal-LM wrapper of the hybrid models; subclasses choose the MLPs and map checkpoint names."""
-
-    stacked_params: StackedMapping = [
-        ('qkv_proj', 'q_proj', 0), ('qkv_proj', 'k_proj', 1), ('qkv_proj', 'v_proj', 2),
-        ('gate_up_proj', 'gate_proj', 0), ('gate_up_proj', 'up_proj', 1)]
 
     def __init__(self, hf_config):
         super().__init__()
         self.config = cfg = self.text_config_of(hf_config)
         self.model = HybridModel(cfg, self.make_mlp, self.moe_layer_ids(cfg))
         tie = getattr(hf_config, 'tie_word_embeddings', None)  # the top-level config decides for VL checkpoints
-        self.tie_word_embeddings = bool(getattr(cfg, 'tie_word_embeddings', False) if tie is None else tie)
-        self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.init_lm_head(cfg.hidden_size, cfg.vocab_size,
+                          bool(getattr(cfg, 'tie_word_embeddings', False) if tie is None else tie))
         self.mtp: MTPHead | None = None  # built by `enable_mtp` (speculative decoding with method 'mtp')
 
     def enable_mtp(self) -> int:
@@ -225,9 +221,16 @@ class HybridForCausalLM(nn.Module):
 
     def forward_with_hidden(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed hidden states for the logits, pre-norm hidden states for the MTP head), both [T, H]."""
+        hidden = self.pre_norm_hidden(ctx)
+        return self.final_norm(hidden), hidden
+
+    def pre_norm_hidden(self, ctx: StepContext) -> torch.Tensor:
+        """The last decoder layer's output [T, H] (what the MTP head reads; `final_norm` of it is `forward`)."""
         with lora_step(ctx.inputs):
-            hidden = self.model.hidden_states(ctx)
-            return self.model.norm(hidden), hidden
+            return self.model.hidden_states(ctx)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
 
     def draft_hidden(self, prev_hidden: torch.Tensor, ctx: StepContext, step: int = 0) -> torch.Tensor:
         """The MTP head's normed hidden states (see `MTPHead.forward`); logits via `compute_logits`."""
@@ -266,29 +269,6 @@ class HybridForCausalLM(nn.Module):
             max_position_embeddings=getattr(cfg, 'max_position_embeddings', 32768),
             recurrent_layer_ids=linear, state_specs=specs, moe_layer_ids=moe,
             moe_top_k=cfg.num_experts_per_tok if moe else 0)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        with lora_step(ctx.inputs):
-            return self.model(ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
-
-    # ---- weights ----------------------------------------------------------------------------------------------
-    def rename_weight(self, name: str) -> str | None:
-        """Checkpoint name -> model name, or None to drop it (a tied `lm_head` duplicates the embedding)."""
-        if self.tie_word_embeddings and name.startswith('lm_head.'):
-            return None
-        return name
-
-    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Hook for checkpoint tensors whose layout differs from ours (identity here)."""
-        return tensor
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **fp8) -> None:
-        """All checkpoint tensors; `fp8` as `weight_loading.load_weights` takes it."""
-        load_weights(self, weights, self.stacked_params, self.rename_weight, self.convert_weight, **fp8)
 
 
 # ---- Qwen3-Next ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .blocked_fp8 import quant_fp8
 from .launch import fast_kernel
-from .moe import _align_pairs, _block_sizes
+from .moe import _align_pairs, _block_sizes, moe_block, store_routed, store_swiglu
 
 
 @fast_kernel
@@ -27,16 +27,11 @@ def _moe_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_pairs_ptr, 
                        inter, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
                        TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, inter,
+                                                              BLOCK_M, BLOCK_N)
     if expert >= NUM_EXPERTS:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    row_mask = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < inter
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     w_base = w_ptr + expert * stride_we + offs_k[:, None]
@@ -61,11 +56,7 @@ def _moe_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_pairs_ptr, 
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-    act = gate * tl.sigmoid(gate) * up
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_swiglu(acc_gate, acc_up, out_ptr, rows, cols, row_mask, col_mask, stride_ot)
 
 
 @fast_kernel
@@ -74,15 +65,10 @@ def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sor
                          num_pairs, hidden, inter, stride_at, stride_ast, stride_we, stride_wn, stride_wse,
                          stride_wsn, stride_ot, NUM_EXPERTS: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
+                                                              BLOCK_M, BLOCK_N)
     if expert >= NUM_EXPERTS:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    row_mask = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
@@ -98,10 +84,7 @@ def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sor
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    route = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
-    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, stride_ot)
 
 
 def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

@@ -8,6 +8,8 @@ The batch is packed varlen: sequence b owns tokens `[cu_seqlens[b], cu_seqlens[b
    `y[:, i R:(i + 1) R] B_i[slot]^T` to its tile of `out`, in place (every element of `out` has exactly one owner,
    so no atomics).
 
+Both are the same segmented tile GEMM (`_sgmv_kernel`); the expand adds to its output (`ACCUMULATE`).
+
 Programs of base-model sequences (slot 0) and of tiles past their sequence's end exit at once, and they never
 write: shrink rows of base sequences are left unwritten because no expand reads them. Grid sizes come from host
 shapes and `max_seqlen`, so launches never synchronise and replay inside CUDA graphs (where `max_seqlen` is the
@@ -24,9 +26,11 @@ from .launch import fast_kernel
 
 @fast_kernel
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seq_slots_ptr, cu_seqlens_ptr, in_features, stacked_rank,
-                        stride_xt, stride_as, stride_ar, stride_yt, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _sgmv_kernel(x_ptr, w_ptr, out_ptr, seq_slots_ptr, cu_seqlens_ptr, depth, width, stride_xt, stride_ws,
+                 stride_wn, stride_ot, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[rows, cols] (+)= x[rows, :depth] W[slot][cols, :depth]^T for one sequence's token tile and column tile:
+    the shrink (W = A, out = y, stored) and each expand slice (W = B_i, x = y_i, added to out)."""
     seq = tl.program_id(0)
     slot = tl.load(seq_slots_ptr + seq).to(tl.int64)
     start = tl.load(cu_seqlens_ptr + seq)
@@ -37,53 +41,23 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seq_slots_ptr, cu_seqlens_ptr, in_f
     rows = first + tl.arange(0, BLOCK_M)
     row_mask = rows < end
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < stacked_rank
+    col_mask = cols < width
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
-    a_ptrs = a_ptr + slot * stride_as + cols[None, :] * stride_ar + offs_k[:, None]
+    w_ptrs = w_ptr + slot * stride_ws + cols[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        k_mask = offs_k < in_features - k0
+    for k0 in range(0, depth, BLOCK_K):
+        k_mask = offs_k < depth - k0
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(a_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(x, a.to(x.dtype), acc, input_precision=PRECISION)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_yt + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@fast_kernel
-@triton.jit
-def _sgmv_expand_kernel(y_ptr, b_ptr, out_ptr, seq_slots_ptr, cu_seqlens_ptr, rank, out_features,
-                        stride_yt, stride_bs, stride_bo, stride_ot, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    seq = tl.program_id(0)
-    slot = tl.load(seq_slots_ptr + seq).to(tl.int64)
-    start = tl.load(cu_seqlens_ptr + seq)
-    end = tl.load(cu_seqlens_ptr + seq + 1)
-    first = start + tl.program_id(1) * BLOCK_M
-    if slot == 0 or first >= end:
-        return
-    rows = first + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < out_features
-    offs_r = tl.arange(0, BLOCK_R)
-    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_yt + offs_r[None, :]
-    b_ptrs = b_ptr + slot * stride_bs + cols[None, :] * stride_bo + offs_r[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r_mask = offs_r < rank - r0
-        y = tl.load(y_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(y, b.to(y.dtype), acc, input_precision=PRECISION)
-        y_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R
+        w_ptrs += BLOCK_K
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
-    current = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (current + acc).to(out_ptr.dtype.element_ty), mask=mask)
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _block_m(max_seqlen: int) -> int:
@@ -114,16 +88,16 @@ def sgmv_lora(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     tiles = triton.cdiv(max_seqlen, block_m)
     y = torch.empty(num_tokens, stacked_rank, dtype=x.dtype, device=x.device)
     block_n = 16 if stacked_rank <= 16 else 32 if stacked_rank <= 32 else 64
-    _sgmv_shrink_kernel[(num_seqs, tiles, triton.cdiv(stacked_rank, block_n))](
-        x, lora_a, y, seq_slots, cu_seqlens, in_features=in_features, stacked_rank=stacked_rank,
-        stride_xt=x.stride(0), stride_as=lora_a.stride(0), stride_ar=lora_a.stride(1), stride_yt=y.stride(0),
+    _sgmv_kernel[(num_seqs, tiles, triton.cdiv(stacked_rank, block_n))](
+        x, lora_a, y, seq_slots, cu_seqlens, depth=in_features, width=stacked_rank, stride_xt=x.stride(0),
+        stride_ws=lora_a.stride(0), stride_wn=lora_a.stride(1), stride_ot=y.stride(0), ACCUMULATE=False,
         PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=4)
     start = 0
     for i, size in enumerate(slice_sizes):
         y_i, b_i, out_i = y[:, i * rank:(i + 1) * rank], lora_b[:, start:start + size], out[:, start:start + size]
-        _sgmv_expand_kernel[(num_seqs, tiles, triton.cdiv(size, 64))](
-            y_i, b_i, out_i, seq_slots, cu_seqlens, rank=rank, out_features=size, stride_yt=y_i.stride(0),
-            stride_bs=b_i.stride(0), stride_bo=b_i.stride(1), stride_ot=out_i.stride(0), PRECISION=precision,
-            BLOCK_M=block_m, BLOCK_N=64, BLOCK_R=16, num_warps=4)
+        _sgmv_kernel[(num_seqs, tiles, triton.cdiv(size, 64))](
+            y_i, b_i, out_i, seq_slots, cu_seqlens, depth=rank, width=size, stride_xt=y_i.stride(0),
+            stride_ws=b_i.stride(0), stride_wn=b_i.stride(1), stride_ot=out_i.stride(0), ACCUMULATE=True,
+            PRECISION=precision, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=16, num_warps=4)
         start += size
     return out

@@ -30,22 +30,51 @@ from .moe_align import align_pairs, align_pairs_reference
 _TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'torch') == 'triton'
 
 
+@triton.jit
+def moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, num_cols, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """The program's row block (its expert; each row's pair, or the sentinel `num_pairs` in padding) and column
+    tile. A block past the end has expert E: the caller exits on it (the loads stay inside the padded buffers)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, pairs, pairs < num_pairs, cols, cols < num_cols
+
+
+@triton.jit
+def store_swiglu(acc_gate, acc_up, out_ptr, rows, cols, row_mask, col_mask, stride_ot):
+    """`silu(gate) * up` into rows `rows` (sorted order) of the intermediate, with the gate and up projections
+    rounded to the activation dtype first, like the reference."""
+    gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, stride_ot):
+    """Row `pair` of the per-pair output: the down projection (rounded to the output dtype) times the pair's
+    routing weight (in that dtype), like the reference."""
+    route = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
 @fast_kernel
 @triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
                    stride_xt, stride_we, stride_wn, stride_wk, stride_ot, TOP_K: tl.constexpr,
                    NUM_EXPERTS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, inter,
+                                                              BLOCK_M, BLOCK_N)
     if expert >= NUM_EXPERTS:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    row_mask = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < inter
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
@@ -65,12 +94,7 @@ def _moe_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, nu
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    # round like the reference (gate/up projections in the activation dtype), then SwiGLU in float32
-    gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-    act = gate * tl.sigmoid(gate) * up
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_swiglu(acc_gate, acc_up, out_ptr, rows, cols, row_mask, col_mask, stride_ot)
 
 
 @fast_kernel
@@ -79,15 +103,10 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block
                      inter, stride_at, stride_we, stride_wn, stride_wk, stride_ot, NUM_EXPERTS: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
+                                                              BLOCK_M, BLOCK_N)
     if expert >= NUM_EXPERTS:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    row_mask = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -99,11 +118,7 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block
         acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    # reference: hidden (rounded to x dtype) * routing weight (in x dtype)
-    route = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
-    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, stride_ot)
 
 
 def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

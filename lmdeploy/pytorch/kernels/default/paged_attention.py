@@ -9,12 +9,14 @@ import torch
 
 def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' K/V ([T, H, D]) into the pool at `slot_mapping` (page * page_size + offset)."""
+    """Write new tokens' K/V ([T, H, D]) into the pool at `slot_mapping` (page * page_size + offset); a negative
+    slot (padding) writes nothing, as in the CUDA kernels."""
     page_size = k_cache.size(1)
-    pages = slot_mapping // page_size
-    offsets = slot_mapping % page_size
-    k_cache[pages, offsets] = k.to(k_cache.dtype)
-    v_cache[pages, offsets] = v.to(v_cache.dtype)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    pages, offsets = slots // page_size, slots % page_size
+    k_cache[pages, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[pages, offsets] = v[keep].to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""Start-up warm-up of the eager forward: every Triton specialization and autotuning an eager forward can hit is paid
+at start-up, on all-padding inputs, so that no request pays for compilation.
+
+Owns: the warm-up shapes and their padding inputs. Used once by `ModelAgent.capture_cuda_graphs` (CUDA, before
+the graphs are captured); never touches scheduler state.
+
+Triton compiles one binary per specialization of a kernel's integer arguments (equal to 1, divisible by 16, or
+neither) and fla autotunes a kernel at its first call per key. An eager forward feeds `T` tokens of `B` sequences,
+`1 <= B <= T <= max_tokens`, and the integer arguments of its kernels are `T`, `B` and multiples of them; so the
+shapes cover `T` and `B` in each class (`warm_up_shapes`): decode batches (`T == B`: 1, 3, 16 sequences), one
+sequence of a multiple-of-16 and of an odd length, several sequences (prefill + decodes) of both, and the largest
+forward (`max_tokens`, which also sizes the caching allocator for it).
+
+Padding writes nothing a sequence owns (the contract of the graph warm-up in `engine/cuda_graph.py`): no KV
+(`slot_mapping = -1`), only the dummy state row 0 (every sequence fresh, so it is never read), block tables of
+zeros (attention reads page 0, an existing page, within a table as wide as the longest sequence).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model_inputs import ModelInputs
+
+
+def _not_16(n: int) -> int:
+    """The largest count <= n that is neither 1 nor a multiple of 16 (n itself when it already is), at least 2."""
+    n = max(2, n)
+    return n - 1 if n % 16 == 0 else n
+
+
+def warm_up_shapes(max_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Per warm-up forward, the new tokens of each sequence (see the module docstring), distinct, in a fixed order."""
+    if max_tokens <= 0 or max_batch_size <= 0:
+        return []
+    shapes = [[1]]
+    few = min(3, max_batch_size, max_tokens)
+    many = min(16, max_batch_size, max_tokens)
+    shapes += [[1] * few, [1] * many]                                   # decode batches
+    top = max(1, max_tokens // 16 * 16)
+    odd = _not_16(min(max_tokens, 1000))
+    shapes += [[min(top, max_tokens)], [min(odd, max_tokens)], [max_tokens]]   # one sequence
+    for total in (top, odd):                                            # a prefill beside decodes
+        for seqs in (few, many):
+            if seqs > 1 and total > seqs:
+                shapes.append([total - seqs + 1] + [1] * (seqs - 1))
+    unique = []
+    for shape in shapes:
+        if shape not in unique and sum(shape) <= max_tokens:
+            unique.append(shape)
+    return unique
+
+
+def padding_inputs(q_lens: list[int], kernel_block_size: int, has_lora: bool = False) -> ModelInputs:
+    """Host `ModelInputs` of fresh all-padding sequences of `q_lens` tokens (see the module docstring)."""
+    num_tokens, batch = sum(q_lens), len(q_lens)
+    lens = torch.tensor(q_lens, dtype=torch.int64)
+    cu = torch.zeros(batch + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    pages = -(-max(q_lens) // kernel_block_size)
+    return ModelInputs(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        position_ids=torch.cat([torch.arange(n, dtype=torch.int64) for n in q_lens]),
+        q_lens=lens, kv_lens=lens.clone(), cu_seqlens_q=cu, block_tables=torch.zeros(batch, pages, dtype=torch.int64),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64), logits_indices=cu[1:] - 1,
+        state_ids=torch.zeros(batch, dtype=torch.int64), is_fresh=torch.ones(batch, dtype=torch.bool),
+        q_lens_list=list(q_lens), kv_lens_list=list(q_lens), max_seqlen_q=max(q_lens), max_seqlen_k=max(q_lens),
+        lora_ids=torch.zeros(batch, dtype=torch.int64) if has_lora else None)
