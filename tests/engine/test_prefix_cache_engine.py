@@ -390,7 +390,7 @@ def test_eviction_under_tiny_pools_keeps_outputs_and_invariants(model_path, arch
             detached.append(node)
             detach(node)
 
-        evict_leaf = trie.evict_leaf
+        evict_leaf = trie.eviction.evict_leaf
 
         def checked_evict_leaf(priority, leaf):
             # Partial checkpoints and leaves compete in one order: none of lower or equal priority remains.
@@ -399,7 +399,8 @@ def test_eviction_under_tiny_pools_keeps_outputs_and_invariants(model_path, arch
             assert not cheaper, 'a trie leaf was evicted before a partial checkpoint of no higher priority'
             evict_leaf(priority, leaf)
 
-        lifecycle.release, trie.kv.detach, trie.evict_leaf = checked_release, checked_detach, checked_evict_leaf
+        lifecycle.release, trie.kv.detach = checked_release, checked_detach
+        trie.eviction.evict_leaf = checked_evict_leaf
 
     def after_step():
         if trie.checkpoints is not None:

@@ -187,7 +187,7 @@ class PagingMachine(RuleBasedStateMachine):
             detach(node)
 
         trie.kv.detach = checked_detach
-        evict_leaf = trie.evict_leaf
+        evict_leaf = trie.eviction.evict_leaf
 
         def checked_evict_leaf(priority, leaf):
             # One order: the leaf is the lowest-priority candidate; partial checkpoints win ties.
@@ -198,7 +198,7 @@ class PagingMachine(RuleBasedStateMachine):
                 assert not cheaper, 'a trie leaf was evicted before a partial checkpoint of no higher priority'
             evict_leaf(priority, leaf)
 
-        trie.evict_leaf = checked_evict_leaf
+        trie.eviction.evict_leaf = checked_evict_leaf
         if lifecycle is None:
             return
         release = lifecycle.release
