@@ -3,6 +3,7 @@ block / state-slot accounting checked after every step, and warm runs compared w
 
 Geometry: block_size B = 16, kernel pages of 8 tokens (2 pages per block). A warm run's logits cover the tokens it
 actually feeds (`prompt[cached:]` plus the generated ones but the last); the control's cover the whole prompt.
+Test modules import the fixtures `model_path_fixture` and `single_thread_fixture` (autouse) from here.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from engines import engine_factory
 from numeric import assert_close
@@ -33,11 +35,22 @@ BASE = dict(prefix_cache_reply_checkpoints=False, prefix_cache_prompt_logits=Fal
 @contextlib.contextmanager
 def one_torch_thread() -> Iterator[None]:
     """Tiny models gain nothing from intra-op threads, and spinning OpenMP workers slow the run ~10x on a shared
-    CPU (each test module holds this for its whole run, as an autouse fixture)."""
+    CPU (the autouse fixture `single_thread` holds it for a whole test module)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope='module', autouse=True, name='single_thread')
+def single_thread_fixture():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope='module', name='model_path')
+def model_path_fixture(tiny_model_factory):
+    return lambda arch: tiny_model_factory(arch)
 
 
 make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,

@@ -4,7 +4,7 @@ in-prefill checkpoints (cuts inside a prefill chunk, on free state rows only); e
 from __future__ import annotations
 
 import pytest
-from prefix_cache_runs import (
+from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
     BASE,
     HYBRID,
     NO_REPLY,
@@ -15,22 +15,12 @@ from prefix_cache_runs import (
     ids,
     live_steps,
     make_engine,
+    model_path_fixture,
     one,
-    one_torch_thread,
+    single_thread_fixture,
 )
 
 from lmdeploy.pytorch.engine.engine import Engine
-
-
-@pytest.fixture(scope='module', autouse=True)
-def single_thread():
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope='module')
-def model_path(tiny_model_factory):
-    return lambda arch: tiny_model_factory(arch)
 
 
 # ---- checkpoint modes on a multi-turn chat ------------------------------------------------------------------------

@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefix_cache_runs import (
+from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
     HYBRID,
     B,
     check_against_cold,
     generate,
     ids,
     make_engine,
+    model_path_fixture,
     one,
-    one_torch_thread,
+    single_thread_fixture,
 )
 
 from lmdeploy.pytorch.kernels.default import paged_attention
-
-
-@pytest.fixture(scope='module', autouse=True)
-def single_thread():
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope='module')
-def model_path(tiny_model_factory):
-    return lambda arch: tiny_model_factory(arch)
 
 
 @pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5'])

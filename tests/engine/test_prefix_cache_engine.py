@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 from numeric import assert_close
-from prefix_cache_runs import (
+from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
     ARCHS,
     ATOL,
     BASE,
@@ -33,8 +33,9 @@ from prefix_cache_runs import (
     ids,
     live_steps,
     make_engine,
+    model_path_fixture,
     one,
-    one_torch_thread,
+    single_thread_fixture,
 )
 
 import lmdeploy
@@ -42,17 +43,6 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
 from lmdeploy.pytorch.paging.scheduler import SchedulerOutput
-
-
-@pytest.fixture(scope='module', autouse=True)
-def single_thread():
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope='module')
-def model_path(tiny_model_factory):
-    return lambda arch: tiny_model_factory(arch)
 
 
 # ---- exact cached_tokens for designed geometries ----------------------------------------------------------------
