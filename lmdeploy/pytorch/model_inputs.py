@@ -66,11 +66,19 @@ class ModelInputs:
     kv_lens_list: list[int] = field(default_factory=list)
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # False in CUDA-graph views, whose host lists and max_seqlen_* are shape placeholders (upper bounds): a kernel
+    # choice that needs the real host lengths must check it.
+    host_lens_exact: bool = True
     # LoRA: adapter slot of each sequence [B] int64 (0 = the base model; see `nn.lora`). None: no sequence of this
     # forward uses an adapter, and LoRA layers skip their adapters entirely.
     lora_ids: torch.Tensor | None = None
     # In-prefill state checkpoints (None: none this forward).
     state_cuts: StateCuts | None = None
+    # Verify forwards of K drafts per sequence, on the device ([B, K] int64; None elsewhere): every sequence feeds
+    # exactly K + 1 tokens (packed in order) and the state after its first j + 1 tokens also goes to pool row
+    # `draft_state_slots[b, j]`. The same cuts as `state_cuts` at offsets 1 .. K, with a structure fixed by the
+    # shape alone, so CUDA graphs can replay them (`nn.draft_cuts`).
+    draft_state_slots: torch.Tensor | None = None
     # M-RoPE positions [3, T] (temporal, height, width) when this forward feeds image tokens; None otherwise, and
     # then `position_ids` (which already include each sequence's image offset) serve all three axes.
     mrope_position_ids: torch.Tensor | None = None

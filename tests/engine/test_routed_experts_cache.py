@@ -152,10 +152,12 @@ def _walk(node):
 
 
 @pytest.mark.gpu
-def test_cuda_hits_replay_routes_that_match_transformers(moe):
+def test_cuda_hits_replay_routes_that_match_the_cpu_engine(moe):
     # float32 on the GPU, CUDA graphs on (decodes replay graphs that record): the warm request's rows, replayed
-    # ones included, against the reference's router top-k (near-ties skipped)
-    path, model = moe
+    # ones included, against the CPU engine (default backend, cache off), teacher-forced on the GPU run's tokens.
+    # The CPU engine is the reference because with fla-core installed transformers binds fla's kernels, which fail
+    # on CPU tensors; the CPU tests above check the CPU engine's routes against transformers' router top-k.
+    path, _ = moe
     engine = make_engine(path, cache=True, device_type='cuda', dtype='float32')
     first = prompt(21, seed=3)
     run(engine, first)
@@ -163,4 +165,8 @@ def test_cuda_hits_replay_routes_that_match_transformers(moe):
     hot = run(engine, second)
     assert hot.final.num_cached == 21
     assert engine.agent.graph_runner.num_replays > 0
-    assert_routes_match(hot.final.routed_experts, reference_routes(model, (second + hot.tokens)[:-1]), 2)
+    tokens = second + hot.tokens
+    ref = run(make_engine(path, cache=False), tokens[:-1], n=1).final.routed_experts
+    got = hot.final.routed_experts
+    assert got.shape == ref.shape == (len(tokens) - 1, 3, 2)
+    np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(ref, axis=-1))

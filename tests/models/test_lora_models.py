@@ -209,9 +209,20 @@ def test_chunked_prefill_beside_decodes_under_mixed_adapters_matches_peft(built,
         assert_close(logits, ref, atol=ATOL, rtol=0, what=f'{adapter} ({len(tokens)} tokens)')
 
 
+def rms(x: torch.Tensor) -> float:
+    return x.float().pow(2).mean().sqrt().item()
+
+
+BF16_RMS = 5e-2   # bf16 vs float32 logits after 3 layers, RMS error / RMS logits (the CPU engine in bf16: 2.3-2.9%)
+
+
 @pytest.mark.gpu
-def test_cuda_graphs_with_lora_match_eager_in_bf16(built):
-    # bf16: hybrid prefills and decodes replay graphs (fla), whose static buffers must carry each row's adapter slot
+def test_cuda_graphs_with_lora_stay_near_float32_with_their_own_adapter_in_bf16(built):
+    # bf16: hybrid prefills and decodes replay graphs (fla), whose static buffers must carry each row's adapter slot.
+    # Graphs and eager round differently in bf16 (padded batches pick other GEMM tiles; graphs run the token-by-token
+    # gated delta rule), so neither is the other's reference: both are compared with the float32 engine, teacher-
+    # forced on the row's tokens under every adapter. Each must be within bf16 rounding of its own adapter's float32
+    # logits and far nearer to them than to any other adapter's (a stale or wrong slot lands near another's).
     b = built('qwen3_5')
     adapters = ['a', None, 'b']
     requests = [(prompt(9 + 4 * i, seed=70 + i), a) for i, a in enumerate(adapters)]
@@ -221,6 +232,17 @@ def test_cuda_graphs_with_lora_match_eager_in_bf16(built):
         runs.append(generate(engine, requests, max_new_tokens=5))
         if not eager:
             assert engine.agent.graph_runner.num_replays > 0
-    for (tokens_e, logits_e), (tokens_g, logits_g) in zip(*runs):
+    fp32 = make_engine(b.base_path, cache=False, adapters=b.adapters, device_type='cuda', dtype='float32',
+                       eager_mode=True)
+    for adapter, (tokens_e, logits_e), (tokens_g, logits_g) in zip(adapters, *runs):
         assert tokens_e == tokens_g
-        assert_close(logits_g, logits_e, atol=2e-2, rtol=2e-2, what='graph vs eager logits')
+        forced = generate(fp32, [(tokens_e[:-1], a) for a in adapters], max_new_tokens=1)
+        ref = {a: logits for a, (_, logits) in zip(adapters, forced)}
+        own = ref[adapter]
+        nearest_other = min(rms(own - ref[a]) for a in adapters if a != adapter)
+        err = {'eager': rms(logits_e - own), 'graphs': rms(logits_g - own)}
+        print(f'\nadapter {adapter}: rms logits {rms(own):.3e}, bf16 vs fp32 rms err {err}, '
+              f'nearest other adapter {nearest_other:.3e}')
+        for mode, e in err.items():
+            assert e <= BF16_RMS * rms(own), f'{mode} ({adapter}): rms err {e:.3e} vs rms logits {rms(own):.3e}'
+            assert e < 0.1 * nearest_other, f'{mode} ({adapter}): {e:.3e} vs another adapter at {nearest_other:.3e}'

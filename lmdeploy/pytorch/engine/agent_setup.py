@@ -72,14 +72,15 @@ def free_memory(cfg: PytorchEngineConfig, device: torch.device, workers: TPWorke
 
 def make_agent_spec(cfg: PytorchEngineConfig, cache_config: CacheConfig, model_config: ModelConfig,
                     session_len: int, has_lora: bool) -> AgentSpec:
-    """Every rank's pool geometry and graph buckets. Speculative steps run eagerly (the verify forward keeps
-    pre-norm hidden states and cuts states per draft), so speculation turns the CUDA graphs off."""
-    use_graphs = cfg.device_type == 'cuda' and not cfg.eager_mode and not num_draft_tokens(cfg)
+    """Every rank's pool geometry and graph buckets; a speculative engine also replays graphs of its verify
+    forwards and draft head (`spec_graphs.py`)."""
+    use_graphs = cfg.device_type == 'cuda' and not cfg.eager_mode
     return AgentSpec(
         cache_config, cfg.device_type, record_routed_experts=cfg.enable_return_routed_experts,
         cuda_graph_batch_size=cfg.max_batch_size if use_graphs else 0,
         max_pages_per_seq=-(-session_len // cache_config.kernel_block_size), has_lora=has_lora,
         max_prefill_tokens=cfg.max_prefill_token_num, max_batch_size=cfg.max_batch_size,
+        num_draft_tokens=num_draft_tokens(cfg),
         vision_cache_bytes=cfg.vision_encoder_cache_mb << 20 if model_config.image_token_id is not None else 0)
 
 

@@ -25,6 +25,7 @@ class AgentSpec:
     vision_cache_bytes: int = 0
     max_prefill_tokens: int = 8192
     max_batch_size: int = 1  # the scheduler's; bounds the eager warm-up's batches (`warm_start.py`)
+    num_draft_tokens: int = 0  # MTP speculative decoding (K drafts per verify; 0: off)
 
 
 def build_agent(model: nn.Module, model_config: ModelConfig, spec: AgentSpec, device: torch.device
@@ -35,5 +36,6 @@ def build_agent(model: nn.Module, model_config: ModelConfig, spec: AgentSpec, de
     agent = ModelAgent(model, cache_engine, backend, device, cuda_graph_batch_size=spec.cuda_graph_batch_size,
                        max_pages_per_seq=spec.max_pages_per_seq, record_routed_experts=spec.record_routed_experts,
                        has_lora=spec.has_lora, vision_cache_bytes=spec.vision_cache_bytes,
-                       max_prefill_tokens=spec.max_prefill_tokens, max_batch_size=spec.max_batch_size)
+                       max_prefill_tokens=spec.max_prefill_tokens, max_batch_size=spec.max_batch_size,
+                       num_draft_tokens=spec.num_draft_tokens)
     return cache_engine, agent

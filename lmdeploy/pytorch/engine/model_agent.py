@@ -21,11 +21,13 @@ from torch import nn
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from ..nn.blocked_fp8 import fp8_linear_shapes
+from .async_scheduling import DeviceTokens, TokenFeed
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
 from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
+from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
 from .warm_start import padding_inputs, warm_up_sampling, warm_up_shapes
@@ -34,11 +36,15 @@ logger = logging.getLogger('lmdeploy')
 
 
 class ForwardOutput:
-    __slots__ = ('next_token_ids', 'logprobs', 'logits', 'routed_experts')
+    __slots__ = ('next_token_ids', 'logprobs', 'logits', 'routed_experts', 'sampled_ids')
 
-    def __init__(self, next_token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                 logits: torch.Tensor | None = None, routed_experts: np.ndarray | None = None):
+    def __init__(self, next_token_ids: list[int] | None, logprobs: list[dict[int, float]] | None,
+                 logits: torch.Tensor | None = None, routed_experts: np.ndarray | None = None,
+                 sampled_ids: DeviceTokens | None = None):
+        # The sampled ids on the host; None for a deferred forward until `resolve()` waits for them.
         self.next_token_ids = next_token_ids
+        # A deferred forward's sampled ids (device tensor + pending host copy), async scheduling.
+        self.sampled_ids = sampled_ids
         self.logprobs = logprobs
         # Logits of the sampled rows (float32, on the device), for callers that keep them.
         self.logits = logits
@@ -46,20 +52,29 @@ class ForwardOutput:
         # packed batch), or None when the forward did not record them.
         self.routed_experts = routed_experts
 
+    def resolve(self) -> list[int]:
+        """The sampled ids on the host (waits for a deferred forward's copy)."""
+        if self.next_token_ids is None:
+            self.next_token_ids = self.sampled_ids.tolist()
+        return self.next_token_ids
+
 
 class ModelAgent:
 
     def __init__(self, model: nn.Module, cache_engine: CacheEngine, backend: Backend, device: torch.device,
                  cuda_graph_batch_size: int = 0, max_pages_per_seq: int = 0, record_routed_experts: bool = False,
                  has_lora: bool = False, vision_cache_bytes: int = 0, max_prefill_tokens: int = 8192,
-                 max_batch_size: int = 1):
+                 max_batch_size: int = 1, num_draft_tokens: int = 0):
         """`cuda_graph_batch_size > 0` (CUDA only) replays decode batches of up to that many sequences through
         captured CUDA graphs whose block tables hold `max_pages_per_seq` kernel pages per sequence, and prefills /
         mixed batches of up to `max_prefill_tokens` prompt tokens plus a decode batch, within the largest prefill
         graph (`prefill_graph_tokens`).
         `record_routed_experts` (the engine flag) lets forwards record routed experts; graphs then always do.
         `has_lora`: the model has LoRA adapters attached (graphs then carry each row's adapter slot).
-        `vision_cache_bytes > 0` keeps encoded images by content hash (`VisionEncoderCache`)."""
+        `vision_cache_bytes > 0` keeps encoded images by content hash (`VisionEncoderCache`).
+        `num_draft_tokens > 0`: MTP speculative decoding with K drafts (`forward_verify`, `draft`); with graphs,
+        every graph of the target keeps its pre-norm hidden states (the head reads them) and the verify forward and
+        the head replay graphs of their own (`spec_graphs`)."""
         self.model = model
         self.vision_cache = VisionEncoderCache(vision_cache_bytes) if vision_cache_bytes > 0 else None
         self.cache_engine = cache_engine
@@ -75,20 +90,51 @@ class ModelAgent:
         self.max_forward_tokens = max(max_prefill_tokens, max_batch_size)
         self.max_batch_size = max_batch_size
         self.has_lora = has_lora
+        self.verify_graphs: VerifyGraphRunner | None = None
+        self.head_graphs: HeadGraphs | None = None
+        if num_draft_tokens:
+            self.enable_speculative(num_draft_tokens)
+        # with speculation the target's graphs end before the final norm (`spec.verify` / `run_model` apply it)
+        self._graphs_pre_norm = bool(num_draft_tokens)
+        target = model.pre_norm_hidden if num_draft_tokens else model
         if cuda_graph_batch_size > 0 and device.type == 'cuda':
             from ..backends.cuda import graph_gdr_chunked, prefill_graphs_supported
             cfg = cache_engine.model_config
             prefill_tokens = prefill_graph_tokens(max_prefill_tokens + cuda_graph_batch_size) \
                 if prefill_graphs_supported(getattr(torch, cfg.dtype), cfg.is_hybrid) else 0
-            self.graph_runner = CUDAGraphRunner(model, self._context, cuda_graph_batch_size, max_pages_per_seq,
+            self.graph_runner = CUDAGraphRunner(target, self._context, cuda_graph_batch_size, max_pages_per_seq,
                                                 device, max_prefill_tokens=prefill_tokens,
                                                 routes_shape=self.routes_shape, has_lora=has_lora,
                                                 chunk_indices=cfg.is_hybrid and graph_gdr_chunked(),
                                                 kernel_block_size=cache_engine.cache_config.kernel_block_size)
+            if num_draft_tokens:
+                self.verify_graphs, self.head_graphs = build_spec_graphs(
+                    model, self._context, cache_engine, cuda_graph_batch_size, max_pages_per_seq, num_draft_tokens,
+                    device, has_lora)
 
     def enable_speculative(self, num_draft_tokens: int) -> None:
-        """Verify and draft with the model's MTP head (`forward_verify`, `draft`)."""
-        self.spec = SpeculativeDecoder(self.model, self.cache_engine, self._sample, num_draft_tokens)
+        """Verify and draft with the model's MTP head (`forward_verify`, `draft`); graphs of the speculative steps
+        need `num_draft_tokens` at construction. Idempotent for the same K."""
+        if self.spec is None or self.spec.k != num_draft_tokens:
+            self.spec = SpeculativeDecoder(self.model, self.cache_engine, self._sample, num_draft_tokens)
+
+    def _target_hidden(self, inputs: ModelInputs) -> torch.Tensor:
+        """The target's pre-norm hidden states of a speculative step: a verify graph for a uniform verify
+        forward, a graph of the target's runner for the others it supports, else eager."""
+        if self.verify_graphs is not None:
+            size = self.verify_graphs.size_of(inputs)
+            if size is not None:
+                return self.verify_graphs.run(inputs, size)
+        if self.graph_runner is not None and inputs.draft_state_slots is None:
+            key = self.graph_runner.key_of(inputs)
+            if key is not None:
+                return self.graph_runner.run(inputs, key)
+        return self.model.pre_norm_hidden(self._context(inputs))
+
+    def _head_hidden(self, prev: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        """The draft head's normed hidden states: through its graphs where one fits, else eager."""
+        out = self.head_graphs.run(prev, inputs) if self.head_graphs is not None else None
+        return out if out is not None else self.model.draft_hidden(prev, self._context(inputs))
 
     def _context(self, inputs: ModelInputs, routed_experts: torch.Tensor | None = None) -> StepContext:
         return StepContext(inputs=inputs, kv_caches=self.cache_engine.kv_caches,
@@ -146,6 +192,8 @@ class ModelAgent:
         routes = None
         if key is not None:
             hidden = self.graph_runner.run(inputs, key)
+            if self._graphs_pre_norm:
+                hidden = self.model.final_norm(hidden)
             if inputs.record_routed_experts:
                 routes = self.graph_runner.routes_of(inputs)
         else:
@@ -181,6 +229,9 @@ class ModelAgent:
         if self.graph_runner is not None:
             with self.streams.forward():
                 self.graph_runner.capture_all()
+                if self.verify_graphs is not None:
+                    self.verify_graphs.capture_all()
+                    self.head_graphs.capture_all()
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -206,14 +257,23 @@ class ModelAgent:
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, sampling: SamplingInputs,
-                cache_inputs: CacheCheckpointInputs | None = None) -> ForwardOutput:
-        inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
+                cache_inputs: CacheCheckpointInputs | None = None, feed: TokenFeed | None = None,
+                defer: bool = False) -> ForwardOutput:
+        """`feed`: tokens sampled by the forward before, written into the inputs on the device (async scheduling).
+        `defer`: leave the sampled ids on the device with a pending host copy (`ForwardOutput.resolve`)."""
+        inputs, sampling, cache_inputs, feed = self.streams.to_device(inputs, sampling, cache_inputs, feed)
         with self.streams.forward():
+            stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs)
             if inputs.logits_indices.numel() == 0:
                 return ForwardOutput([], None, routed_experts=_routes_to_host(routes))
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            hidden = hidden[inputs.logits_indices]
+            if stopped is not None:
+                hidden = TokenFeed.blank(hidden, feed.logit_rows, stopped)
+            logits = self.model.compute_logits(hidden)
             next_ids, logprobs = self._sample(logits, sampling)
+            if defer:
+                return ForwardOutput(None, logprobs, logits, _routes_to_host(routes), DeviceTokens(next_ids))
             return ForwardOutput(next_ids.tolist(), logprobs, logits, _routes_to_host(routes))
 
     @torch.inference_mode()
@@ -221,14 +281,15 @@ class ModelAgent:
                        cache_inputs: CacheCheckpointInputs | None, plan: VerifyPlan,
                        params: list[SampleParams | None], collect: bool
                        ) -> tuple[VerifyOutput, CacheCheckpointInputs | None, torch.Tensor]:
-        """Speculative step, part 1 (`spec_decode`): restores, the target forward (eager: it keeps the pre-norm
-        hidden states), acceptance. Save copies wait for `draft`. Returns the verify output, the device copy plans
-        (for `draft`) and the logits at each sampled sequence's last real token."""
+        """Speculative step, part 1 (`spec_decode`): restores, the target forward (keeping its pre-norm hidden
+        states; graphs where they fit, `_target_hidden`), acceptance. Save copies wait for `draft`. Returns the
+        verify output, the device copy plans (for `draft`) and the logits at each sampled sequence's last real
+        token."""
         inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
         with self.streams.forward():
             self.restore(cache_inputs)
             self.embed_images(inputs)
-            out = self.spec.verify(self._context(inputs), plan, sampling, params, collect)
+            out = self.spec.verify(inputs, self._target_hidden, plan, sampling, params, collect)
             return out, cache_inputs, out.first_logits
 
     @torch.inference_mode()
@@ -243,7 +304,7 @@ class ModelAgent:
         with self.streams.forward():
             if fixups is not None:
                 self.cache_engine.copy_state_slots(fixups.state_restore_plan)
-            return self.spec.draft(self._context, plan, hidden, lambda step: self._context(chains[step - 1]),
+            return self.spec.draft(self._head_hidden, plan, hidden, lambda step: chains[step - 1],
                                    params, lambda: (self.save(cache_inputs), self.save(verified)))
 
     @torch.inference_mode()
@@ -264,15 +325,18 @@ class ModelAgent:
             self.save(cache_inputs)
 
     @torch.inference_mode()
-    def forward_logits(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None = None
-                       ) -> tuple[torch.Tensor, np.ndarray | None]:
+    def forward_logits(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None = None,
+                       feed: TokenFeed | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
         """Logits of every fed token on the host (teacher forcing, for tests and scoring) and the routed-experts
         record (None unless asked); caches are updated as usual. The copies to the host are queued on the forward
         stream: the forward stream does not synchronise with the default stream, so a copy queued there could read
         the logits before a replayed graph has written them."""
-        inputs, cache_inputs = self.streams.to_device(inputs, cache_inputs)
+        inputs, cache_inputs, feed = self.streams.to_device(inputs, cache_inputs, feed)
         with self.streams.forward():
+            stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs)
+            if stopped is not None:
+                hidden = TokenFeed.blank(hidden.clone(), feed.token_rows, stopped)
             return self.model.compute_logits(hidden).cpu(), _routes_to_host(routes)
 
 

@@ -81,15 +81,16 @@ class SpeculativeDecoder:
         self.draft_override: DraftOverride | None = None
 
     # ---- verify -------------------------------------------------------------------------------------------------
-    def verify(self, ctx, plan: VerifyPlan, sampling: SamplingInputs, params: list[SampleParams | None],
-               collect: bool) -> VerifyOutput:
-        """`ctx` is the target's step context (restores already queued); `params[i]` is None for greedy rows."""
+    def verify(self, inputs: ModelInputs, target_hidden: Callable[[ModelInputs], torch.Tensor], plan: VerifyPlan,
+               sampling: SamplingInputs, params: list[SampleParams | None], collect: bool) -> VerifyOutput:
+        """`inputs` on the device (restores already queued); `target_hidden(inputs)` runs the target forward and
+        gives its pre-norm hidden states (graph or eager); `params[i]` is None for greedy rows."""
         dev = self.cache.device
         hidden_cache = self.cache.mtp_hidden
         overlap = hidden_cache[torch.tensor(plan.overlap_slots, dtype=torch.int64, device=dev)].clone() \
             if plan.overlap_slots else hidden_cache[:0]
-        normed, pre = self.model.forward_with_hidden(ctx)
-        inputs = ctx.inputs
+        pre = target_hidden(inputs)
+        normed = self.model.final_norm(pre)
         hidden_cache.index_copy_(0, inputs.state_ids, pre[plan.hidden_rows.to(dev)].to(hidden_cache.dtype))
         if plan.cut_slots.numel():
             hidden_cache.index_copy_(0, plan.cut_slots.to(dev), pre[plan.cut_rows.to(dev)].to(hidden_cache.dtype))
@@ -148,14 +149,15 @@ class SpeculativeDecoder:
         return {i: tokens[r][:num[r] + 1] for r, i in enumerate(rows)}
 
     # ---- draft --------------------------------------------------------------------------------------------------
-    def draft(self, make_ctx, plan: HeadPlan, hidden: torch.Tensor, chain_inputs: Callable[[int], ModelInputs],
-              params: list[SampleParams | None], save: Callable[[], None]) -> tuple[list[list[int]], list]:
+    def draft(self, head_hidden: Callable[[torch.Tensor, ModelInputs], torch.Tensor], plan: HeadPlan,
+              hidden: torch.Tensor, chain_inputs: Callable[[int], ModelInputs], params: list[SampleParams | None],
+              save: Callable[[], None]) -> tuple[list[list[int]], list]:
         """Catch-up, then `save()`, then the drafts of `plan.drafting` (greedy where `params[i]` is None, else drawn
-        from the head's processed distribution, which is returned for rejection sampling)."""
+        from the head's processed distribution, which is returned for rejection sampling). `head_hidden(prev,
+        inputs)` runs the head (graph or eager)."""
         out_hidden = None
         if plan.inputs is not None:
-            ctx = make_ctx(plan.inputs)
-            out_hidden = self.model.draft_hidden(hidden[plan.hidden_index.to(hidden.device)], ctx)
+            out_hidden = head_hidden(hidden[plan.hidden_index.to(hidden.device)], plan.inputs)
         save()
         if not plan.drafting:
             return [], []
@@ -163,9 +165,9 @@ class SpeculativeDecoder:
         drafts, probs = [], []
         for step in range(self.k):
             if step:
-                ctx = chain_inputs(step)
-                ctx.inputs.input_ids = drafts[-1]
-                prev = self.model.draft_hidden(prev, ctx)
+                inputs = chain_inputs(step)
+                inputs.input_ids = drafts[-1]
+                prev = head_hidden(prev, inputs)
             token, prob = self._draw(self.model.compute_logits(prev), params)
             drafts.append(token)
             probs.append(prob)

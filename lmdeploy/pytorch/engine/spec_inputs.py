@@ -75,6 +75,22 @@ def plan_verify(out: SchedulerOutput, inputs: ModelInputs, sampled: list[Schedul
         num_drafts=num_drafts, draft_ids=draft_ids, draft_probs=draft_probs)
 
 
+def uniform_draft_slots(out: SchedulerOutput, inputs: ModelInputs, k: int) -> torch.Tensor | None:
+    """The verify forward's cut slots `[B, K]` (`ModelInputs.draft_state_slots`) when every row feeds exactly K
+    drafts and the forward has no other state cut and no image; None otherwise (the cuts stay `state_cuts`)."""
+    if not k or not out.seqs or out.state_cuts or len(out.draft_cuts) != k * len(out.seqs):
+        return None
+    if inputs.mm_token_rows is not None or any(n != k + 1 for n in out.num_new_tokens):
+        return None
+    if any(out.drafts_of(b) != k for b in range(len(out.seqs))):
+        return None
+    row_of = {seq.seq_id: b for b, seq in enumerate(out.seqs)}
+    slots = np.zeros((len(out.seqs), k), dtype=np.int64)
+    for seq, step, slot in out.draft_cuts:
+        slots[row_of[seq.seq_id], step - seq.num_computed - 1] = slot
+    return torch.from_numpy(slots)
+
+
 class HeadPlan(NamedTuple):
     """The draft head's catch-up forward and who drafts after it."""
     inputs: ModelInputs | None     # None: no row to run

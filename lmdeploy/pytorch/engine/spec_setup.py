@@ -2,7 +2,7 @@
 engine's step calls. Holds no state.
 
 Order (`Engine.__init__`): `num_draft_tokens` before any weight is read (a refused combination costs no load) ->
-the model with its MTP head, the pools (room for the drafts), the agent without CUDA graphs (`make_agent_spec`) ->
+the model with its MTP head, the pools (room for the drafts), the agent with its graphs (`make_agent_spec`) ->
 `build_speculative` once the inputs maker exists. With speculation off both are no-ops: the engine's step then
 never enters `spec_step`.
 """

@@ -15,7 +15,7 @@ from ..paging.scheduler_output import SampledToken, SchedulerOutput, SequenceUpd
 from .cache_inputs import CacheCheckpointInputs
 from .engine_stats import SpecDecodeStats
 from .spec_decode import VerifyOutput, sample_params
-from .spec_inputs import VerifyPlan, can_speculate, plan_chain, plan_head, plan_verify
+from .spec_inputs import VerifyPlan, can_speculate, plan_chain, plan_head, plan_verify, uniform_draft_slots
 
 
 class SpecForwardResult:
@@ -51,6 +51,9 @@ class SpeculativeStep:
                 sampling: SamplingInputs, cache_inputs: CacheCheckpointInputs | None,
                 generators: dict[int, torch.Generator], collect: bool) -> SpecForwardResult:
         plan = plan_verify(sched, inputs, sampled)
+        slots = uniform_draft_slots(sched, inputs, self.k)
+        if slots is not None:  # the same cuts in the shape-only form (verify CUDA graphs replay it)
+            inputs.state_cuts, inputs.draft_state_slots = None, slots
         params = [None if seq.sampling.is_greedy else sample_params(seq, generators) for seq in sampled]
         verify, device_cache_inputs, logits = self.agent.forward_verify(inputs, sampling, cache_inputs, plan,
                                                                         params, collect)

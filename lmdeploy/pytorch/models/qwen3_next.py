@@ -221,9 +221,16 @@ class HybridForCausalLM(CausalLM):
 
     def forward_with_hidden(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed hidden states for the logits, pre-norm hidden states for the MTP head), both [T, H]."""
+        hidden = self.pre_norm_hidden(ctx)
+        return self.final_norm(hidden), hidden
+
+    def pre_norm_hidden(self, ctx: StepContext) -> torch.Tensor:
+        """The last decoder layer's output [T, H] (what the MTP head reads; `final_norm` of it is `forward`)."""
         with lora_step(ctx.inputs):
-            hidden = self.model.hidden_states(ctx)
-            return self.model.norm(hidden), hidden
+            return self.model.hidden_states(ctx)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
 
     def draft_hidden(self, prev_hidden: torch.Tensor, ctx: StepContext, step: int = 0) -> torch.Tensor:
         """The MTP head's normed hidden states (see `MTPHead.forward`); logits via `compute_logits`."""

@@ -10,7 +10,8 @@ pool rows, without splitting the forward: the conv history at a cut is the K-1 c
 inputs, or the old history for a cut closer than K-1 to the segment start), and the gated delta rule runs in rounds
 over the segments between cuts, each round one kernel call for all rows that still have a segment, copying the
 state of rows that reached a cut. By the kernels' contract (continue from the pool row) the rounds compute exactly
-what one call would, up to float rounding at the segment edges.
+what one call would, up to float rounding at the segment edges. Verify forwards of MTP speculative decoding take
+the same cuts in a shape-only form that CUDA graphs replay (`ModelInputs.draft_state_slots`, see `draft_cuts`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 from ..backends.base import OpType
 from ..backends.selector import current_backend
 from ..model_inputs import ModelInputs, StateCuts, upload_index_tensors
+from .draft_cuts import gated_delta_draft_rounds, save_conv_draft_cuts
 
 
 class CausalConv1d(nn.Module):
@@ -43,6 +45,8 @@ class CausalConv1d(nn.Module):
         """x [T, C], conv_state pool [num_slots, C, K-1] -> [T, C]."""
         if inputs.state_cuts is not None:
             save_conv_cuts(x, conv_state, inputs)  # before the kernel overwrites the old histories
+        elif inputs.draft_state_slots is not None:
+            save_conv_draft_cuts(x, conv_state, inputs)
         return self._impl(x, self.weight.squeeze(1), self.bias, conv_state, inputs, self.activation)
 
 
@@ -104,6 +108,8 @@ class GatedDeltaRule(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        if inputs.draft_state_slots is not None and inputs.state_cuts is None:
+            return gated_delta_draft_rounds(self._impl, q, k, v, g, beta, state, inputs, self.use_qk_l2norm)
         if inputs.state_cuts is None:
             return self._impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=self.use_qk_l2norm)
         rounds = inputs.derived(('rounds', q.device), lambda: _rounds(inputs, q.device))

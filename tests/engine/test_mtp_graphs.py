@@ -1,0 +1,294 @@
+"""Speculative (MTP) steps through CUDA graphs (`engine/spec_graphs.py`), against eager speculative decoding and plain
+decoding of the same checkpoint (plain decoding is itself tested against transformers elsewhere).
+
+- CPU: no graph can be captured, so the verify forward, the draft head and the target's other forwards run eagerly
+  *through the graphs' padded static buffers* (what a replay reads). This checks the padding contracts: greedy
+  tokens equal plain decoding's, logits within tolerance, the recurrent state after every step equals plain
+  decoding's under forced acceptance of every count, prefix-cache hits at unaligned steps stay exact, and the
+  integrity check holds after every step and after aborts mid-verify.
+- GPU: the engine's own graphs (the default on CUDA). Graph replay gives the tokens and logits of eager
+  speculative decoding (`eager_mode=True`) and of plain decoding, with prefix-cache hits at unaligned steps, and
+  aborts mid-verify leak nothing.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from engines import engine_factory
+from mtp_reference import add_random_mtp_weights
+
+from lmdeploy import SpeculativeConfig
+from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
+from lmdeploy.pytorch.engine.spec_graphs import HeadGraphs, VerifyGraphRunner
+from lmdeploy.pytorch.messages import SamplingParams
+
+pytest.importorskip('transformers')
+
+LIN, FULL = 'linear_attention', 'full_attention'
+K = 3
+ATOL = 2e-4
+make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=4,
+                             max_prefill_token_num=256, dtype='float32')
+MODELS = {
+    'qwen3_5': ('qwen3_5', dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN])),
+    'qwen3_next': ('qwen3_next', dict(num_hidden_layers=2, layer_types=[LIN, FULL], mlp_only_layers=[1])),
+}
+
+
+@pytest.fixture(scope='module')
+def mtp_model(tiny_model_factory, tmp_path_factory):
+    built = {}
+
+    def get(name: str = 'qwen3_5') -> str:
+        if name not in built:
+            arch, overrides = MODELS[name]
+            path = shutil.copytree(tiny_model_factory(arch, **overrides), tmp_path_factory.mktemp(f'{name}-graphs'),
+                                   dirs_exist_ok=True)
+            built[name] = add_random_mtp_weights(str(path), seed=1)
+        return built[name]
+    return get
+
+
+def _spec(k: int = K) -> SpeculativeConfig:
+    return SpeculativeConfig(method='mtp', num_speculative_tokens=k)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+def _run(engine, prompts, sampling, collect=False, after_step=None):
+    """Drive the engine to idle (integrity after every step); returns each request's tokens (and logits)."""
+    tokens = {}
+    ids = [engine.add_request(p, sampling, collect_logits=collect,
+                              callback=lambda o: tokens.setdefault(o.seq_id, []).extend(o.new_token_ids))
+           for p in prompts]
+    while engine.has_work:
+        engine.step()
+        engine.check_integrity()
+        if after_step is not None:
+            after_step(engine)
+    out = [tokens.get(i, []) for i in ids]
+    if collect:
+        return out, [engine.pop_collected_logits(i) for i in ids]
+    return out
+
+
+class _Counted:
+    """Counts calls of a bound method (replaced on its instance)."""
+
+    def __init__(self, owner, name: str):
+        self.fn, self.calls = getattr(owner, name), 0
+        setattr(owner, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _eager_on_static_buffers(runner: CUDAGraphRunner) -> None:
+    """`runner.run` without capturing: fill the static buffers, run the model on the graph's view eagerly, with the
+    padded batch's real host lengths (the default backend reads them; a graph's kernels read device tensors)."""
+    def run(inputs, key=None):
+        key = key or runner.key_of(inputs)
+        runner._fill(inputs, key)
+        view = runner.static.view(key)
+        rest = key.num_seqs - inputs.batch_size
+        if key.decode:
+            q, kv = [1] * key.num_seqs, inputs.kv_lens_list + [0] * rest
+        else:
+            pad = key.num_tokens - inputs.input_ids.numel()
+            q = inputs.q_lens_list + [pad] + [0] * (rest - 1)
+            kv = inputs.kv_lens_list + [pad] + [0] * (rest - 1)
+        view.q_lens_list, view.kv_lens_list, view.max_seqlen_q, view.max_seqlen_k = q, kv, max(q), max(kv)
+        return runner.model(runner._context(view))[:inputs.input_ids.numel()]
+    runner.run = run
+
+
+class _Recorder:
+    """A draft override that keeps the head's proposals and records them by (prompt start, sequence length)."""
+
+    def __init__(self):
+        self.proposals: dict[tuple, list[int]] = {}
+
+    def __call__(self, seq, drafts):
+        self.proposals[(tuple(seq.token_ids[:4]), seq.num_tokens)] = list(drafts)
+        return drafts
+
+
+def _through_static_buffers(engine):
+    """Give a CPU speculative engine the graph runners of a CUDA one, never capturing: every forward they support
+    runs eagerly on their padded static buffers. Returns call counters of the verify and head runners."""
+    agent, cfg = engine.agent, engine.model_config
+    batch = engine.scheduler_config.max_batch_size
+    pages = -(-engine.session_len // engine.cache_config.kernel_block_size)
+    dtype = getattr(torch, cfg.dtype)
+    agent.verify_graphs = VerifyGraphRunner(agent.model.pre_norm_hidden, agent._context, batch, pages, K,
+                                            agent.device)
+    agent.head_graphs = HeadGraphs(agent.model, agent._context, batch, pages, K, cfg.hidden_size, dtype, agent.device)
+    agent.graph_runner = CUDAGraphRunner(agent.model.pre_norm_hidden, agent._context, batch, pages, agent.device,
+                                         max_prefill_tokens=64)
+    for runner in (agent.head_graphs.runner, agent.graph_runner):
+        _eager_on_static_buffers(runner)
+    agent._graphs_pre_norm = True
+    return _Counted(agent.verify_graphs, 'run'), _Counted(agent.head_graphs.runner, 'run')
+
+
+@pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next'])
+def test_padded_static_buffers_give_plain_greedy_tokens_and_logits(mtp_model, name):
+    path = mtp_model(name)
+    prompts = [_prompt(21, 0), _prompt(35, 1), _prompt(9, 2)]  # 3 rows pad to a verify graph of 4
+    plain, plain_logits = _run(make_engine(path), prompts, _greedy(14), collect=True)
+    eager = make_engine(path, speculative_config=_spec())
+    eager.speculative.set_draft_override(eager_drafts := _Recorder())
+    assert _run(eager, prompts, _greedy(14)) == plain
+    engine = make_engine(path, speculative_config=_spec())
+    verify, head = _through_static_buffers(engine)
+    engine.speculative.set_draft_override(drafts := _Recorder())
+    spec, spec_logits = _run(engine, prompts, _greedy(14), collect=True)
+    assert spec == plain
+    for got, want in zip(spec_logits, plain_logits):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    assert drafts.proposals == eager_drafts.proposals  # the head through its static buffers drafts as eagerly
+    assert verify.calls > 0 and head.calls > verify.calls  # the catch-up and the chained drafts
+
+
+def _states(engine, slot: int) -> list[torch.Tensor]:
+    return [view[slot].clone() for layer in engine.cache_engine.state_caches for view in layer.values()]
+
+
+def test_padded_verify_leaves_the_plain_decode_state_for_every_acceptance_count(mtp_model):
+    path = mtp_model()
+    prompt, steps = _prompt(23, 6), 24
+    plain_states = {}
+
+    def keep_plain(engine):
+        for seq, _ in engine._seqs.values():
+            if seq.state_slot is not None:
+                plain_states[seq.num_computed] = _states(engine, seq.state_slot)
+    (cont,) = _run(make_engine(path), [prompt], _greedy(steps), after_step=keep_plain)
+    full = prompt + cont + [0] * (2 * K)
+    schedule = iter([0, 1, 2, 3, 3, 2, 1, 0] * 4)  # accepted drafts per step: every count 0 .. K
+
+    def replay(seq, _):
+        t, j = seq.num_tokens, next(schedule)
+        drafts = full[t:t + K]
+        if j < K:
+            drafts[j] = (drafts[j] + 1) % 500
+        return drafts
+    engine = make_engine(path, speculative_config=_spec())
+    verify, _ = _through_static_buffers(engine)
+    engine.speculative.set_draft_override(replay)
+    advances = []
+
+    def check_state(engine):
+        for seq, _ in engine._seqs.values():
+            if seq.state_slot is not None and seq.num_computed in plain_states:
+                for got, want in zip(_states(engine, seq.state_slot), plain_states[seq.num_computed]):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                advances.append(seq.num_computed)
+    (spec,) = _run(engine, [prompt], _greedy(steps), after_step=check_state)
+    assert spec == cont
+    accepted = {b - a - 1 for a, b in zip(advances, advances[1:]) if a >= len(prompt)}
+    assert accepted == set(range(K + 1)), accepted
+    assert verify.calls >= 8
+
+
+def _unaligned_hits(engine_of, path: str) -> None:
+    """Request 2 extends request 1's prompt (37 tokens: an unaligned prompt-end checkpoint) and resumes there; a
+    third resumes at request 1's reply checkpoint. Tokens and logits equal plain decoding without a cache."""
+    first = _prompt(37, 7)
+    second = first + _prompt(6, 8)
+    plain = [_run(engine_of(path), [p], _greedy(10), collect=True) for p in (first, second)]
+    engine = engine_of(path, cache=True, speculative_config=_spec())
+    assert _run(engine, [first], _greedy(10)) == plain[0][0]
+    hits = []
+    record = lambda e: hits.extend(seq.num_cached for seq, _ in e._seqs.values())  # noqa: E731
+    out, (logits,) = _run(engine, [second], _greedy(10), collect=True, after_step=record)
+    assert out == plain[1][0] and hits and hits[0] == len(first)
+    tol = ATOL if engine.device.type == 'cpu' else 10 * ATOL
+    torch.testing.assert_close(logits, plain[1][1][0][len(first):], atol=tol, rtol=tol)
+    third = first + plain[0][0][0][:-1] + _prompt(3, 9)
+    want, (want_logits,) = _run(engine_of(path), [third], _greedy(6), collect=True)
+    hits.clear()
+    got, (got_logits,) = _run(engine, [third], _greedy(6), collect=True, after_step=record)
+    assert got == want and hits and hits[0] > len(first)
+    torch.testing.assert_close(got_logits, want_logits[hits[0]:], atol=tol, rtol=tol)
+
+
+def _aborts_mid_verify_leak_nothing(engine) -> None:
+    free_blocks = engine.scheduler.block_manager.num_free
+    free_slots = engine.scheduler.state_manager.num_free
+    ids = [engine.add_request(_prompt(20, 12 + i), _greedy(30)) for i in range(3)]
+    for _ in range(3):
+        engine.step()
+        engine.check_integrity()
+    assert all(engine._seqs[i][0].draft_ids for i in ids)  # drafts in flight: the next step verifies them
+    engine.abort_request(ids[1])
+    engine.step()
+    engine.check_integrity()
+    for i in ids:
+        engine.abort_request(i)
+    engine.run_until_idle()
+    engine.check_integrity()
+    trie_blocks, trie_slots = engine.scheduler.prefix_cache.owners()
+    assert engine.scheduler.block_manager.num_free + sum(1 for _ in trie_blocks) == free_blocks
+    assert engine.scheduler.state_manager.num_free + len(trie_slots) == free_slots
+
+
+def test_padded_static_buffers_are_exact_on_unaligned_prefix_cache_hits(mtp_model):
+    def engine_of(path, speculative_config=None, **kw):
+        engine = make_engine(path, speculative_config=speculative_config, **kw)
+        if speculative_config is not None:
+            _through_static_buffers(engine)
+        return engine
+    _unaligned_hits(engine_of, mtp_model())
+
+
+def test_aborts_mid_verify_through_static_buffers_leak_nothing(mtp_model):
+    engine = make_engine(mtp_model(), cache=True, speculative_config=_spec())
+    _through_static_buffers(engine)
+    _aborts_mid_verify_leak_nothing(engine)
+
+
+# ---- on the GPU: real graphs ---------------------------------------------------------------------------------------
+def _cuda(**overrides):
+    return dict(device_type='cuda', **overrides)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next'])
+def test_graph_replay_of_speculative_steps_equals_eager_and_plain(mtp_model, name):
+    path = mtp_model(name)
+    prompts = [_prompt(21, 0), _prompt(35, 1), _prompt(9, 2)]
+    plain, plain_logits = _run(make_engine(path, **_cuda()), prompts, _greedy(14), collect=True)
+    eager, eager_logits = _run(make_engine(path, speculative_config=_spec(), **_cuda(eager_mode=True)), prompts,
+                               _greedy(14), collect=True)
+    engine = make_engine(path, speculative_config=_spec(), **_cuda())
+    graphs, graph_logits = _run(engine, prompts, _greedy(14), collect=True)
+    assert graphs == eager == plain
+    for got, eager_row, want in zip(graph_logits, eager_logits, plain_logits):
+        torch.testing.assert_close(got, eager_row, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(got, want, atol=10 * ATOL, rtol=10 * ATOL)
+    agent = engine.agent
+    assert agent.verify_graphs.num_replays > 0 and agent.head_graphs.runner.num_replays > 0
+
+
+@pytest.mark.gpu
+def test_graph_replay_is_exact_on_unaligned_prefix_cache_hits(mtp_model):
+    def engine_of(path, **kw):
+        return make_engine(path, **_cuda(), **kw)
+    _unaligned_hits(engine_of, mtp_model())
+
+
+@pytest.mark.gpu
+def test_aborts_mid_verify_with_graphs_leak_nothing(mtp_model):
+    engine = make_engine(mtp_model(), cache=True, speculative_config=_spec(), **_cuda())
+    _aborts_mid_verify_leak_nothing(engine)
+    assert engine.agent.verify_graphs.num_replays > 0
