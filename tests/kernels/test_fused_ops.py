@@ -342,28 +342,6 @@ def test_fast_launch_reuses_compiled_handle_and_respecializes_gpu():
     assert kernel.num_compiled == 4
 
 
-@pytest.mark.gpu
-def test_fast_launch_is_cheaper_than_jit_call_gpu():
-    """Host time per launch of a tiny kernel: the compiled handle against `JITFunction.__call__`."""
-    import time
-    x, y, out = (torch.randn(256, device='cuda') for _ in range(3))
-
-    def per_launch(launch) -> float:
-        launch()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(200):
-            launch()
-        elapsed = (time.perf_counter() - start) / 200
-        torch.cuda.synchronize()
-        return elapsed
-
-    fast = per_launch(lambda: _axpy_kernel[(2,)](x, y, out, 256, 2.0, BLOCK=128))
-    slow = per_launch(lambda: _axpy_kernel.fn[(2,)](x, y, out, 256, 2.0, BLOCK=128))
-    print(f'host us per launch: compiled handle {fast * 1e6:.1f}, JITFunction {slow * 1e6:.1f}')
-    assert fast < slow
-
-
 # ------------------------------------------------------------------------------------------------ interpreter
 
 @pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
