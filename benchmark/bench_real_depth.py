@@ -128,11 +128,13 @@ def build_engine(bench: Bench, folder: str, prefix_caching: bool):
         device_type=bench.device, dtype=a.dtype, load_format='dummy', block_size=a.block_size,
         cache_max_entry_count=a.cache_max_entry_count, num_gpu_blocks=a.num_blocks, max_batch_size=a.max_batch_size,
         max_prefill_token_num=a.max_prefill_token_num, session_len=a.session_len,
-        enable_prefix_caching=prefix_caching)
+        enable_prefix_caching=prefix_caching, async_scheduling=a.async_scheduling)
     t = time.perf_counter()
     engine = Engine(folder, config)
     startup = time.perf_counter() - t
-    bench.log(f'engine (prefix caching {"on" if prefix_caching else "off"}) started in {startup:.1f}s: '
+    bench.env['async_scheduling'] = engine.async_scheduling
+    bench.log(f'engine (prefix caching {"on" if prefix_caching else "off"}, async scheduling '
+              f'{"on" if engine.async_scheduling else "off"}) started in {startup:.1f}s: '
               f'{engine.cache_config.num_blocks} KV blocks of {engine.cache_config.block_size}, '
               f'{engine.cache_config.num_state_slots} state rows, session_len {engine.session_len}')
     return engine, startup
@@ -328,6 +330,13 @@ def phase_rows(bench: RealDepthBench, engine, hf: HF | None, tag: str, startup_s
             bench.measure(f'hf.decode.{b}', lambda b=b: hf_decode(hf, b, vocab))
     if 'cb' in rows:
         bench.measure('engine.cb', lambda: continuous(bench, engine, vocab))
+    if a.compare_sync and engine.async_scheduling:  # the same engine with the synchronous loop (idle: switchable)
+        engine.async_scheduling = False
+        for b in a.decode_batches if 'decode' in rows else []:
+            bench.measure(f'engine_sync.decode.{b}', lambda b=b: engine_decode(bench, engine, b, vocab))
+        if 'cb' in rows:
+            bench.measure('engine_sync.cb', lambda: continuous(bench, engine, vocab))
+        engine.async_scheduling = True
 
 
 def run_all(bench: RealDepthBench) -> None:
@@ -432,6 +441,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--max-prefill-token-num', type=int, default=None)
     p.add_argument('--session-len', type=int, default=None)
     p.add_argument('--request-timeout', type=float, default=300.0)
+    p.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's async scheduling (default: the engine's default, on for CUDA)")
+    p.add_argument('--compare-sync', action='store_true',
+                   help='also run the decode and cb rows with async scheduling off, on the same engine')
     p.add_argument('--phase', choices=['all', 'on', 'off'], default='all',
                    help='which engine runs: prefix caching on, off, or both in turn')
     p.add_argument('--isolate', action=argparse.BooleanOptionalAction, default=None,

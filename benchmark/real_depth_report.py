@@ -146,11 +146,20 @@ def decode_rows(b) -> list[Row]:
                         f'{_f(w_floor)} (weights) / {_f(all_floor)} (all)', f'{w_how}; {all_how}',
                         _f(_div(eng, hf), 2, 'x'), f'{_f(_div(eng, w_floor), 2)} / {_f(_div(eng, all_floor), 2)}',
                         tuple(checks)))
+        sync = _v(res, f'engine_sync.decode.{batch}', 'decode_tok_s')
+        if sync is not None:
+            shares = f'{_f(_div(sync, w_floor), 2)} / {_f(_div(sync, all_floor), 2)}'
+            rows.append(Row(f'decode tok/s, batch {batch}, async scheduling off', _f(sync), _f(hf), '', '',
+                            _f(_div(sync, hf), 2, 'x'), shares))
     return rows
 
 
 def cb_rows(b) -> list[Row]:
-    r = b.results.get('engine.cb')
+    return _cb_rows(b, 'engine.cb', '') + _cb_rows(b, 'engine_sync.cb', ', async scheduling off')
+
+
+def _cb_rows(b, key: str, label: str) -> list[Row]:
+    r = b.results.get(key)
     if not r or 'wall_s' not in r:
         return []
     pct = lambda d: '/'.join(_f(d.get(k), 1) for k in ('p50', 'p90', 'p99'))  # noqa: E731
@@ -161,11 +170,11 @@ def cb_rows(b) -> list[Row]:
     desc = (f'{r["num_requests"]} req, prompts {a.cb_prompt_len[0]}-{a.cb_prompt_len[1]}, outputs '
             f'{a.cb_output_len[0]}-{a.cb_output_len[1]}, Poisson {a.cb_rate:g} req/s')
     return [
-        Row(f'continuous batching ({desc}): output tok/s (total tok/s, req/s)',
+        Row(f'continuous batching{label} ({desc}): output tok/s (total tok/s, req/s)',
             f'{_f(r["output_tok_s"])} ({_f(r["total_tok_s"])}, {_f(r["req_s"], 2)})', '', '', '', '', ''),
-        Row('continuous batching: TTFT p50/p90/p99 (ms, from arrival)', pct(r['ttft_ms']), '', '', '', '', ''),
-        Row('continuous batching: ITL p50/p90/p99 (ms)', pct(r['itl_ms']), '', '', '', '', ''),
-        Row(f'continuous batching: device busy share of wall {_f(r["wall_s"])} s (share while work was queued)',
+        Row(f'continuous batching{label}: TTFT p50/p90/p99 (ms, from arrival)', pct(r['ttft_ms']), '', '', '', '', ''),
+        Row(f'continuous batching{label}: ITL p50/p90/p99 (ms)', pct(r['itl_ms']), '', '', '', '', ''),
+        Row(f'continuous batching{label}: device busy share of wall {_f(r["wall_s"])} s (share while work was queued)',
             f'{_f(busy, 3)} ({_f(r.get("busy_share_with_work"), 3)})', '', '', how, '', '',
             (Check('busy', busy, '>=', TARGETS['busy_share']),)),
     ]

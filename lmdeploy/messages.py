@@ -103,6 +103,10 @@ class PytorchEngineConfig:
     tp: int = 1
     # Speculative decoding (`SpeculativeConfig`, lmdeploy/speculative_config.py); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Overlap the host with the device (vLLM's `async_scheduling`): step N+1 is scheduled and launched before step
+    # N's sampled tokens reach the host, which feed it on the device (`engine/async_scheduling.py`). None: on for CUDA
+    # wherever it applies (tp 1, no speculative decoding, no decode-interval checkpoints), off on CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         _require(self.device_type in _DEVICES, f'device_type must be one of {_DEVICES}, got {self.device_type!r}')
@@ -160,6 +164,12 @@ class PytorchEngineConfig:
                  f'load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}')
         _require(self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig),
                  f'speculative_config must be a SpeculativeConfig or None, got {self.speculative_config!r}')
+        _require(self.async_scheduling in (None, True, False),
+                 f'async_scheduling must be True, False or None, got {self.async_scheduling!r}')
+        _require(not self.async_scheduling or (self.tp == 1 and self.speculative_config is None
+                                               and not self.prefix_cache_decode_state_interval),
+                 'async_scheduling=True needs tp=1, no speculative decoding and '
+                 'prefix_cache_decode_state_interval=0 (those steps need the sampled tokens on the host)')
 
     def _resolve_prefix_cache(self) -> None:
         """One source of truth for the prefix-cache knobs: `prefix_cache`, kept equal to the flat fields."""

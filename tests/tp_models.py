@@ -1,5 +1,9 @@
 """Tiny model shapes for the tensor-parallel tests (CPU/gloo and CUDA/NCCL): head counts that make the section
-split matter (gated DeltaNet n_v / n_k = 3; grouped and replicated KV heads)."""
+split matter (gated DeltaNet n_v / n_k = 3; grouped and replicated KV heads); and one rank's slice of a TP=1 state
+row, written out independently of the shard plan."""
+from __future__ import annotations
+
+import torch
 
 HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=4, num_key_value_heads=2)
 MODELS = {
@@ -9,3 +13,19 @@ MODELS = {
     'qwen3_kv_replicated': ('qwen3', dict(num_attention_heads=4, num_key_value_heads=1)),
 }
 BLOCK = 16
+
+
+def rank_slice_of_state(full: dict[str, torch.Tensor], text, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """The TP=1 state rows of one layer cut to rank `rank`'s heads (written out here, not taken from the plan):
+    conv channels are the rank's chunk of each of the q, k, v sections; recurrent state its value heads."""
+    key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+    value_dim = text.linear_num_value_heads * text.linear_value_head_dim
+    conv = full['conv']  # [rows, conv_dim, K - 1]
+    parts, start = [], 0
+    for size in (key_dim, key_dim, value_dim):
+        width = size // tp
+        parts.append(conv[:, start + rank * width:start + (rank + 1) * width])
+        start += size
+    heads = text.linear_num_value_heads // tp
+    recurrent = full['recurrent'][:, rank * heads:(rank + 1) * heads]
+    return {'conv': torch.cat(parts, dim=1), 'recurrent': recurrent}

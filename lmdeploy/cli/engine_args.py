@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--session-len', type=int, default=None)
     add_prefix_cache_args(group)
     group.add_argument('--eager-mode', action='store_true', help='disable CUDA graphs')
+    group.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
+                       help='overlap the host with the device: schedule step N+1 while step N runs (default: on '
+                            'for CUDA where it applies)')
     group.add_argument('--enable-return-routed-experts', action='store_true',
                        help='MoE models: let requests ask for the experts each token was routed to')
     group.add_argument('--adapters', nargs='+', default=None, metavar='NAME=PATH',
@@ -105,7 +108,7 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
                   cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
                   max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
                   session_len=args.session_len, prefix_cache=prefix_cache_config_from_args(args),
-                  eager_mode=args.eager_mode,
+                  eager_mode=args.eager_mode, async_scheduling=getattr(args, 'async_scheduling', None),
                   adapters=parse_adapters(getattr(args, 'adapters', None)),
                   max_loras=getattr(args, 'max_loras', PytorchEngineConfig.max_loras),
                   max_lora_rank=getattr(args, 'max_lora_rank', PytorchEngineConfig.max_lora_rank),

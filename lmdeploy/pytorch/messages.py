@@ -170,6 +170,9 @@ class SchedulerSequence:
     # In-prefill checkpoints taken for this sequence so far (bounded by prefix_cache_prefill_state_cap).
     num_prefill_checkpoints: int = 0
     finish_reason: str | None = None
+    # Async scheduling: tokens sampled by forwards still in flight, not yet in `token_ids` (their values are on the
+    # device; a later forward is fed them there). They count as remaining to feed, not as generated.
+    num_pending: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # Routed experts of positions [0, num_computed) (engine flag on and the request asked, or the prefix cache keeps
     # them); None: not recorded.
@@ -226,8 +229,8 @@ class SchedulerSequence:
 
     @property
     def num_remaining(self) -> int:
-        """Tokens still to be fed to the model before the next sample."""
-        return len(self.token_ids) - self.num_computed
+        """Tokens still to be fed to the model before the next sample (in-flight sampled tokens included)."""
+        return len(self.token_ids) + self.num_pending - self.num_computed
 
     @property
     def is_finished(self) -> bool:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
-from tp_models import BLOCK, HYBRID, MODELS
+from tp_models import BLOCK, HYBRID, MODELS, rank_slice_of_state
 
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -73,22 +74,6 @@ def test_tp2_logits_equal_tp1_under_teacher_forcing(tiny_model_factory, case, no
         torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
 
 
-def _rank_slice_of_state(full: dict[str, torch.Tensor], text, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """The TP=1 state rows of one layer cut to rank `rank`'s heads (written out here, not taken from the plan):
-    conv channels are the rank's chunk of each of the q, k, v sections; recurrent state its value heads."""
-    key_dim = text.linear_num_key_heads * text.linear_key_head_dim
-    value_dim = text.linear_num_value_heads * text.linear_value_head_dim
-    conv = full['conv']  # [rows, conv_dim, K - 1]
-    parts, start = [], 0
-    for size in (key_dim, key_dim, value_dim):
-        width = size // tp
-        parts.append(conv[:, start + rank * width:start + (rank + 1) * width])
-        start += size
-    heads = text.linear_num_value_heads // tp
-    recurrent = full['recurrent'][:, rank * heads:(rank + 1) * heads]
-    return {'conv': torch.cat(parts, dim=1), 'recurrent': recurrent}
-
-
 def test_tp2_prefix_hit_at_a_non_aligned_step_equals_cold_and_restores_each_ranks_head_slice(
         tiny_model_factory, no_leftover_workers):
     from lmdeploy.pytorch.models.loader import load_hf_config
@@ -125,7 +110,7 @@ def test_tp2_prefix_hit_at_a_non_aligned_step_equals_cold_and_restores_each_rank
     assert len(ranks) == 2 and len(ranks[0]) == len(tp1_state) > 0
     for rank, layers in enumerate(ranks):
         for full, mine in zip(tp1_state, layers):
-            want = _rank_slice_of_state(full, text, rank, 2)
+            want = rank_slice_of_state(full, text, rank, 2)
             assert mine['conv'].abs().sum() > 0
             torch.testing.assert_close(mine['conv'], want['conv'], rtol=RTOL, atol=ATOL)
             torch.testing.assert_close(mine['recurrent'], want['recurrent'], rtol=RTOL, atol=ATOL)
@@ -157,12 +142,50 @@ def test_a_killed_worker_fails_every_request_clearly_and_stops_the_engine(tiny_m
     assert not dist.is_initialized(), 'the broken group was not left: no later TP engine could start here'
 
 
+def test_a_dead_worker_reads_the_same_exit_code_from_every_thread(monkeypatch):
+    """The monitor thread and a failed step describe a dead worker at the same time (the race behind a killed-worker
+    failure reading 'exited with code None'): the reaping is serialized, so both read its exit code. A `waitpid`
+    that stalls after reaping, as a descheduled thread does under load, makes the race certain here."""
+    from multiprocessing.connection import wait
+
+    from lmdeploy.pytorch.engine.tp_workers import _Worker
+    ctx = multiprocessing.get_context('fork')
+    process = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    process.start()
+    reports, _ = ctx.Pipe(duplex=False)
+    worker = _Worker(1, process, None, reports)
+    os.kill(process.pid, signal.SIGKILL)
+    wait([process.sentinel])
+    real_waitpid = os.waitpid
+
+    def stalling_waitpid(pid, options):
+        result = real_waitpid(pid, options)
+        if result[0] == pid:
+            time.sleep(0.3)   # reaped, exit code not yet stored on the `Process`
+        return result
+    monkeypatch.setattr(os, 'waitpid', stalling_waitpid)
+    descriptions = []
+    threads = [threading.Thread(target=lambda: descriptions.append(worker.describe_exit())) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for thread in threads:
+        thread.join()
+    want = f'tensor-parallel worker rank 1 (pid {process.pid}) exited with code -9'
+    assert descriptions == [want, want]
+
+
 def test_ctrl_c_reaching_the_workers_does_not_stop_the_engine(tiny_model_factory, no_leftover_workers):
     """A terminal's Ctrl-C goes to every process of the group (`lmdeploy chat` uses it to stop a reply)."""
+    from lmdeploy.pytorch.engine.tp_dist import MULTICAST_OFF
     path = tiny_model_factory('qwen3', **MODELS['qwen3_gqa'][1])
     engine = make(path, 2)
     try:
-        os.kill(engine.tp_workers.workers[0].process.pid, signal.SIGINT)
+        pid = engine.tp_workers.workers[0].process.pid
+        with open(f'/proc/{pid}/environ', 'rb') as f:  # NVLink multicast off in the worker too
+            env = dict(item.decode().split('=', 1) for item in f.read().split(b'\0') if b'=' in item)
+        assert {k: env.get(k) for k in MULTICAST_OFF} == MULTICAST_OFF
+        os.kill(pid, signal.SIGINT)
         time.sleep(0.5)
         (tokens, _), = run(engine, prompts_of(6)[:1])
         assert len(tokens) == 4 and engine.fatal_error is None
@@ -187,13 +210,37 @@ def test_a_worker_dying_while_idle_stops_the_loop_and_refuses_new_requests(tiny_
         loop.close()
 
 
-def test_tp1_starts_no_process_and_attaches_no_group(tiny_model_factory):
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5'])
+def test_tp1_is_the_single_device_path_no_worker_no_group_no_collective(tiny_model_factory, monkeypatch, arch):
+    """TP=1 runs the code it ran before tensor parallelism existed, so its decode and prefill numbers are the plain
+    path's: building and serving (chunked prefill, decode, a prefix hit) never reach a TP entry point (each refuses
+    here), no process starts, no process group exists, and every reduction point is an identity."""
+    import torch.distributed as dist
+
+    from lmdeploy.pytorch.engine import agent_setup, tp_dist
+    from lmdeploy.pytorch.engine.model_agent import ModelAgent
+
+    def refuse(name: str):
+        def called(*args, **kwargs):
+            raise AssertionError(f'tp=1 reached {name}')
+        return called
+    for owner, name in ((agent_setup.TPWorkers, 'start'), (agent_setup, 'build_rank_model'),
+                        (agent_setup, 'attach_tp_group'), (agent_setup, 'TPModelAgent'), (tp_dist, 'init_rank'),
+                        (dist, 'init_process_group'), (dist, 'all_reduce')):
+        monkeypatch.setattr(owner, name, refuse(name))
     before = set(multiprocessing.active_children())
-    engine = make(tiny_model_factory('qwen3'), 1)
+    engine = make(tiny_model_factory(arch, **HYBRID if arch == 'qwen3_5' else {}), 1, enable_prefix_caching=True)
+    prompt = prompts_of(7, lengths=(45,))[0]
+    (tokens, logits), = run(engine, [prompt])
+    (hit_tokens, _), = run(engine, [prompt + tokens])
+    engine.check_integrity()
+    assert len(tokens) == 4 and len(hit_tokens) == 4 and logits.shape[0] == 45 + 3
+    assert engine.stats_snapshot.prefix_cache.hit_tokens >= BLOCK
     assert engine.tp_workers is None and set(multiprocessing.active_children()) == before
+    assert not dist.is_initialized()
     reductions = reduction_points(engine.model)
     assert reductions and all(m.group is None for m in reductions)
-    assert type(engine.agent).__name__ == 'ModelAgent'
+    assert type(engine.agent) is ModelAgent
 
 
 def test_pipeline_at_tp2_answers_like_tp1_and_its_close_joins_the_worker(tiny_model_factory, no_leftover_workers):

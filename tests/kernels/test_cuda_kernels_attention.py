@@ -20,9 +20,11 @@ import pytest
 import torch
 from numeric import assert_close
 
+from lmdeploy.pytorch.kernels.cuda import paged_prefill_attention as prefill_mod
 from lmdeploy.pytorch.kernels.cuda.copy_packed_cache import copy_packed_cache
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
-from lmdeploy.pytorch.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
+from lmdeploy.pytorch.kernels.cuda.paged_attention import paged_decode_attention
+from lmdeploy.pytorch.kernels.cuda.paged_prefill_attention import paged_prefill_attention, prefill_num_splits
 from lmdeploy.pytorch.kernels.default import cache_copy as ref_copy
 from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
 
@@ -201,7 +203,8 @@ class AttnCase:
     head_dim: int
     page_size: int
     dtype: str
-    num_splits: int = 0           # decode only
+    num_splits: int = 0           # decode: the split count; prefill: forced key splits (0: the kernel's rule)
+    min_split: int = 0            # prefill with forced splits: the least keys per split (0: the kernel's default)
 
     @property
     def kv_lens(self) -> list[int]:
@@ -210,6 +213,7 @@ class AttnCase:
     @property
     def id(self) -> str:
         splits = f'-S{self.num_splits}' if self.num_splits else ''
+        splits += f'-min{self.min_split}' if self.min_split else ''
         return (f'B{len(self.q_lens)}-T{sum(self.q_lens)}-K{max(self.kv_lens, default=0)}-H{self.num_heads}x'
                 f'{self.num_kv_heads}-D{self.head_dim}-kbs{self.page_size}-{self.dtype}{splits}')
 
@@ -236,8 +240,12 @@ def check_prefill(case: AttnCase, device: str) -> None:
     q_lens = torch.tensor(case.q_lens, dtype=torch.int64)
     cu_seqlens_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
     kv_lens = torch.tensor(case.kv_lens, dtype=torch.int64)
+    split_args = {'num_splits': case.num_splits} if case.num_splits else {}
+    if case.min_split:
+        split_args['min_split_keys'] = case.min_split
     out = paged_prefill_attention(q, k_cache, v_cache, tables, cu_seqlens_q.to(device), q_lens.to(device),
-                                  kv_lens.to(device), max(case.q_lens, default=0), case.head_dim ** -0.5)
+                                  kv_lens.to(device), max(case.q_lens, default=0), case.head_dim ** -0.5,
+                                  **split_args)
     assert out.dtype == q.dtype and out.shape == q.shape
     atol, rtol = TOLERANCE[case.dtype]
     assert_close(out, reference_attention(case, q, k_cache, v_cache, tables), atol=atol, rtol=rtol, what=case.id)
@@ -271,6 +279,14 @@ PREFILL_CASES_CPU = [
     AttnCase((5, 2), (3, 9), 2, 2, 32, 8, 'fp16'),               # (the interpreter's bf16 tl.dot is broken)
     AttnCase((70, 3), (60, 0), 2, 1, 16, 4, 'fp32'),             # two query tiles, an unmasked key block
     AttnCase((), (), 4, 2, 16, 4, 'fp32'),                       # empty batch
+    # Split-KV (the cases above take the default rule: split launch, one active split). Forced splits with tiny
+    # minimum lengths: 3 / 2 / 1 active splits per sequence, a q_len-0 row, non-aligned histories.
+    AttnCase((5, 20, 1, 0), (300, 70, 0, 9), 4, 2, 16, 4, 'fp32', num_splits=4, min_split=32),
+    AttnCase((70, 3), (200, 0), 2, 1, 16, 4, 'fp32', num_splits=3, min_split=32),  # two tiles, 6 and 8 splits' worth
+    AttnCase((9,), (130,), 4, 2, 80, 8, 'fp32', num_splits=5, min_split=64),        # 2 of 5 splits active; D 80
+    AttnCase((5, 2), (100, 9), 2, 2, 32, 8, 'fp16', num_splits=2, min_split=32),
+    AttnCase((7, 1, 20), (0, 5, 30), 4, 2, 16, 4, 'fp32', num_splits=1),           # the unsplit launch
+    AttnCase((70, 3), (60, 0), 2, 1, 16, 4, 'fp32', num_splits=1),
 ]
 
 DECODE_CASES_CPU = [
@@ -294,6 +310,15 @@ PREFILL_CASES_GPU = [
     AttnCase((130, 7), (300, 5), 16, 2, 80, 16, 'bf16'),
     AttnCase((130, 7), (300, 5), 8, 8, 128, 64, 'fp16'),
     AttnCase((1000, 1), (37, 2000), 32, 4, 128, 64, 'bf16'),
+] + [
+    # Split-KV: short queries after long, non-aligned histories (the default rule splits these 16 ways).
+    AttnCase(q_lens, hist, 16, 4, d, kbs, dtype)
+    for q_lens, hist in [((100,), (32_700,)), ((100, 7, 1), (5_003, 300, 9_001)), ((130, 0, 64), (2_000, 7, 0))]
+    for d in (128, 256) for kbs in (16, 64) for dtype in ('bf16', 'fp32')
+] + [
+    AttnCase((100, 70), (4_001, 1_000), 16, 4, 256, 64, 'bf16', num_splits=7, min_split=64),
+    AttnCase((300,), (3_000,), 16, 4, 256, 16, 'bf16', num_splits=1),
+    AttnCase((33, 1), (20_000, 129), 8, 8, 80, 16, 'fp16'),
 ]
 
 _DECODE_LENS = [(1,), (1, 6, 301), (300, 1000, 17, 64, 65), (5, 0, 300)]
@@ -365,6 +390,47 @@ def test_paged_prefill_attention_matches_reference(case):
 @pytest.mark.parametrize('case', DECODE_CASES_GPU, ids=lambda c: c.id)
 def test_paged_decode_attention_matches_reference(case):
     check_decode(case, 'cuda')
+
+
+def test_prefill_split_rule_fills_the_gpu_only_for_short_queries():
+    # 100 tokens (graph bucket 128) x 16 heads, BLOCK_M 64: 32 tiles, far below 4 waves of 132 SMs.
+    assert prefill_num_splits(128, 16, 256, 64, 132) == prefill_mod.MAX_SPLITS
+    assert prefill_num_splits(1024, 16, 256, 64, 132) == 3          # 256 tiles: ceil(528 / 256)
+    assert prefill_num_splits(8192, 16, 256, 64, 132) == 1          # cold chunks: enough tiles already
+    assert prefill_num_splits(2048, 64, 256, 128, 132) == 1
+    # 64 tiles want ceil(528 / 64) = 9 splits; the partials' cap: 4096 x 2 heads x (256 + 1) x 4 bytes is just
+    # over 8 MiB per split, so 7 fit in 64 MiB
+    assert prefill_num_splits(4096, 2, 256, 128, 132) == 7
+
+
+@pytest.mark.gpu
+def test_paged_prefill_attention_replays_in_cuda_graph_with_new_lengths():
+    """Split-KV prefill captured at one set of lengths, replayed after q_lens / kv_lens / tables change in place:
+    the same result as an eager launch at the new lengths (same split decision), and the reference's."""
+    first = AttnCase((100, 28, 0, 0), (200, 0, 0, 0), 16, 4, 256, 64, 'bf16')
+    second = AttnCase((60, 68, 0, 0), (30_000, 5, 0, 0), 16, 4, 256, 64, 'bf16')
+    q, k_cache, v_cache, tables = attn_inputs(second, 'cuda')
+    scale = second.head_dim ** -0.5
+
+    def lens(case):
+        q_lens = torch.tensor(case.q_lens, device='cuda')
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64, device='cuda'), q_lens.cumsum(0)])
+        return q_lens, torch.tensor(case.kv_lens, device='cuda'), cu
+    static_q_lens, static_kv_lens, static_cu = lens(first)
+    static_tables = torch.zeros_like(tables)
+    args = (q, k_cache, v_cache, static_tables, static_cu, static_q_lens, static_kv_lens, 128, scale)
+    paged_prefill_attention(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = paged_prefill_attention(*args)
+    for static, new in zip((static_q_lens, static_kv_lens, static_cu), lens(second)):
+        static.copy_(new)
+    static_tables.copy_(tables)
+    graph.replay()
+    q_lens, kv_lens, cu = lens(second)
+    expected = paged_prefill_attention(q, k_cache, v_cache, tables, cu, q_lens, kv_lens, 128, scale)
+    assert torch.equal(static_out, expected)
+    assert_close(static_out, reference_attention(second, q, k_cache, v_cache, tables), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

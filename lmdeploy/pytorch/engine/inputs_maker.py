@@ -5,6 +5,7 @@ but never mutates them.
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -48,6 +49,18 @@ class _MultiModalBatch:
             inputs.vision_items = self.items
 
 
+def _fed_ids(seq: SchedulerSequence, start: int, n: int, drafts: int) -> np.ndarray:
+    """Token ids a piece feeds: known tokens, then zeros for tokens still in flight (async scheduling: the agent
+    writes their sampled values on the device, `TokenFeed`), then the piece's drafts."""
+    known = seq.token_array()[start:start + n - drafts]
+    if len(known) == n and not drafts:
+        return known
+    parts = [known, np.zeros(n - drafts - len(known), dtype=np.int64)]
+    if drafts:
+        parts.append(np.asarray(seq.draft_ids[:drafts], dtype=np.int64))
+    return np.concatenate(parts)
+
+
 class InputsMaker:
 
     def __init__(self, block_manager: BlockManager, block_size: int, kernel_block_size: int,
@@ -65,47 +78,64 @@ class InputsMaker:
         return (blocks[:, None] * self.pages_per_block + np.arange(self.pages_per_block)[None, :]).reshape(-1)
 
     def make(self, out: SchedulerOutput) -> tuple[ModelInputs, list[SchedulerSequence]]:
-        """Model inputs for the batch, and the sequences that sample a token after this forward (in row order)."""
-        ids, positions, slots, logits_idx, tables, sampled = [], [], [], [], [], []
-        q_lens, kv_lens, state_ids, fresh = [], [], [], []
+        """Model inputs for the batch, and the sequences that sample a token after this forward (in row order).
+        Per row only the token ids and the sampled check run in Python; positions, block tables and the slot
+        mapping are built for the whole batch at once (a decode step's host cost grows with the batch)."""
+        seqs, q_lens = out.seqs, list(out.num_new_tokens)
+        num_rows = len(seqs)
+        starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, num_rows)
+        q = np.asarray(q_lens, dtype=np.int64)
+        cu = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        index = np.repeat(starts - cu[:-1], q) + np.arange(cu[-1], dtype=np.int64)  # token index in its sequence
+        ids = np.empty(int(cu[-1]), dtype=np.int64)
+        positions = index.copy()
+        logits_idx, sampled, state_ids, fresh = [], [], [], []
         mm = _MultiModalBatch()
-        offset = 0
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            start = seq.num_computed
-            pos = np.arange(start, start + n, dtype=np.int64)
-            pages = self.page_table(seq)
-            drafts = out.drafts_of(len(q_lens))  # a verify piece: the last token, then its drafts
-            ids.append(seq.token_array()[start:start + n - drafts] if not drafts else
-                       np.concatenate([seq.token_array()[start:start + n - drafts],
-                                       np.asarray(seq.draft_ids[:drafts], dtype=np.int64)]))
-            positions.append(mm.add(seq, start, n, offset) if seq.mm_spans else pos)
-            slots.append(pages[pos // self.kernel_block_size] * self.kernel_block_size + pos % self.kernel_block_size)
-            tables.append(pages)
-            q_lens.append(n)
-            kv_lens.append(start + n)
+        for row, seq in enumerate(seqs):
+            n, start, offset = q_lens[row], seq.num_computed, int(cu[row])
+            drafts = out.drafts_of(row)  # a verify piece: the last token, then its drafts
+            if n == 1 and not drafts:  # a decode (its token in flight under async scheduling: 0, fed on the device)
+                ids[offset] = seq.token_ids[start] if start < len(seq.token_ids) else 0
+            else:
+                ids[offset:offset + n] = _fed_ids(seq, start, n, drafts)
+            if seq.mm_spans:
+                positions[offset:offset + n] = mm.add(seq, start, n, offset)
             state_ids.append(seq.state_slot or 0)
             fresh.append(start == 0)
-            offset += n
-            if start + n - drafts == seq.num_tokens:
-                logits_idx.append(offset - 1)
+            if start + n - drafts == seq.num_tokens + seq.num_pending:
+                logits_idx.append(offset + n - 1)
                 sampled.append(seq)
-        max_pages = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), max_pages), dtype=np.int64)
-        for row, table in enumerate(tables):
-            block_tables[row, :len(table)] = table
-        cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
-        cu[1:] = np.cumsum(q_lens)
+        block_tables = self._block_tables(seqs)
+        kbs = self.kernel_block_size
+        rows = np.repeat(np.arange(num_rows, dtype=np.int64), q)
+        slots = block_tables[rows, index // kbs] * kbs + index % kbs
+        kv = starts + q
+        kv_lens = kv.tolist()
         inputs = ModelInputs(
-            input_ids=torch.from_numpy(np.concatenate(ids)), position_ids=torch.from_numpy(np.concatenate(positions)),
-            q_lens=torch.tensor(q_lens, dtype=torch.int64), kv_lens=torch.tensor(kv_lens, dtype=torch.int64),
+            input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(positions),
+            q_lens=torch.from_numpy(q), kv_lens=torch.from_numpy(kv),
             cu_seqlens_q=torch.from_numpy(cu), block_tables=torch.from_numpy(block_tables),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            slot_mapping=torch.from_numpy(slots),
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             state_ids=torch.tensor(state_ids, dtype=torch.int64), is_fresh=torch.tensor(fresh, dtype=torch.bool),
             q_lens_list=q_lens, kv_lens_list=kv_lens, max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens),
             state_cuts=self._state_cuts(out, q_lens, state_ids, fresh), lora_ids=self._lora_ids(out))
         mm.attach(inputs)
         return inputs, sampled
+
+    def _block_tables(self, seqs: list[SchedulerSequence]) -> np.ndarray:
+        """[B, max pages] kernel pages of every row's blocks (zero padded), validated in one call."""
+        counts = np.fromiter((len(seq.block_ids) for seq in seqs), np.int64, len(seqs))
+        blocks = self.block_manager.resolve_gpu_block_offsets(
+            list(itertools.chain.from_iterable(seq.block_ids for seq in seqs)))
+        ppb = self.pages_per_block
+        pages = (blocks[:, None] * ppb + np.arange(ppb)[None, :]).reshape(-1)
+        widths = counts * ppb
+        tables = np.zeros((len(seqs), int(widths.max(initial=0))), dtype=np.int64)
+        first = np.repeat(np.cumsum(widths) - widths, widths)
+        tables[np.repeat(np.arange(len(seqs)), widths), np.arange(pages.size) - first] = pages
+        return tables
 
     def _lora_ids(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Each row's adapter slot, or None when no row uses an adapter (LoRA layers then skip entirely)."""
@@ -171,7 +201,7 @@ def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator])
         penalty_ids=torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
         if params.repetition_penalty != 1.0 else None,
         banned_ids=torch.tensor(params.stop_token_ids, dtype=torch.int64)
-        if seq.num_generated < params.min_new_tokens and params.stop_token_ids else None,
+        if seq.num_generated + seq.num_pending < params.min_new_tokens and params.stop_token_ids else None,
         generator=generators.get(seq.seq_id), logprobs=params.logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         output_ids=torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64)

@@ -21,6 +21,7 @@ from torch import nn
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from ..nn.blocked_fp8 import fp8_linear_shapes
+from .async_scheduling import DeviceTokens, TokenFeed
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
@@ -35,17 +36,27 @@ logger = logging.getLogger('lmdeploy')
 
 
 class ForwardOutput:
-    __slots__ = ('next_token_ids', 'logprobs', 'logits', 'routed_experts')
+    __slots__ = ('next_token_ids', 'logprobs', 'logits', 'routed_experts', 'sampled_ids')
 
-    def __init__(self, next_token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                 logits: torch.Tensor | None = None, routed_experts: np.ndarray | None = None):
+    def __init__(self, next_token_ids: list[int] | None, logprobs: list[dict[int, float]] | None,
+                 logits: torch.Tensor | None = None, routed_experts: np.ndarray | None = None,
+                 sampled_ids: DeviceTokens | None = None):
+        # The sampled ids on the host; None for a deferred forward until `resolve()` waits for them.
         self.next_token_ids = next_token_ids
+        # A deferred forward's sampled ids (device tensor + pending host copy), async scheduling.
+        self.sampled_ids = sampled_ids
         self.logprobs = logprobs
         # Logits of the sampled rows (float32, on the device), for callers that keep them.
         self.logits = logits
         # [T, num_moe_layers, top_k] uint16 on the host: the experts each fed token was routed to (row order of the
         # packed batch), or None when the forward did not record them.
         self.routed_experts = routed_experts
+
+    def resolve(self) -> list[int]:
+        """The sampled ids on the host (waits for a deferred forward's copy)."""
+        if self.next_token_ids is None:
+            self.next_token_ids = self.sampled_ids.tolist()
+        return self.next_token_ids
 
 
 class ModelAgent:
@@ -243,14 +254,23 @@ class ModelAgent:
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, sampling: SamplingInputs,
-                cache_inputs: CacheCheckpointInputs | None = None) -> ForwardOutput:
-        inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
+                cache_inputs: CacheCheckpointInputs | None = None, feed: TokenFeed | None = None,
+                defer: bool = False) -> ForwardOutput:
+        """`feed`: tokens sampled by the forward before, written into the inputs on the device (async scheduling).
+        `defer`: leave the sampled ids on the device with a pending host copy (`ForwardOutput.resolve`)."""
+        inputs, sampling, cache_inputs, feed = self.streams.to_device(inputs, sampling, cache_inputs, feed)
         with self.streams.forward():
+            stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs)
             if inputs.logits_indices.numel() == 0:
                 return ForwardOutput([], None, routed_experts=_routes_to_host(routes))
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            hidden = hidden[inputs.logits_indices]
+            if stopped is not None:
+                hidden = TokenFeed.blank(hidden, feed.logit_rows, stopped)
+            logits = self.model.compute_logits(hidden)
             next_ids, logprobs = self._sample(logits, sampling)
+            if defer:
+                return ForwardOutput(None, logprobs, logits, _routes_to_host(routes), DeviceTokens(next_ids))
             return ForwardOutput(next_ids.tolist(), logprobs, logits, _routes_to_host(routes))
 
     @torch.inference_mode()
@@ -302,15 +322,18 @@ class ModelAgent:
             self.save(cache_inputs)
 
     @torch.inference_mode()
-    def forward_logits(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None = None
-                       ) -> tuple[torch.Tensor, np.ndarray | None]:
+    def forward_logits(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None = None,
+                       feed: TokenFeed | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
         """Logits of every fed token on the host (teacher forcing, for tests and scoring) and the routed-experts
         record (None unless asked); caches are updated as usual. The copies to the host are queued on the forward
         stream: the forward stream does not synchronise with the default stream, so a copy queued there could read
         the logits before a replayed graph has written them."""
-        inputs, cache_inputs = self.streams.to_device(inputs, cache_inputs)
+        inputs, cache_inputs, feed = self.streams.to_device(inputs, cache_inputs, feed)
         with self.streams.forward():
+            stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs)
+            if stopped is not None:
+                hidden = TokenFeed.blank(hidden.clone(), feed.token_rows, stopped)
             return self.model.compute_logits(hidden).cpu(), _routes_to_host(routes)
 
 

@@ -45,9 +45,31 @@ class _Worker:
     def __init__(self, rank: int, process, commands, reports):
         self.rank, self.process, self.commands, self.reports = rank, process, commands, reports
         self.reported_error: str | None = None
+        # Every wait on the process (join, exit code, is_alive) holds this: two threads reaping one `multiprocessing`
+        # process race in `waitpid`, and the loser reads the exit code as None (the monitor thread and a failed
+        # step both describe a dead worker).
+        self._reap = threading.Lock()
+
+    def wait_exit(self, timeout_s: float = JOIN_TIMEOUT_S) -> int | None:
+        """The exit code once the process has exited; None if it still runs after `timeout_s`."""
+        with self._reap:
+            self.process.join(timeout_s)
+            return self.process.exitcode
+
+    def stop(self) -> None:
+        """Join; after a grace period terminate, then kill (the caller has sent 'stop')."""
+        with self._reap:
+            self.process.join(JOIN_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(JOIN_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
 
     def describe_exit(self) -> str:
-        code = self.process.exitcode
+        """Why a worker that is gone (or going: its pipe closed, its sentinel fired) stopped: waits for its exit."""
+        code = self.wait_exit()
         what = f'tensor-parallel worker rank {self.rank} (pid {self.process.pid}) exited with code {code}'
         try:
             while self.reported_error is None and self.reports.poll():
@@ -138,7 +160,6 @@ class TPWorkers:
                         raise self.fail(worker.describe_exit()) from None
                     if msg[0] == 'error':
                         worker.reported_error = msg[1]
-                        worker.process.join(JOIN_TIMEOUT_S)
                         raise self.fail(worker.describe_exit())
                     if msg[0] == kind:
                         replies[worker.rank] = msg
@@ -185,7 +206,6 @@ class TPWorkers:
         dead = wait([w.process.sentinel for w in self.workers], timeout=grace_s)
         for worker in self.workers:
             if worker.process.sentinel in dead:
-                worker.process.join(JOIN_TIMEOUT_S)
                 return worker.describe_exit()
         return fallback
 
@@ -194,9 +214,7 @@ class TPWorkers:
         while not self._closing.is_set():
             ready = wait(list(sentinels), timeout=0.5)
             if ready and not self._closing.is_set():
-                worker = sentinels[ready[0]]
-                worker.process.join(JOIN_TIMEOUT_S)
-                self.fail(worker.describe_exit())
+                self.fail(sentinels[ready[0]].describe_exit())
                 return
 
     # ---- shutdown ---------------------------------------------------------------------------------------------
@@ -221,12 +239,6 @@ def _close_workers(workers: list[_Worker], closing: threading.Event) -> None:
         except OSError:
             pass
     for worker in workers:
-        worker.process.join(JOIN_TIMEOUT_S)
-        if worker.process.is_alive():
-            worker.process.terminate()
-            worker.process.join(JOIN_TIMEOUT_S)
-        if worker.process.is_alive():
-            worker.process.kill()
-            worker.process.join()
+        worker.stop()
         for conn in (worker.commands, worker.reports):
             conn.close()

@@ -21,6 +21,15 @@ into the runtime row (`draft_fixups`), so the runtime row holds exactly the stat
 are reserved K - 1 tokens past each piece, for the draft head's chained positions. Checkpoints are never planned for
 a verify piece (its end is a draft position); a prefix-cache hit keeps its last aligned block private (a copy), since
 the draft head recomputes the position before the hit.
+
+Async scheduling (`engine/async_scheduling.py`) splits `update` in two: `advance(out, sampled)` right after the
+forward is launched (computed tokens move on; each sampled sequence gets one pending token, `num_pending`, whose value
+is still on the device), then `settle(sampled)` once the tokens reach the host, possibly after the next step was
+scheduled and launched. In between, `schedule()` treats a pending token as one more token to feed (a decode), except
+that a sequence whose pending token ends it by length is not scheduled. A sequence found stopped by `settle` while
+the next forward already fed its token has that piece rolled back (computed tokens, trailing block), which leaves it
+exactly as `update` would have. `can_schedule_ahead()` says whether `schedule()` may run with tokens pending: it
+must never preempt a sequence with a pending token (its recompute needs the token on the host).
 """
 from __future__ import annotations
 
@@ -121,6 +130,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= self.config.max_batch_size:
                 continue
+            if seq.num_pending and self._stops_by_length(seq):
+                continue  # its in-flight token is its last one (async scheduling)
             drafts = len(seq.draft_ids) if seq.num_remaining == 1 else 0
             n = 1 + drafts if seq.num_remaining == 1 else min(seq.num_remaining, budget)
             n = seq.fit_chunk_to_spans(seq.num_computed, self.prefix_cache.chunk(seq, n))
@@ -202,6 +213,57 @@ class Scheduler:
             if seq.seq_id in verify:
                 self._commit_verified(out, seq, verify[seq.seq_id], 1)
         return updates
+
+    # ---- async scheduling: `update` in two halves -----------------------------------------------------------------
+    def advance(self, out: SchedulerOutput, sampled: list[SchedulerSequence]) -> None:
+        """The forward is launched: advance every scheduled sequence by the tokens it fed; each sequence in
+        `sampled` (forward rows and logits hits) now has one more pending token (its value is on the device)."""
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed += n
+        for seq in sampled:
+            seq.num_pending += 1
+
+    def settle(self, sampled: list[SampledToken]) -> list[SequenceUpdate]:
+        """The tokens of an advanced forward reached the host: append each one (the oldest pending token of its
+        sequence) and check stops, as `update` does. A sequence that stopped while a later, already launched forward
+        fed its pending token gets that piece rolled back (the forward's token is discarded, never emitted).
+        Sequences finished meanwhile (aborted, failed) are skipped."""
+        updates = []
+        for row in sampled:
+            seq = row.seq
+            if seq.is_finished:
+                continue
+            seq.num_pending -= 1
+            update = append_sampled(row, self.config.session_len)
+            if update.finish_reason is not None and seq.num_pending:
+                self._roll_back_piece(seq)
+            updates.append(update)
+        return updates
+
+    def _roll_back_piece(self, seq: SchedulerSequence) -> None:
+        """Undo a launched decode piece of a sequence that turned out to have stopped before it: the piece's KV
+        position is past the sequence's tokens (never read) and its state write went to the dummy row (the engine
+        masks it on the device), so only the host bookkeeping and the block reserved for it go back."""
+        seq.num_pending -= 1
+        seq.num_computed -= 1
+        keep = -(-self._capped(seq.num_computed) // self.block_size)
+        if len(seq.block_ids) > keep:
+            self.block_manager.free(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
+
+    def _stops_by_length(self, seq: SchedulerSequence) -> bool:
+        """Its pending tokens reach `max_new_tokens` or `session_len` (`append_sampled` will stop it)."""
+        return (seq.num_generated + seq.num_pending >= seq.sampling.max_new_tokens
+                or seq.num_tokens + seq.num_pending >= self.config.session_len)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether `schedule()` may run while tokens are pending: the next piece of every running sequence fits in
+        the free KV blocks, so it preempts no sequence (a pending token cannot be recomputed from the host)."""
+        budget, need = self.config.max_prefill_token_num, 0
+        for seq in self.running:
+            n = 1 if seq.num_remaining == 1 else min(seq.num_remaining, budget)
+            need += self._num_blocks_needed(seq, n)
+        return self.block_manager.can_allocate(need)
 
     def _plan_verified(self, out: SchedulerOutput, seq: SchedulerSequence, drafts: int, committed: int) -> None:
         first = seq.num_computed - committed

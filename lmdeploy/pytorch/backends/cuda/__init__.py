@@ -22,7 +22,8 @@ from ...kernels.cuda.gated_delta_gating import gated_delta_gating
 from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.moe_routing import softmax_topk
-from ...kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
+from ...kernels.cuda.paged_attention import paged_decode_attention
+from ...kernels.cuda.paged_prefill_attention import paged_prefill_attention
 from ...kernels.cuda.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
 from ...kernels.cuda.rotary import apply_rotary, rotary_fill_kv_cache
 from ...kernels.cuda.varlen_attention import varlen_attention

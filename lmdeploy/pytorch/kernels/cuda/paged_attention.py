@@ -1,19 +1,16 @@
-"""Paged causal attention over the packed KV pool (reference: `kernels/default/paged_attention.py`).
+"""Paged causal attention over the packed KV pool: the shared key-block step and the decode kernels (reference:
+`kernels/default/paged_attention.py`; the prefill kernels are in `paged_prefill_attention.py`).
 
-Both kernels read K/V through `block_tables` ([B, max_pages] kernel-page ids): key `n` of sequence `b` lives in page
+Kernels read K/V through `block_tables` ([B, max_pages] kernel-page ids): key `n` of sequence `b` lives in page
 `block_tables[b, n // kbs]` at offset `n % kbs` of `k_cache` / `v_cache` ([num_pages, kbs, Hkv, D], possibly strided
 views of the packed pool). Softmax is online (flash attention) in fp32 and the base-2 domain: scores are scaled by
 `scale * log2(e)` and exponentiated with `exp2`.
 
-- `paged_prefill_attention`: packed varlen queries; program `(m, h, b)` owns query rows `[m * BLOCK_M, (m + 1) *
-  BLOCK_M)` of sequence `b`, head `h`. Query `i` sits at position `kv_len - q_len + i`, so keys before
-  `kv_len - q_len + m * BLOCK_M` are visible to every row of the tile and take the unmasked loop; only the last
-  (diagonal) stretch is masked.
-- `paged_decode_attention`: one query per sequence, flash-decoding. Stage 1, program `(b, kv_head, s)`, runs all
-  `Hq / Hkv` query heads of a GQA group against split `s` of the keys; stage 2, program `(b, h)`, merges the splits
-  by their log-sum-exp. The grid depends only on B, Hkv / Hq and `max_num_splits`, and the split length is computed
-  on the device from `kv_lens`, so a captured CUDA graph replays for any lengths. A sequence with `kv_len == 0`
-  (graph padding) gets a zero output.
+`paged_decode_attention`: one query per sequence, flash-decoding. Stage 1, program `(b, kv_head, s)`, runs all
+`Hq / Hkv` query heads of a GQA group against split `s` of the keys; stage 2, program `(b, h)`, merges the splits
+by their log-sum-exp. The grid depends only on B, Hkv / Hq and `max_num_splits`, and the split length is computed
+on the device from `kv_lens`, so a captured CUDA graph replays for any lengths. A sequence with `kv_len == 0`
+(graph padding) gets a zero output.
 """
 from __future__ import annotations
 
@@ -23,15 +20,15 @@ import triton.language as tl
 
 from .launch import fast_kernel
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 _MAX_GRID_YZ = 65535
 
 
 @triton.jit
-def _attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, pos, cache_head,
-                  stride_cp, stride_co, dims, dim_mask, qk_scale,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL_BLOCK: tl.constexpr, EVEN_D: tl.constexpr,
-                  PRECISION: tl.constexpr):
+def attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, pos, cache_head,
+                 stride_cp, stride_co, dims, dim_mask, qk_scale,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL_BLOCK: tl.constexpr, EVEN_D: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """One online-softmax step over keys `[start, start + BLOCK_N)`, reading only keys `< end`.
 
     `IS_CAUSAL_BLOCK`: mask keys `>= end` and keys after each row's position `pos`; otherwise every key of the block is
@@ -69,55 +66,6 @@ def _attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, 
 
 @fast_kernel
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, cu_seqlens_q_ptr, q_lens_ptr,
-                    kv_lens_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_co, stride_ch,
-                    stride_bt, qk_scale, head_dim,
-                    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
-    m_start = tl.program_id(0) * BLOCK_M
-    head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
-    q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
-    if m_start >= q_len:
-        return
-    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
-    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
-    history = kv_len - q_len
-
-    rows = m_start + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    row_mask = rows < q_len
-    dim_mask = dims < head_dim
-    q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    pos = history + rows
-
-    m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    table_ptr = block_tables_ptr + seq * stride_bt
-    cache_head = (head // GROUP) * stride_ch
-    # Keys < history + m_start precede every row of the tile; the rest, up to the last row's position, is diagonal.
-    full_end = (history + m_start) // BLOCK_N * BLOCK_N
-    causal_end = history + tl.minimum(m_start + BLOCK_M, q_len)
-    for start in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, causal_end, pos,
-                                      cache_head, stride_cp, stride_co, dims, dim_mask, qk_scale,
-                                      PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, IS_CAUSAL_BLOCK=False, EVEN_D=EVEN_D,
-                                      PRECISION=PRECISION)
-    for start in range(full_end, causal_end, BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, causal_end, pos,
-                                      cache_head, stride_cp, stride_co, dims, dim_mask, qk_scale,
-                                      PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, IS_CAUSAL_BLOCK=True, EVEN_D=EVEN_D,
-                                      PRECISION=PRECISION)
-
-    out = acc / l_i[:, None]
-    o_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
-    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
-
-
-@fast_kernel
-@triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
                          stride_qb, stride_qh, stride_cp, stride_co, stride_ch, stride_bt,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -151,10 +99,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_l
     table_ptr = block_tables_ptr + seq * stride_bt
     cache_head = kv_head * stride_ch
     for block_start in range(start, end, BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, block_start, end, pos,
-                                      cache_head, stride_cp, stride_co, dims, dim_mask, qk_scale,
-                                      PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, IS_CAUSAL_BLOCK=True, EVEN_D=EVEN_D,
-                                      PRECISION=PRECISION)
+        acc, l_i, m_i = attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, block_start, end, pos,
+                                     cache_head, stride_cp, stride_co, dims, dim_mask, qk_scale,
+                                     PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, IS_CAUSAL_BLOCK=True, EVEN_D=EVEN_D,
+                                     PRECISION=PRECISION)
 
     part_offs = seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
     tl.store(part_out_ptr + part_offs, acc / l_i[:, None], mask=io_mask)
@@ -189,8 +137,8 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, o_ptr, kv_lens_ptr,
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 batch_size: int) -> None:
+def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                batch_size: int) -> None:
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), \
         'k_cache and v_cache must be [P, kbs, Hkv, D] views of one layout'
     num_heads, head_dim = q.shape[1:]
@@ -202,50 +150,9 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert batch_size <= _MAX_GRID_YZ, f'batch of {batch_size} sequences exceeds the grid limit'
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs keep full precision (tf32 would cost ~1e-3 relative error); half types ignore the setting.
     return 'ieee' if dtype == torch.float32 else 'tf32'
-
-
-def _prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes and launch options per padded head_dim (not tuned yet: first guesses for sm90)."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if dtype == torch.float32:
-        # fp32 runs the FMA path (ieee dot) with twice the bytes per tile: keep tiles small, correctness first.
-        block_m, block_n = (32, 32) if block_d > 128 else (64, 32)
-        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=1)
-    block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
-    num_warps = 4 if block_d <= 64 else 8
-    num_stages = 3 if block_d <= 128 else 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
-
-
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                            cu_seqlens_q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
-                            max_seqlen_q: int, scale: float) -> torch.Tensor:
-    """Causal attention of packed queries `q` [T, Hq, D] over each sequence's paged K/V (new tokens included).
-
-    Query i of sequence b sits at position `kv_lens[b] - q_lens[b] + i` and sees keys at positions <= its own.
-    `max_seqlen_q` (host int) only sizes the grid; it must be >= every `q_lens[b]`. Returns [T, Hq, D] in q's dtype.
-    """
-    assert q.dim() == 3, f'q must be [T, Hq, D], got {tuple(q.shape)}'
-    batch_size = q_lens.numel()
-    _check_cache(q, k_cache, v_cache, block_tables, batch_size)
-    assert cu_seqlens_q.shape == (batch_size + 1,) and kv_lens.shape == (batch_size,)
-    out = torch.empty_like(q)
-    if batch_size == 0 or q.size(0) == 0 or max_seqlen_q == 0:
-        return out
-    num_heads, head_dim = q.shape[1:]
-    cfg = _prefill_config(head_dim, q.dtype)
-    grid = (triton.cdiv(max_seqlen_q, cfg['BLOCK_M']), num_heads, batch_size)
-    _prefill_kernel[grid](
-        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, o_ptr=out, block_tables_ptr=block_tables,
-        cu_seqlens_q_ptr=cu_seqlens_q, q_lens_ptr=q_lens, kv_lens_ptr=kv_lens,
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-        stride_cp=k_cache.stride(0), stride_co=k_cache.stride(1), stride_ch=k_cache.stride(2),
-        stride_bt=block_tables.stride(0), qk_scale=scale * _LOG2E, PAGE_SIZE=k_cache.size(1), head_dim=head_dim,
-        GROUP=num_heads // k_cache.size(2), EVEN_D=cfg['BLOCK_D'] == head_dim, PRECISION=_precision(q.dtype), **cfg)
-    return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -256,7 +163,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     assert q.dim() == 3, f'q must be [B, Hq, D], got {tuple(q.shape)}'
     batch_size, num_heads, head_dim = q.shape
-    _check_cache(q, k_cache, v_cache, block_tables, batch_size)
+    check_cache(q, k_cache, v_cache, block_tables, batch_size)
     assert kv_lens.shape == (batch_size,) and max_num_splits >= 1
     out = torch.empty_like(q)
     if batch_size == 0:
@@ -275,9 +182,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         stride_bt=block_tables.stride(0),
         stride_pb=part_out.stride(0), stride_ph=part_out.stride(1), stride_ps=part_out.stride(2),
         stride_lb=part_lse.stride(0), stride_lh=part_lse.stride(1),
-        qk_scale=scale * _LOG2E, PAGE_SIZE=k_cache.size(1), head_dim=head_dim, num_splits=max_num_splits,
+        qk_scale=scale * LOG2E, PAGE_SIZE=k_cache.size(1), head_dim=head_dim, num_splits=max_num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        EVEN_D=block_d == head_dim, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
+        EVEN_D=block_d == head_dim, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
     _decode_merge_kernel[(batch_size, num_heads)](
         part_out_ptr=part_out, part_lse_ptr=part_lse, o_ptr=out, kv_lens_ptr=kv_lens,
         stride_pb=part_out.stride(0), stride_ph=part_out.stride(1), stride_ps=part_out.stride(2),

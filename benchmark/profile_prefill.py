@@ -1,0 +1,143 @@
+"""Where one cold long prefill spends its time: a real-depth model with dummy weights (`--shape`, the shapes of
+`bench_real_depth.py`), one cold `--tokens`-token prompt (the engine's forwards of `max_prefill_token_num` tokens)
+under `torch.profiler`, and a breakdown of the device kernels:
+- the top `--top` kernels by total device time (calls, total ms, share of the profiled wall time);
+- the same time by category (GEMM, gated delta rule, conv, attention, MoE, norm / rotary, copies, other) and the
+  share of wall time the device was busy at all.
+The run before the profiled one compiles and autotunes everything (it is timed too, unprofiled: `warm-up` and
+`timed` lines). Prefills of this size run eagerly whatever `eager_mode` says, so the engine starts with
+`eager_mode=True` (no decode-graph capture at start-up) unless `--graphs`.
+
+    python benchmark/profile_prefill.py                       # Qwen3.5-9B shape, 32K tokens, ~1 minute on an H200
+    python benchmark/profile_prefill.py --shape qwen3.5-35b-a3b --tokens 8192
+    python benchmark/profile_prefill.py --smoke               # tiny float32 shape on the CPU: checks the logic only
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_harness import Bench, engine_run, make_prompt  # noqa: E402
+from bench_real_depth import SHAPES, make_config  # noqa: E402
+
+# (category, pattern over the lower-cased kernel name), first match wins
+CATEGORIES = [
+    ('attention', r'prefill_kernel|merge_kernel|decode_split|decode_merge|flash|fmha|attention'),
+    ('gated delta rule', r'chunk_|gated_delta|delta_rule|recurrent|solve_tril|wy_fast|w_u|cumsum|kkt|l2norm'),
+    ('conv', r'conv'),
+    ('moe', r'moe|expert|topk|align'),
+    ('gemm', r'gemm|nvjet|xmma|cutlass|sm90|sm80|ampere|matmul|wgmma|cublas'),
+    ('norm / rotary / fill', r'norm|rotary|rope|fill_kv|gating'),
+    ('copy', r'copy|memcpy|memset|cat|index'),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, low)), 'other')
+
+
+def device_time_us(evt) -> float:
+    for attr in ('self_device_time_total', 'self_cuda_time_total'):
+        if hasattr(evt, attr):
+            return float(getattr(evt, attr))
+    return 0.0
+
+
+def kernel_events(prof, on_cuda: bool) -> list[tuple[str, int, float]]:
+    """(name, calls, total us) of every device kernel (CPU ops by self time in a CPU run)."""
+    rows = []
+    for evt in prof.key_averages():
+        if on_cuda:
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = device_time_us(evt)
+        else:
+            us = float(evt.self_cpu_time_total)
+        if us > 0:
+            rows.append((evt.key, evt.count, us))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def print_breakdown(rows: list[tuple[str, int, float]], wall_ms: float, top: int) -> None:
+    busy_ms = sum(us for _, _, us in rows) / 1e3
+    print(f'\nprofiled wall {wall_ms:.1f} ms, device kernels {busy_ms:.1f} ms ({100 * busy_ms / wall_ms:.1f}% busy)')
+    print(f'\n{"kernel":80s} {"calls":>6s} {"total ms":>9s} {"% wall":>7s}  category')
+    for name, calls, us in rows[:top]:
+        print(f'{name[:80]:80s} {calls:6d} {us / 1e3:9.2f} {100 * us / 1e3 / wall_ms:6.1f}%  {category(name)}')
+    by_cat: dict[str, float] = defaultdict(float)
+    for name, _, us in rows:
+        by_cat[category(name)] += us / 1e3
+    print(f'\n{"category":24s} {"total ms":>9s} {"% wall":>7s}')
+    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        print(f'{cat:24s} {ms:9.2f} {100 * ms / wall_ms:6.1f}%')
+
+
+def build_engine(args, folder: str):
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    blocks = -(-(args.tokens + 64) // args.block_size) + 8
+    config = PytorchEngineConfig(
+        device_type=args.device, dtype=args.dtype, load_format='dummy', block_size=args.block_size,
+        num_gpu_blocks=blocks, max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
+        session_len=args.tokens + 64, eager_mode=not args.graphs)
+    return Engine(folder, config)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--shape', choices=sorted(SHAPES), default='qwen3.5-9b')
+    p.add_argument('--experts', type=int, default=64, help='experts kept of the MoE shapes (top-k unchanged)')
+    p.add_argument('--tokens', type=int, default=32768)
+    p.add_argument('--max-prefill-token-num', type=int, default=8192)
+    p.add_argument('--block-size', type=int, default=64)
+    p.add_argument('--max-batch-size', type=int, default=4)
+    p.add_argument('--top', type=int, default=25)
+    p.add_argument('--graphs', action='store_true', help='capture decode graphs at start-up (eager_mode=False)')
+    p.add_argument('--smoke', action='store_true', help='tiny float32 shape on the CPU')
+    args = p.parse_args(argv)
+    args.device, args.dtype = ('cpu', 'float32') if args.smoke else ('cuda', 'bfloat16')
+    if args.smoke:
+        args.tokens, args.max_prefill_token_num, args.block_size = 200, 64, 16
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out, args.time_budget, args.request_timeout = None, 0.0, 300.0
+    bench = Bench(args)
+    config, _, _ = make_config(argparse.Namespace(shape=args.shape, experts=args.experts, smoke=args.smoke))
+    vocab = config.vocab_size
+    bench.log(f'{args.shape}: {config.num_hidden_layers} layers, hidden {config.hidden_size}; commit '
+              f'{os.environ.get("LMDEPLOY_COMMIT", "?")}, device '
+              f'{torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}')
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        t = time.perf_counter()
+        engine = build_engine(args, folder)
+        bench.log(f'engine started in {time.perf_counter() - t:.1f}s')
+        for name, seed in (('warm-up', 1), ('timed', 2)):
+            t0, (rec,) = engine_run(bench, engine, [make_prompt(args.tokens, seed, vocab)], 1)
+            bench.log(f'{name}: cold {args.tokens}-token TTFT {(rec.first - t0) * 1e3:.1f} ms')
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if args.device == 'cuda':
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            t0, (rec,) = engine_run(bench, engine, [make_prompt(args.tokens, 3, vocab)], 1)
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        bench.log(f'profiled: cold {args.tokens}-token TTFT {(rec.first - t0) * 1e3:.1f} ms')
+        print_breakdown(kernel_events(prof, args.device == 'cuda'), wall_ms, args.top)
+        engine.close()
+
+
+if __name__ == '__main__':
+    main()

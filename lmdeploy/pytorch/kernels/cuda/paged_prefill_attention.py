@@ -1,0 +1,244 @@
+"""Paged causal prefill attention over the packed KV pool, split over the keys for short queries on long contexts
+(reference: `kernels/default/paged_attention.py`; the key-block step and the pool layout: `paged_attention.py`).
+
+Queries are packed varlen rows `q` [T, Hq, D]; query `i` of sequence `b` sits at position `kv_len - q_len + i`.
+A query tile is `BLOCK_M` rows of one sequence and one head. Keys before `full_end` (the tile's first position,
+rounded down to `BLOCK_N`) are visible to every row of the tile and take the unmasked loop; only the stretch
+`[full_end, causal_end)` up to the tile's last position is masked.
+
+Two launch shapes, chosen on the host from static shapes only (`prefill_num_splits`):
+- `S == 1`: program `(m, h, b)` runs the whole tile and writes the output. Long prompts have many tiles; this is
+  the cold-prefill path. Program `m` takes tile `num_m - 1 - m`: the heaviest tiles of the causal triangle start
+  first and the light ones fill the tail.
+- `S > 1` (split-KV, flash-decoding style): a 100-token suffix after a 32K prefix has one or two tiles per head,
+  i.e. a few dozen programs each scanning 32K keys in series, on a GPU with 132 SMs. Program `(m, h, b * S + s)`
+  takes split `s` of the tile's unmasked keys: `split_len = max(min_split, cdiv(full_end, S))` rounded up to
+  `BLOCK_N`, computed on the device, so `cdiv(full_end, split_len) <= S` splits are active and the rest exit at
+  once; the last active split also runs the masked stretch. Each writes its normalised partial output and its
+  log-sum-exp (base 2) in fp32; a merge kernel, program `(m', h, b)` over `MERGE_M`-row slices, combines the
+  active splits. Invariant: every split starts at or before `full_end <= ` every row's position, so each row
+  sees at least one key in every split it is part of (finite lse, no NaN), exactly as in the unsplit loop.
+The grids depend on (T, Hq, B, S) only and the split lengths on device `q_lens` / `kv_lens`: CUDA-graph safe, and
+eager and graph runs of the same shapes make the same split decision (identical numerics).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import fast_kernel
+from .paged_attention import LOG2E, attend_block, check_cache, dot_precision
+
+# Split rule (work per program): a split reads at least MIN_SPLIT_KEYS keys, so its fp32 partial (BLOCK_M x D x 4
+# bytes, written once and read once by the merge) stays <= 1/8 of the K/V bytes it reads (2 x 512 x D x 2); and
+# splits are added only until the fewest live programs a shape can have (all T tokens in one sequence: cdiv(T,
+# BLOCK_M) tiles per head) fill TARGET_WAVES waves of one program per SM. Partials are capped at PARTIAL_BYTES.
+MIN_SPLIT_KEYS = 512
+MAX_SPLITS = 16
+TARGET_WAVES = 4
+PARTIAL_BYTES = 64 << 20
+MERGE_M = 16
+_DEFAULT_SMS = 132  # the H200's SM count: the split decision of interpreted (CPU) runs
+
+
+@fast_kernel
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_tables_ptr, cu_seqlens_q_ptr, q_lens_ptr,
+                    kv_lens_ptr, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                    stride_cp, stride_co, stride_ch, stride_bt, qk_scale, head_dim, num_splits, min_split,
+                    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    # The last tiles (most keys under the causal mask) first: the scheduler then fills the tail with short tiles.
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    head = tl.program_id(1)
+    if SPLIT:
+        seq = (tl.program_id(2) // num_splits).to(tl.int64)
+        split = tl.program_id(2) % num_splits
+        o_ptr += split.to(tl.int64) * stride_os
+        lse_ptr += split.to(tl.int64) * stride_ls
+    else:
+        seq = tl.program_id(2).to(tl.int64)
+    q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
+    if m_start >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
+    history = kv_len - q_len
+    # Keys < history + m_start precede every row of the tile; the rest, up to the last row's position, is diagonal.
+    full_end = (history + m_start) // BLOCK_N * BLOCK_N
+    causal_end = history + tl.minimum(m_start + BLOCK_M, q_len)
+    lo = 0
+    hi = full_end
+    diag_start = full_end
+    if SPLIT:
+        split_len = tl.maximum(min_split, tl.cdiv(tl.cdiv(full_end, num_splits), BLOCK_N) * BLOCK_N)
+        num_active = tl.maximum(1, tl.cdiv(full_end, split_len))
+        if split >= num_active:
+            return
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, full_end)
+        # Only the last active split runs the masked stretch.
+        diag_start = tl.where(split < num_active - 1, causal_end, full_end)
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    rows = m_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < q_len
+    dim_mask = dims < head_dim
+    q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    pos = history + rows
+
+    m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_bt
+    cache_head = (head // GROUP) * stride_ch
+    for start in range(lo, hi, BLOCK_N):
+        acc, l_i, m_i = attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, causal_end, pos,
+                                     cache_head, stride_cp, stride_co, dims, dim_mask, qk_scale,
+                                     PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, IS_CAUSAL_BLOCK=False, EVEN_D=EVEN_D,
+                                     PRECISION=PRECISION)
+    for start in range(diag_start, causal_end, BLOCK_N):
+        acc, l_i, m_i = attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, causal_end, pos,
+                                     cache_head, stride_cp, stride_co, dims, dim_mask, qk_scale,
+                                     PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, IS_CAUSAL_BLOCK=True, EVEN_D=EVEN_D,
+                                     PRECISION=PRECISION)
+
+    out = acc / l_i[:, None]
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    o_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=io_mask)
+    if SPLIT:
+        tl.store(lse_ptr + (q_start + rows) * stride_lt + head, m_i + tl.log2(l_i), mask=row_mask)
+
+
+@fast_kernel
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, o_ptr, cu_seqlens_q_ptr, q_lens_ptr, kv_lens_ptr,
+                  stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+                  head_dim, num_splits, min_split,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows `[r, r + MERGE_M)` of one sequence and head; `MERGE_M` divides `BLOCK_M`, so they share one attention
+    tile and its active split count (the same formula as `_prefill_kernel`)."""
+    r_start = tl.program_id(0) * MERGE_M
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
+    if r_start >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
+    full_end = (kv_len - q_len + r_start // BLOCK_M * BLOCK_M) // BLOCK_N * BLOCK_N
+    split_len = tl.maximum(min_split, tl.cdiv(tl.cdiv(full_end, num_splits), BLOCK_N) * BLOCK_N)
+    num_active = tl.maximum(1, tl.cdiv(full_end, split_len))
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    rows = r_start + tl.arange(0, MERGE_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < q_len
+    io_mask = row_mask[:, None] & (dims < head_dim)[None, :]
+    tokens = q_start + rows
+    m_i = tl.full([MERGE_M], float('-inf'), dtype=tl.float32)
+    w_i = tl.zeros([MERGE_M], dtype=tl.float32)
+    acc = tl.zeros([MERGE_M, BLOCK_D], dtype=tl.float32)
+    lse_ptrs = lse_ptr + tokens * stride_lt + head
+    part_ptrs = part_ptr + tokens[:, None] * stride_pt + head * stride_ph + dims[None, :]
+    for _ in range(0, num_active):  # split s at lse_ptrs / part_ptrs + s * stride (pointer steps: 64-bit)
+        lse = tl.load(lse_ptrs, mask=row_mask, other=0.0)
+        part = tl.load(part_ptrs, mask=io_mask, other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        w_i = w_i * alpha + weight
+        m_i = m_new
+        lse_ptrs += stride_ls
+        part_ptrs += stride_ps
+    out = acc / w_i[:, None]
+    tl.store(o_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=io_mask)
+
+
+def prefill_attention_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch options per padded head_dim (first guesses for sm90; `bench_prefill_attention.py`
+    sweeps the alternatives)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        # fp32 runs the FMA path (ieee dot) with twice the bytes per tile: keep tiles small, correctness first.
+        block_m, block_n = (32, 32) if block_d > 128 else (64, 32)
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=1)
+    block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
+    num_warps = 4 if block_d <= 64 else 8
+    num_stages = 3 if block_d <= 128 else 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != 'cuda':
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def prefill_num_splits(num_tokens: int, num_heads: int, head_dim: int, block_m: int, num_sms: int) -> int:
+    """Key splits per query tile for a forward of `num_tokens` packed query rows (static shapes only; see the
+    constants above for the rule)."""
+    tiles = triton.cdiv(num_tokens, block_m) * num_heads
+    target = TARGET_WAVES * num_sms
+    if tiles >= target:
+        return 1
+    by_memory = PARTIAL_BYTES // (num_tokens * num_heads * (head_dim + 1) * 4)
+    return max(1, min(MAX_SPLITS, triton.cdiv(target, tiles), by_memory))
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                            max_seqlen_q: int, scale: float, num_splits: int | None = None,
+                            min_split_keys: int = MIN_SPLIT_KEYS, config: dict | None = None) -> torch.Tensor:
+    """Causal attention of packed queries `q` [T, Hq, D] over each sequence's paged K/V (new tokens included).
+
+    Query i of sequence b sits at position `kv_lens[b] - q_lens[b] + i` and sees keys at positions <= its own.
+    `max_seqlen_q` (host int) only sizes the grid; it must be >= every `q_lens[b]`. `num_splits` (default: the rule
+    of `prefill_num_splits`), `min_split_keys` and `config` (`prefill_attention_config`'s keys) are for tests and
+    benchmarks. Returns [T, Hq, D] in q's dtype; no host synchronisation.
+    """
+    assert q.dim() == 3, f'q must be [T, Hq, D], got {tuple(q.shape)}'
+    batch_size = q_lens.numel()
+    check_cache(q, k_cache, v_cache, block_tables, batch_size)
+    assert cu_seqlens_q.shape == (batch_size + 1,) and kv_lens.shape == (batch_size,)
+    out = torch.empty_like(q)
+    num_tokens, num_heads, head_dim = q.shape
+    if batch_size == 0 or num_tokens == 0 or max_seqlen_q == 0:
+        return out
+    cfg = dict(config or prefill_attention_config(head_dim, q.dtype))
+    block_m, block_n = cfg['BLOCK_M'], cfg['BLOCK_N']
+    if num_splits is None:
+        num_splits = prefill_num_splits(num_tokens, num_heads, head_dim, block_m, _num_sms(q.device))
+    assert num_splits >= 1 and block_m % MERGE_M == 0
+    split = num_splits > 1
+    min_split = triton.cdiv(max(min_split_keys, 1), block_n) * block_n
+    if split:
+        part = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    else:
+        part, lse = out.unsqueeze(0), out.new_empty((1, 1, 1), dtype=torch.float32)
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, batch_size * num_splits)
+    _prefill_kernel[grid](
+        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, o_ptr=part, lse_ptr=lse, block_tables_ptr=block_tables,
+        cu_seqlens_q_ptr=cu_seqlens_q, q_lens_ptr=q_lens, kv_lens_ptr=kv_lens,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_os=part.stride(0), stride_ot=part.stride(1),
+        stride_oh=part.stride(2), stride_ls=lse.stride(0), stride_lt=lse.stride(1),
+        stride_cp=k_cache.stride(0), stride_co=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_bt=block_tables.stride(0), qk_scale=scale * LOG2E, head_dim=head_dim, num_splits=num_splits,
+        min_split=min_split, PAGE_SIZE=k_cache.size(1), GROUP=num_heads // k_cache.size(2),
+        EVEN_D=cfg['BLOCK_D'] == head_dim, PRECISION=dot_precision(q.dtype), SPLIT=split, **cfg)
+    if split:
+        _merge_kernel[(triton.cdiv(max_seqlen_q, MERGE_M), num_heads, batch_size)](
+            part_ptr=part, lse_ptr=lse, o_ptr=out, cu_seqlens_q_ptr=cu_seqlens_q, q_lens_ptr=q_lens,
+            kv_lens_ptr=kv_lens, stride_ps=part.stride(0), stride_pt=part.stride(1), stride_ph=part.stride(2),
+            stride_ls=lse.stride(0), stride_lt=lse.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+            head_dim=head_dim, num_splits=num_splits, min_split=min_split, BLOCK_M=block_m, BLOCK_N=block_n,
+            MERGE_M=MERGE_M, BLOCK_D=cfg['BLOCK_D'], num_warps=4)
+    return out
