@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from real_depth_floors import measure_device  # noqa: E402
 
+from lmdeploy.pytorch.kernels.cuda.gathered_prefill_attention import gathered_prefill_attention  # noqa: E402
 from lmdeploy.pytorch.kernels.cuda.paged_prefill_attention import (  # noqa: E402
     paged_prefill_attention,
     prefill_attention_config,
@@ -190,6 +191,13 @@ def cold_case(pool: Pool, total: int, args, cfgs, results: dict) -> None:
         guarded(label, name, lambda name=name, fn=fn: report(label, name, timed(lambda: run_ref(fn), args.reps), flops,
                                                              args, '(+ gather' + (', expanded K/V)' if fn.state[
                                                                  'expand'] else ')')))
+
+    def run_gathered():
+        for hh, nn in parts:
+            gathered_prefill_attention(pool.q[hh:hh + nn], pool.k_cache, pool.v_cache, pool.table[None], [nn],
+                                       [hh + nn], pool.scale)
+    guarded(label, 'gathered (LMDEPLOY_PREFILL_ATTN)', lambda: report(
+        label, 'gathered (engine opt-in)', timed(run_gathered, args.reps), flops, args, '(gather included)'))
     fa = flash_attn_fn()
     if fa is not None:
         guarded(label, 'flash-attn', lambda: report(label, 'flash-attn', timed(lambda: run_ref(fa), args.reps), flops,

@@ -66,6 +66,9 @@ class ModelInputs:
     kv_lens_list: list[int] = field(default_factory=list)
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # False in CUDA-graph views, whose host lists and max_seqlen_* are shape placeholders (upper bounds): a kernel
+    # choice that needs the real host lengths must check it.
+    host_lens_exact: bool = True
     # LoRA: adapter slot of each sequence [B] int64 (0 = the base model; see `nn.lora`). None: no sequence of this
     # forward uses an adapter, and LoRA layers skip their adapters entirely.
     lora_ids: torch.Tensor | None = None

@@ -179,6 +179,7 @@ def test_static_inputs_prefill_padding():
     assert view.state_ids.tolist() == [2, 3, 0, 0] and view.is_fresh.tolist() == [False, False, True, True]
     assert view.use_recurrent_kernel and view.max_seqlen_q == 16 and not view.is_decode
     assert view.graph_chunk_indices is None   # no chunk-index buffer: the token-by-token kernel
+    assert inputs.host_lens_exact and not view.host_lens_exact  # the view's host lists are placeholders
     # and back to a decode batch: sequence buffers are reset to one token per row
     static.fill_decode(_decode_inputs(3, 2), 4)
     view = static.view(GraphKey(4, 4, True))

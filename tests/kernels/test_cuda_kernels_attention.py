@@ -23,6 +23,7 @@ from numeric import assert_close
 from lmdeploy.pytorch.kernels.cuda import paged_prefill_attention as prefill_mod
 from lmdeploy.pytorch.kernels.cuda.copy_packed_cache import copy_packed_cache
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
+from lmdeploy.pytorch.kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
 from lmdeploy.pytorch.kernels.cuda.paged_attention import paged_decode_attention
 from lmdeploy.pytorch.kernels.cuda.paged_prefill_attention import paged_prefill_attention, prefill_num_splits
 from lmdeploy.pytorch.kernels.default import cache_copy as ref_copy
@@ -390,6 +391,44 @@ def test_paged_prefill_attention_matches_reference(case):
 @pytest.mark.parametrize('case', DECODE_CASES_GPU, ids=lambda c: c.id)
 def test_paged_decode_attention_matches_reference(case):
     check_decode(case, 'cuda')
+
+
+def check_gathered_prefill(case: AttnCase, device: str) -> None:
+    q, k_cache, v_cache, tables = attn_inputs(case, device)
+    out = gathered_prefill_attention(q, k_cache, v_cache, tables, list(case.q_lens), case.kv_lens,
+                                     case.head_dim ** -0.5)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    atol, rtol = TOLERANCE[case.dtype]
+    assert_close(out, reference_attention(case, q, k_cache, v_cache, tables), atol=atol, rtol=rtol, what=case.id)
+
+
+GATHERED_CASES_CPU = [
+    AttnCase((70, 3), (60, 0), 4, 2, 16, 4, 'fp32'),
+    AttnCase((5, 20, 1, 0), (300, 70, 0, 9), 4, 2, 16, 4, 'fp32'),  # a q_len-0 row, non-aligned histories
+    AttnCase((9,), (130,), 4, 1, 80, 8, 'fp16'),
+]
+GATHERED_CASES_GPU = [
+    AttnCase(q_lens, hist, 16, 4, d, kbs, 'bf16')
+    for q_lens, hist in [((1200,), (0,)), ((1000, 300), (3_001, 0))] for d in (128, 256) for kbs in (16, 64)
+]
+
+
+@pytest.mark.parametrize('case', GATHERED_CASES_CPU, ids=lambda c: c.id)
+def test_gathered_prefill_attention_matches_reference_on_cpu(case):
+    check_gathered_prefill(case, 'cpu')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', GATHERED_CASES_GPU, ids=lambda c: c.id)
+def test_gathered_prefill_attention_matches_reference(case):
+    check_gathered_prefill(case, 'cuda')
+
+
+def test_gathered_prefill_only_for_long_eager_chunks_of_few_sequences():
+    assert use_gathered_prefill([8192], True) and use_gathered_prefill([1, 2048, 5], True)
+    assert not use_gathered_prefill([8192], False)           # a CUDA-graph view: placeholder host lengths
+    assert not use_gathered_prefill([2047, 100], True)
+    assert not use_gathered_prefill([4096] * 5, True) and not use_gathered_prefill([], True)
 
 
 def test_prefill_split_rule_fills_the_gpu_only_for_short_queries():

@@ -179,7 +179,8 @@ class _StaticInputs:
             lora_ids=self.lora_ids[:s] if self.has_lora else None,
             # host copies are shape placeholders here (upper bounds): a graph's kernels read device tensors only
             q_lens_list=[1 if key.decode else t] * s, kv_lens_list=[self.max_pages] * s,
-            max_seqlen_q=1 if key.decode else t, max_seqlen_k=t, use_recurrent_kernel=not key.decode and not chunked,
+            max_seqlen_q=1 if key.decode else t, max_seqlen_k=t, host_lens_exact=False,
+            use_recurrent_kernel=not key.decode and not chunked,
             graph_chunk_indices=self.chunk_indices[:max_graph_chunks(t, s)] if chunked else None)
     def _copy_batch(self, inputs: ModelInputs) -> None:
         t, b = inputs.input_ids.numel(), inputs.batch_size

@@ -19,6 +19,7 @@ from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
 from ...kernels.cuda.gated_delta_gating import gated_delta_gating
+from ...kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
 from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.moe_routing import softmax_topk
@@ -35,6 +36,19 @@ from ..default.elementwise import gated_delta_gating as default_gated_delta_gati
 from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
+
+
+def _prefill_attention_mode() -> str:
+    """Long eager prefill chunks (`LMDEPLOY_PREFILL_ATTN`, read at import): `paged` = the Triton kernel on the
+    pool, `gathered` = K/V gathered from the pool + torch SDPA's flash kernel
+    (`kernels/cuda/gathered_prefill_attention.py`)."""
+    mode = os.environ.get('LMDEPLOY_PREFILL_ATTN', 'paged')
+    if mode not in ('paged', 'gathered'):
+        raise ValueError(f"LMDEPLOY_PREFILL_ATTN must be 'paged' or 'gathered', got {mode!r}")
+    return mode
+
+
+_GATHERED_PREFILL = _prefill_attention_mode() == 'gathered'
 
 
 def _const(fn):
@@ -56,6 +70,9 @@ def _build_attention(**_kwargs):
             fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
         if inputs.is_decode:
             return paged_decode_attention(q, k_cache, v_cache, inputs.block_tables, inputs.kv_lens, scale)
+        if _GATHERED_PREFILL and use_gathered_prefill(inputs.q_lens_list, inputs.host_lens_exact):
+            return gathered_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.q_lens_list,
+                                              inputs.kv_lens_list, scale)
         return paged_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.cu_seqlens_q,
                                        inputs.q_lens, inputs.kv_lens, inputs.max_seqlen_q, scale)
     return forward
