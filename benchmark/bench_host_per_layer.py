@@ -26,23 +26,13 @@ import time
 
 import torch
 
-LINEAR, FULL = 'linear_attention', 'full_attention'
-BASE_CONFIG = dict(
-    vocab_size=1024, hidden_size=2048, intermediate_size=5120, num_hidden_layers=12,
-    layer_types=[LINEAR, LINEAR, LINEAR, FULL] * 3, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=10, moe_intermediate_size=512,
-    shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-    max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    rope_parameters={'rope_type': 'default', 'rope_theta': 10000000.0, 'partial_rotary_factor': 0.25},
-    bos_token_id=1, eos_token_id=2, pad_token_id=1,
-)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_shapes import QWEN3_NEXT_3B, SMALL_VOCAB, SMOKE_HYBRID  # noqa: E402 - beside this script
+
+BASE_CONFIG = dict(QWEN3_NEXT_3B, **SMALL_VOCAB)
 SHAPES = {'moe': BASE_CONFIG, 'dense': dict(BASE_CONFIG, mlp_only_layers=list(range(12)))}
-# --smoke (CPU, float32, tiny widths): checks the script itself, its numbers mean nothing
-SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, layer_types=[LINEAR] * 3 + [FULL],
-             num_attention_heads=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=32, shared_expert_intermediate_size=32)
+SMOKE = SMOKE_HYBRID  # --smoke (CPU, float32, tiny widths): checks the script itself, its numbers mean nothing
 TOGGLES = [('0', '0'), ('1', '0'), ('1', '1')]  # (LMDEPLOY_FAST_LAUNCH, LMDEPLOY_FUSED_OPS)
 
 

@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_shapes  # noqa: E402
 from bench_harness import (  # noqa: E402 - the shared helpers beside this script
     HF,
     Bench,
@@ -73,10 +74,7 @@ SHAPES = {
     'qwen3.5-35b-a3b': ('Qwen3_5MoeTextConfig', 'Qwen3_5MoeForCausalLM', 256),
     'qwen3-next-80b': ('Qwen3NextConfig', 'Qwen3NextForCausalLM', 512),
 }
-SMOKE_WIDTHS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                    vocab_size=512, num_hidden_layers=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                    num_experts_per_tok=2)
+SMOKE_WIDTHS = dict(bench_shapes.SMOKE_WIDTHS, vocab_size=512)
 ROWS = ('startup', 'suffix', 'cold', 'decode', 'cb')
 
 

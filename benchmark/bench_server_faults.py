@@ -26,6 +26,8 @@ import time
 
 import httpx
 
+from lmdeploy.bench.http_load import latency_beside_storm
+
 MODEL = 'tiny'
 FD_LIMIT = 1024
 LONG = {'model': MODEL, 'prompt': [5, 6, 7, 8], 'max_tokens': 100_000, 'ignore_eos': True, 'temperature': 0,
@@ -139,37 +141,11 @@ def surrogate_model(server: Server) -> None:
     report('lone surrogate in model', status=response.status_code, param=response.json()['error']['param'])
 
 
-def _tiny(client: httpx.Client, url: str) -> float:
-    start = time.perf_counter()
-    response = client.post(f'{url}/v1/completions', json={'model': MODEL, 'prompt': [5, 6, 7], 'max_tokens': 1},
-                           timeout=60)
-    assert response.status_code == 200, response.text
-    return time.perf_counter() - start
-
-
 def tiny_beside_large(server: Server) -> None:
     big = json.dumps({'model': MODEL, 'max_tokens': 1,
                       'messages': [{'role': 'user', 'content': 'tide and sea ' * 80_000}]}).encode()   # ~1 MiB
-    with httpx.Client() as client:
-        for _ in range(3):
-            _tiny(client, server.url)
-        baseline = [_tiny(client, server.url) for _ in range(15)]
-        stop, statuses = threading.Event(), []
-
-        def storm():
-            with httpx.Client() as own:
-                while not stop.is_set() and len(statuses) < 2000:
-                    statuses.append(own.post(f'{server.url}/v1/chat/completions', content=big, timeout=60,
-                                             headers={'Content-Type': 'application/json'}).status_code)
-
-        threads = [threading.Thread(target=storm) for _ in range(8)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        loaded = [_tiny(client, server.url) for _ in range(15)]
-        stop.set()
-        for t in threads:
-            t.join(60)
+    baseline, loaded, statuses = latency_beside_storm(server.url, MODEL, big, num_threads=8, num_samples=15,
+                                                      max_sent=2000)
     report('tiny beside 8x 1 MiB prompts', baseline_median_ms=round(statistics.median(baseline) * 1000, 1),
            loaded_median_ms=round(statistics.median(loaded) * 1000, 1), loaded_max_ms=round(max(loaded) * 1000, 1),
            large_prompts=len(statuses), large_statuses=sorted(set(statuses)))

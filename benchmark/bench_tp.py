@@ -140,7 +140,7 @@ def measure_engine(args, tp: int) -> dict:
         max_batch_size=max(args.batches), enable_prefix_caching=True, session_len=max(args.cold) + 1024,
         max_prefill_token_num=args.max_prefill, cache_max_entry_count=args.cache_max_entry_count))
     out = {'tp': tp, 'start_s': round(time.perf_counter() - began, 1), 'kv_blocks': engine.cache_config.num_blocks,
-           **collectives(engine, tp), 'skipped': []}
+           'async_scheduling': engine.async_scheduling, **collectives(engine, tp), 'skipped': []}
     progress(tp, began, f'engine started: {out}')
     vocab = engine.model_config.vocab_size
     rows = [(f'decode_tok_s_b{batch}', lambda batch=batch: decode_rate(args, engine, batch, vocab))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -84,6 +86,22 @@ def add_random_mtp_weights(path: str, seed: int = 0) -> str:
     with open(config_file, 'w') as f:
         json.dump(config, f)
     return path
+
+
+def mtp_checkpoint_builder(tiny_model_factory, tmp_path_factory, cases: dict[str, tuple[str, dict]],
+                           default: str | None = None) -> Callable[..., str]:
+    """`get(name=default)`: a copy of the tiny checkpoint `cases[name] = (arch, overrides)` with random `mtp.*`
+    weights (seed 1), built once per name (for a module-scoped fixture)."""
+    built: dict[str, str] = {}
+
+    def get(name: str | None = default) -> str:
+        if name not in built:
+            arch, overrides = cases[name]
+            path = shutil.copytree(tiny_model_factory(arch, **overrides), tmp_path_factory.mktemp(f'{name}-mtp'),
+                                   dirs_exist_ok=True)
+            built[name] = add_random_mtp_weights(str(path), seed=1)
+        return built[name]
+    return get
 
 
 def _zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Benchmarks run against the engine through the public pipeline (`lmdeploy bench ...`).
 
-`prefix_cache` is the runner (CLI flags, trace driver, engine probes); `workloads` builds seeded traces,
-`oracle` computes the capacity-free hit rate and the miss attribution, `report` renders results.
+`prefix_cache` is the runner (CLI flags, trace driver), `engine_probe` reads the engine's statistics records,
+`workloads` builds seeded traces, `oracle` computes the capacity-free hit rate and the miss attribution, `report`
+renders results; `http_load` measures a tiny request's latency beside large bodies against a live server
+(bench_server_faults.py, tests).
 """
 from __future__ import annotations
 

@@ -2,25 +2,15 @@
 forced-acceptance tokens/s that scale with the acceptance length (no speed asserted)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_scripts import bench_script
 
 pytest.importorskip('transformers')
 
 
 def test_mtp_benchmark_smoke_reports_every_acceptance_length():
-    path = Path(__file__).resolve().parents[2] / 'benchmark' / 'bench_mtp_decode.py'
-    spec = importlib.util.spec_from_file_location('bench_mtp_decode', path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with bench_script('bench_mtp_decode') as module:
         result = module.main(['--smoke', '--batches', '1', '2', '--draft-tokens', '2'])
-    finally:
-        sys.modules.pop(spec.name, None)
     assert [row['batch'] for row in result['rows']] == [1, 2]
     for row in result['rows']:
         per_len = row['spec_tokens_per_s_at_accept_len']

@@ -1,24 +1,14 @@
 """Smoke test of `benchmark/bench_prefix_match.py` on a tiny grid (no timing asserted)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_scripts import bench_script
 
 
 @pytest.fixture(scope='module')
 def bench():
-    path = Path(__file__).resolve().parents[2] / 'benchmark' / 'bench_prefix_match.py'
-    spec = importlib.util.spec_from_file_location('bench_prefix_match', path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with bench_script('bench_prefix_match') as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.mark.parametrize('dense', [False, True])

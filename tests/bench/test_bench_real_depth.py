@@ -2,27 +2,18 @@
 against numpy, the target verdicts, and one `--smoke` run (tiny float32 MoE shape on the CPU; no speed asserted)."""
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 pytest.importorskip('transformers')
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / 'benchmark'
-MODULES = ('bench_real_depth', 'bench_harness', 'real_depth_floors', 'real_depth_report', 'real_depth_serving')
 
 
 @pytest.fixture(scope='module')
 def bench():
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        yield importlib.import_module('bench_real_depth')
-    finally:
-        for name in MODULES:
-            sys.modules.pop(name, None)
-        sys.path.remove(str(BENCH_DIR))
+    with bench_script('bench_real_depth') as module:
+        yield module
 
 
 @pytest.mark.parametrize('shape', ['qwen3.5-9b', 'qwen3.5-35b-a3b', 'qwen3-next-80b'])

@@ -14,12 +14,10 @@ tested against transformers elsewhere), on tiny random Qwen3.5 / Qwen3-Next chec
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from engines import engine_factory
-from mtp_reference import add_random_mtp_weights
+from mtp_reference import mtp_checkpoint_builder
 
 from lmdeploy import SpeculativeConfig
 from lmdeploy.pytorch.messages import SamplingParams
@@ -40,16 +38,7 @@ MODELS = {
 
 @pytest.fixture(scope='module')
 def mtp_model(tiny_model_factory, tmp_path_factory):
-    built = {}
-
-    def get(name: str = 'qwen3_5') -> str:
-        if name not in built:
-            arch, overrides = MODELS[name]
-            path = shutil.copytree(tiny_model_factory(arch, **overrides), tmp_path_factory.mktemp(f'{name}-mtp'),
-                                   dirs_exist_ok=True)
-            built[name] = add_random_mtp_weights(str(path), seed=1)
-        return built[name]
-    return get
+    return mtp_checkpoint_builder(tiny_model_factory, tmp_path_factory, MODELS, default='qwen3_5')
 
 
 def _spec(k: int = K) -> SpeculativeConfig:

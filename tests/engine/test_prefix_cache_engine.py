@@ -8,122 +8,41 @@ from the deepest published state checkpoint at or before `n - 1`; checkpoints ar
 chunk end (and, opt-in, every `prefix_cache_decode_state_interval` decoded tokens). On top of that base design the
 default policies keep the prompt-end logits (an identical prompt resumes at `n`), end a prefill chunk at a branch
 point, checkpoint a finished request after its reply, and evict by value; tests name the policy they depend on.
-Every test checks the block / state-slot accounting after every engine step.
+Every test checks the block / state-slot accounting after every engine step. The runs and the geometry are in
+`prefix_cache_runs.py`; where checkpoints are taken is tested in `test_prefix_cache_checkpoints.py`, the device-side
+invariants in `test_prefix_cache_device_side.py`.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
-import torch
-from engines import engine_factory
 from numeric import assert_close
+from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
+    ARCHS,
+    ATOL,
+    BASE,
+    DENSE,
+    HYBRID,
+    B,
+    assert_warm_equals_cold,
+    check_against_cold,
+    drive,
+    generate,
+    ids,
+    live_steps,
+    make_engine,
+    model_path_fixture,
+    one,
+    single_thread_fixture,
+)
 
 import lmdeploy
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels.default import paged_attention
 from lmdeploy.pytorch.messages import SamplingParams
 from lmdeploy.pytorch.paging.scheduler import SchedulerOutput
-
-B = 16
-ATOL = 1e-4
-MAX_STEPS = 1000
-DENSE, HYBRID = ('qwen3',), ('qwen3_5', 'qwen3_next')
-ARCHS = DENSE + HYBRID
-# Engines run with the shipped defaults unless a test says otherwise. The checkpoint policies layered on the base
-# design (prompt-end logits, branch points, reply checkpoints, value eviction) change some exact numbers; tests of
-# the base mechanism switch off the ones that would, by name.
-NO_REPLY = dict(prefix_cache_reply_checkpoints=False)
-BASE = dict(prefix_cache_reply_checkpoints=False, prefix_cache_prompt_logits=False,
-            prefix_cache_branch_checkpoints=False, prefix_cache_value_eviction=False)
-
-
-# ---- helpers ------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope='module', autouse=True)
-def single_thread():
-    """Tiny models gain nothing from intra-op threads, and spinning OpenMP workers slow the run ~10x on a shared
-    CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope='module')
-def model_path(tiny_model_factory):
-    return lambda arch: tiny_model_factory(arch)
-
-
-make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,
-                             max_prefill_token_num=512, enable_prefix_caching=True)
-
-
-def ids(length: int, seed: int) -> list[int]:
-    return torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@dataclass
-class Run:
-    prompt: list[int]
-    cached: int = 0                                        # EngineOutput.num_cached
-    generated: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None                     # [fed tokens, vocab]: prompt[cached:] + generated[:-1]
-
-
-def submit(engine: Engine, prompt: list[int], max_new_tokens: int = 1) -> tuple[int, Run]:
-    run = Run(list(prompt))
-
-    def on_output(out):
-        run.cached = out.num_cached
-        run.generated += out.new_token_ids
-
-    return engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens), callback=on_output,
-                              collect_logits=True), run
-
-
-def drive(engine: Engine, after_step=None) -> None:
-    """Step until idle, checking the KV / state-slot accounting after every step."""
-    for _ in range(MAX_STEPS):
-        if not engine.has_work:
-            return
-        engine.step()
-        engine.check_integrity()
-        if after_step is not None:
-            after_step()
-    raise AssertionError(f'the engine is still busy after {MAX_STEPS} steps (a request is never admitted?)')
-
-
-def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 1, after_step=None) -> list[Run]:
-    """Submit all prompts at once (they share forwards), run to idle."""
-    pending = [submit(engine, p, max_new_tokens) for p in prompts]
-    drive(engine, after_step)
-    for seq_id, run in pending:
-        run.logits = engine.pop_collected_logits(seq_id)
-    return [run for _, run in pending]
-
-
-def one(engine: Engine, prompt: list[int], max_new_tokens: int = 1) -> Run:
-    return generate(engine, [prompt], max_new_tokens)[0]
-
-
-def assert_warm_equals_cold(warm: Run, cold: Run) -> None:
-    assert cold.cached == 0
-    assert warm.generated == cold.generated, 'greedy tokens differ between warm and cold'
-    assert warm.logits.shape[0] == len(warm.prompt) - warm.cached + len(warm.generated) - 1
-    assert_close(warm.logits, cold.logits[warm.cached:], atol=ATOL, rtol=0, what=f'warm logits (cached {warm.cached})')
-
-
-def check_against_cold(path: str, warm_runs: list[Run], max_new_tokens: int = 1, **overrides) -> None:
-    """Replay every warm prompt on a cache-off engine and compare."""
-    cold = make_engine(path, cache=False, **overrides)
-    for warm in warm_runs:
-        assert_warm_equals_cold(warm, one(cold, warm.prompt, max_new_tokens))
-
-
-def live_steps(engine: Engine) -> list[int]:
-    return sorted(ck.step for ck in engine.scheduler.trie.checkpoints.live())
 
 
 # ---- exact cached_tokens for designed geometries ----------------------------------------------------------------
@@ -390,7 +309,7 @@ def test_eviction_under_tiny_pools_keeps_outputs_and_invariants(model_path, arch
             detached.append(node)
             detach(node)
 
-        evict_leaf = trie.evict_leaf
+        evict_leaf = trie.eviction.evict_leaf
 
         def checked_evict_leaf(priority, leaf):
             # Partial checkpoints and leaves compete in one order: none of lower or equal priority remains.
@@ -399,7 +318,8 @@ def test_eviction_under_tiny_pools_keeps_outputs_and_invariants(model_path, arch
             assert not cheaper, 'a trie leaf was evicted before a partial checkpoint of no higher priority'
             evict_leaf(priority, leaf)
 
-        lifecycle.release, trie.kv.detach, trie.evict_leaf = checked_release, checked_detach, checked_evict_leaf
+        lifecycle.release, trie.kv.detach = checked_release, checked_detach
+        trie.eviction.evict_leaf = checked_evict_leaf
 
     def after_step():
         if trie.checkpoints is not None:
@@ -425,210 +345,6 @@ def test_eviction_under_tiny_pools_keeps_outputs_and_invariants(model_path, arch
         assert causes.get('state', 0) > 0, 'no checkpoint was evicted under state pressure'
     assert stats['evicted_checkpoints'] == sum(causes.values())
     assert engine.scheduler.block_manager.num_free + sum(trie.owners()[0].values()) == num_blocks
-
-
-# ---- checkpoint modes on a multi-turn chat ------------------------------------------------------------------------
-def chat(engine: Engine, turns: int = 5, reply_len: int = 8) -> tuple[list[Run], list[int]]:
-    """Turn k's prompt = turn k-1's prompt + its reply + new user tokens (30, 47, 64, 81, 98 tokens)."""
-    prompt, runs = ids(30, seed=200), []
-    for k in range(turns):
-        run = one(engine, prompt, reply_len)
-        runs.append(run)
-        prompt = prompt + run.generated + ids(9, seed=201 + k)
-    return runs, [r.cached for r in runs]
-
-
-@pytest.mark.parametrize('arch', HYBRID)
-@pytest.mark.parametrize('policy, exact_hits, aligned_hits', [
-    # Base design: each turn resumes where the previous prompt ended (the reply is recomputed). Aligned: of the
-    # prompt ends only 64 = 4 blocks is a block multiple.
-    ('base', [0, 30, 47, 64, 81], [0, 0, 0, 64, 64]),
-    # Default: a finished request leaves a checkpoint after its reply (prompt + 8 - 1 fed tokens), so each turn
-    # resumes after the previous reply. Aligned keeps block multiples only: no reply checkpoint qualifies, but each
-    # turn ends its first chunk at the last block boundary before it diverges from the cached reply (32 in turn
-    # 2, 48 in turn 3, 80 in turn 5) and checkpoints it.
-    ('default', [0, 37, 54, 71, 88], [0, 0, 32, 64, 64]),
-])
-def test_exact_checkpoints_beat_aligned_on_multi_turn_chat(model_path, arch, policy, exact_hits, aligned_hits):
-    path = model_path(arch)
-    knobs = BASE if policy == 'base' else {}
-    off_runs, off_hits = chat(make_engine(path, cache=False))
-    aligned_runs, aligned = chat(make_engine(path, prefix_cache_checkpoint_mode='aligned', **knobs))
-    exact_runs, exact = chat(make_engine(path, prefix_cache_checkpoint_mode='exact', **knobs))
-    assert off_hits == [0] * 5
-    assert (exact, aligned) == (exact_hits, aligned_hits)
-    assert sum(exact) > sum(aligned)
-    for off, aligned_run, exact_run in zip(off_runs, aligned_runs, exact_runs):
-        assert off.generated == aligned_run.generated == exact_run.generated
-        assert_warm_equals_cold(aligned_run, off)
-        assert_warm_equals_cold(exact_run, off)
-
-
-# ---- decode checkpoints -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize('arch', HYBRID)
-@pytest.mark.parametrize('interval, knobs, steps', [
-    (0, NO_REPLY, [2 * B + 5]),
-    (B, NO_REPLY, [2 * B + 5, 3 * B]),
-    (B, {}, [2 * B + 5, 3 * B, 2 * B + 5 + 19]),    # + the reply checkpoint after the 19 fed generated tokens
-])
-def test_follow_up_resumes_from_a_decode_checkpoint(model_path, arch, interval, knobs, steps):
-    # 37-token prompt, 20 generated tokens: decodes feed positions 37..55 (steps 38..56); with interval 16 the step
-    # 48 = 3 blocks is saved. A follow-up containing the whole exchange resumes at the deepest checkpoint.
-    path = model_path(arch)
-    engine = make_engine(path, prefix_cache_decode_state_interval=interval, **knobs)
-    first = one(engine, ids(2 * B + 5, seed=15), max_new_tokens=20)
-    assert live_steps(engine) == steps
-    assert [ck.is_partial for ck in sorted(engine.scheduler.trie.checkpoints.live(), key=lambda c: c.step)] == [
-        step % B != 0 for step in steps]
-    follow = one(engine, first.prompt + first.generated + ids(5, seed=16), max_new_tokens=3)
-    assert follow.cached == steps[-1]
-    check_against_cold(path, [first], 20)
-    check_against_cold(path, [follow], 3)
-
-
-# ---- in-prefill checkpoints ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize('arch', HYBRID)
-@pytest.mark.parametrize('chunk, cap, steps, hits', [
-    (512, 4, [64, 128, 192, 256, 300], (128, 64)),            # one piece: cuts at the 4 multiples of 64 in it
-    (100, 4, [64, 100, 128, 192, 200, 256, 300], (128, 64)),  # pieces [0,100) [100,200) [200,300): 64|192,128|256
-    (512, 2, [192, 256, 300], (0, 64)),   # the cap keeps the deepest cuts; the 149-token 2nd prompt cuts 128, 64
-])
-def test_in_prefill_checkpoints_are_hit_exactly(model_path, arch, chunk, cap, steps, hits):
-    # A 300-token prompt with in-prefill checkpoints every 64 tokens (block-aligned: no frozen block); later
-    # prompts diverging at 140 and 70 resume from the deepest checkpoint before the divergence (branch points off).
-    path = model_path(arch)
-    engine = make_engine(path, max_prefill_token_num=chunk, prefix_cache_prefill_state_interval=64,
-                         prefix_cache_prefill_state_cap=cap, num_gpu_blocks=128, **BASE)
-    base = ids(300, seed=300)
-    first = one(engine, base)
-    assert live_steps(engine) == steps
-    assert all(ck.is_partial == (ck.step % B != 0) for ck in engine.scheduler.trie.checkpoints.live())
-    runs = [first]
-    for shared, hit in zip((140, 70), hits):
-        run = one(engine, base[:shared] + ids(9, seed=shared), max_new_tokens=3)
-        assert run.cached == hit
-        runs.append(run)
-    check_against_cold(path, runs[:1])
-    check_against_cold(path, runs[1:], 3)
-
-
-@pytest.mark.parametrize('arch', HYBRID)
-def test_in_prefill_checkpoints_use_only_free_state_rows(model_path, arch):
-    # No state budget and 4 running slots' worth of rows: cuts take free rows only and never evict the system
-    # prompt's checkpoint, which later prompts still hit.
-    path = model_path(arch)
-    engine = make_engine(path, prefix_cache_prefill_state_interval=32, prefix_cache_prefill_state_cap=8,
-                         max_batch_size=2, num_gpu_blocks=128, **BASE)
-    system = ids(37, seed=37)
-    one(engine, system)
-    total_rows = engine.cache_config.num_state_slots
-    long = one(engine, system + ids(200, seed=200))
-    assert long.cached == 37
-    live = live_steps(engine)
-    assert 37 in live and len(live) <= total_rows - 1
-    assert one(engine, system + ids(5, seed=5)).cached == 37
-
-
-# ---- invariants on the device side ------------------------------------------------------------------------------
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5'])
-def test_every_block_a_forward_writes_is_request_owned(model_path, arch, monkeypatch):
-    path = model_path(arch)
-    engine = make_engine(path, max_prefill_token_num=23)
-    scheduler, pages_per_block = engine.scheduler, B // 8
-    written = []
-
-    def checked_fill(k, v, k_cache, v_cache, slot_mapping):
-        trie = scheduler.trie
-        blocks = set((slot_mapping // k_cache.size(1) // pages_per_block).tolist())
-        node_blocks = set(trie.kv.owners())
-        frozen = {ck.frozen_block_id for ck in trie.checkpoints.live()} if trie.checkpoints is not None else set()
-        assert not blocks & node_blocks, f'a forward writes trie-owned blocks {blocks & node_blocks}'
-        assert not blocks & frozen, f'a forward writes frozen checkpoint blocks {blocks & frozen}'
-        assert blocks <= {b for seq in scheduler.running for b in seq.block_ids}
-        written.append(blocks)
-        return fill(k, v, k_cache, v_cache, slot_mapping)
-
-    def checked_plans(out):
-        """Copy destinations: restores land in request-owned, non-trie blocks; saves in this step's frozen blocks."""
-        node_blocks = set(scheduler.trie.kv.owners())
-        owned = {b for seq in out.seqs + [seq for seq, _ in out.logits_hits] for b in seq.block_ids}
-        assert all(dst in owned and dst not in node_blocks for _, dst in out.kv_restores)
-        assert sorted(dst for _, dst in out.kv_saves) == sorted(
-            ck.frozen_block_id for _, ck in out.reserved if ck.frozen_block_id is not None)
-        assert all(src in owned for src, _ in out.kv_saves)
-
-    fill = paged_attention.fill_kv_cache
-    monkeypatch.setattr(paged_attention, 'fill_kv_cache', checked_fill)  # undone before the cold control runs
-    base = ids(80, seed=17)
-    schedule = scheduler.schedule
-
-    def checked_schedule():
-        out = schedule()
-        checked_plans(out)
-        return out
-
-    monkeypatch.setattr(scheduler, 'schedule', checked_schedule)
-    runs = [one(engine, base, 4)]
-    # Resumes at 46 (hybrid) / 64 (dense) although blocks 2 and 3 ([32, 64)) are cached in the trie: the
-    # continuation is recomputed into private blocks (prior-art trap 4).
-    runs += generate(engine, [base[:64] + ids(10, seed=18), base[:40] + ids(3, seed=19)], max_new_tokens=4)
-    runs += generate(engine, [base[:64] + ids(10, seed=18) + ids(20, seed=20)] * 2, max_new_tokens=4)
-    # Wave 3 (94 tokens, twice) resumes at the wave-2 prefill end 74; the second copy is admitted one step later.
-    # Hybrid: by then the first copy's prompt-end checkpoint (with its logits) serves the whole prompt: only restore
-    # copies and decodes write. Dense: the first copy's chunk attached block 4 ([64, 80)): 5 blocks.
-    assert [r.cached for r in runs] == ([0, 46, 23, 74, 94] if arch in HYBRID else [0, 64, 32, 64, 80])
-    assert len(written) > 10
-    monkeypatch.undo()
-    check_against_cold(path, runs, 4)
-
-
-@pytest.mark.parametrize('arch', HYBRID)
-def test_model_agent_orders_restores_forward_saves(model_path, arch):
-    engine = make_engine(model_path(arch))
-    prefix = ids(2 * B + 5, seed=21)
-    one(engine, prefix)
-    cache_engine, model, maker = engine.cache_engine, engine.model, engine.inputs_maker
-    order, plans = [], []
-    copy_blocks, copy_slots, forward, make_cache_inputs = (cache_engine.copy_logical_blocks,
-                                                           cache_engine.copy_state_slots, model.forward,
-                                                           maker.make_cache_inputs)
-
-    def label(plan, kinds):
-        ci = plans[-1]
-        return next(kind for kind in kinds if getattr(ci, f'{kind}_plan') is not None
-                    and torch.equal(getattr(ci, f'{kind}_plan'), plan.cpu()))
-
-    def recording_make(sched):
-        ci = make_cache_inputs(sched)
-        plans.append(ci)
-        order.append('step')
-        return ci
-
-    def blocks(plan):
-        order.append(label(plan, ('kv_restore', 'kv_save')))
-        copy_blocks(plan)
-
-    def slots(plan):
-        order.append(label(plan, ('state_restore', 'state_save')))
-        copy_slots(plan)
-
-    def model_forward(*args, **kwargs):
-        order.append('forward')
-        return forward(*args, **kwargs)
-
-    maker.make_cache_inputs = recording_make
-    cache_engine.copy_logical_blocks, cache_engine.copy_state_slots = blocks, slots
-    model.forward = model_forward
-    # Resumes at 37 (restore frozen block + state) and ends its prefill at 47 (save partial block + state).
-    run = one(engine, prefix + ids(10, seed=22), max_new_tokens=2)
-    assert run.cached == 2 * B + 5
-    assert order[:6] == ['step', 'kv_restore', 'state_restore', 'forward', 'kv_save', 'state_save']
-    # Every later group of copies (decode, reply checkpoint) keeps the same order.
-    rank = {'kv_restore': 0, 'state_restore': 1, 'forward': 2, 'kv_save': 3, 'state_save': 4}
-    groups = ' '.join(order).split('step')
-    for group in groups:
-        ranks = [rank[op] for op in group.split()]
-        assert ranks == sorted(ranks), group
 
 
 # ---- statistics and the user surface ------------------------------------------------------------------------------

@@ -47,16 +47,18 @@ def test_padding_inputs_write_nothing_a_sequence_owns():
 
 
 def test_eager_warm_up_leaves_pools_and_requests_untouched(tiny_model_factory):
-    """The warm-up forwards (run here on the CPU, where start-up skips them) change no KV page and no state row but
-    the dummy row 0, and the engine then generates exactly what a fresh engine does."""
+    """The warm-up forwards and draws (run here on the CPU, where start-up skips them) change no KV page, no state
+    row but the dummy row 0 and not the global RNG, and the engine then generates exactly what a fresh one does."""
     path = tiny_model_factory('qwen3_5')
     config = PytorchEngineConfig(device_type='cpu', block_size=16, num_gpu_blocks=32, max_batch_size=4,
                                  max_prefill_token_num=48)
     engine = Engine(path, config)
     kv = engine.cache_engine.kv_pool.clone()
     states = engine.cache_engine.state_pool[1:].clone()
+    rng = torch.get_rng_state()
     assert engine.agent.warm_up_eager() >= 0
     assert torch.equal(engine.cache_engine.kv_pool, kv) and torch.equal(engine.cache_engine.state_pool[1:], states)
+    assert torch.equal(torch.get_rng_state(), rng)   # its random draws use a generator of their own
     engine.check_integrity()
     prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
 

@@ -11,7 +11,6 @@ the backing tensor must equal the reference's bit for bit outside the used rows.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpreted import run_cpu_tests_interpreted
+from kernel_inputs import DTYPES, compare_pools, cu_seqlens_of, make_pool, randn, strided_copy, tol
 from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
@@ -33,49 +33,8 @@ from lmdeploy.pytorch.kernels.default import gated_delta_rule as ref_gdr
 
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_triton_kernels_interpreted')
-DTYPES = pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
 NUM_SLOTS = 8
 SLOT_ORDER = [6, 1, 4, 0, 3, 7, 2, 5]
-
-
-def tol(dtype: torch.dtype, fp32: float = 1e-5, bf16: float = 2e-2) -> dict:
-    return {'atol': fp32, 'rtol': fp32} if dtype == torch.float32 else {'atol': bf16, 'rtol': bf16}
-
-
-def randn(*shape: int, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype)
-
-
-def make_pool(*shape: int, dtype=torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(backing, pool): pool [NUM_SLOTS, *shape] views rows of a wider backing tensor, so dim 0 is strided."""
-    row = math.prod(shape)
-    backing = randn(NUM_SLOTS, row + 13, gen=torch.Generator().manual_seed(seed), dtype=dtype)
-    pool = backing[:, 3:3 + row].view(NUM_SLOTS, *shape)
-    assert not pool.is_contiguous()
-    return backing, pool
-
-
-def cu_seqlens_of(lens) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
-
-
-def strided_copy(x: torch.Tensor, pad: int = 5) -> torch.Tensor:
-    """Same values, but every row of the last dim sits in a wider buffer (non-contiguous, unit last stride)."""
-    wide = torch.full((*x.shape[:-1], x.shape[-1] + pad), float('nan'), dtype=x.dtype, device=x.device)
-    wide[..., :x.shape[-1]] = x
-    return wide[..., :x.shape[-1]]
-
-
-def compare_pools(backing: torch.Tensor, ref_backing: torch.Tensor, pool: torch.Tensor, used_slots, **kwargs) -> None:
-    """Used rows close to the reference; everything else (other rows, gap bytes) bit-identical, NaN-aware."""
-    backing = backing.cpu()
-    mask = torch.ones_like(backing, dtype=torch.bool)
-    start, size = pool.storage_offset(), pool[0].numel()
-    for slot in used_slots:
-        mask[slot, start:start + size] = False
-        assert_close(backing[slot, start:start + size], ref_backing[slot, start:start + size],
-                     what=f'state slot {slot}', **kwargs)
-    torch.testing.assert_close(backing[mask], ref_backing[mask], rtol=0, atol=0, equal_nan=True)
 
 
 # ------------------------------------------------------------------------------------------------------- norms
@@ -230,7 +189,7 @@ def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
     weight = randn(case.channels, case.width, gen=gen, dtype=dtype)
     bias = randn(case.channels, gen=gen, dtype=dtype) if case.with_bias else None
     x = randn(sum(case.lens), case.channels, gen=gen, dtype=dtype)
-    backing, pool = make_pool(case.channels, case.width - 1, dtype=dtype, seed=4)
+    backing, pool = make_pool(NUM_SLOTS, case.channels, case.width - 1, dtype=dtype, seed=4)
     slots = SLOT_ORDER[:len(case.lens)]
     for slot, fresh in zip(slots, case.fresh):
         if fresh:
@@ -269,7 +228,7 @@ def check_conv_split(device: str) -> None:
     gen = torch.Generator().manual_seed(5)
     weight, bias = randn(channels, width, gen=gen).to(device), randn(channels, gen=gen).to(device)
     x = randn(sum(pieces), channels, gen=gen).to(device)
-    pool_whole, pool = make_pool(channels, width - 1)[1].to(device), make_pool(channels, width - 1)[1].to(device)
+    pool_whole, pool = (make_pool(NUM_SLOTS, channels, width - 1)[1].to(device) for _ in range(2))
     slot = torch.tensor([2], device=device)
     whole = cuda_conv.causal_conv1d(x, weight, bias, pool_whole, slot, torch.tensor([True], device=device),
                                     cu_seqlens_of([len(x)]).to(device))
@@ -409,7 +368,7 @@ def check_gdr(kernel_name: str, case: GdrCase, dtype, pool_dtype, use_qk_l2norm:
     if not use_qk_l2norm:
         inputs[0], inputs[1] = (F.normalize(x.float(), dim=-1).to(dtype) for x in inputs[:2])
     shape = (case.num_heads, case.dim_k, case.dim_v)
-    backing, pool = make_pool(*shape, dtype=pool_dtype, seed=8)
+    backing, pool = make_pool(NUM_SLOTS, *shape, dtype=pool_dtype, seed=8)
     backing.mul_(0.1)
     slots = SLOT_ORDER[:len(case.lens)]
     for slot, fresh in zip(slots, case.fresh):
@@ -482,8 +441,8 @@ def test_gated_delta_rule_split_equals_unsplit_gpu():
     pieces = (70, 1, 1, 3, 64, 1)
     whole = GdrCase((sum(pieces),), (True,), 4, 2)
     inputs = [x.cuda() for x in gdr_inputs(whole, torch.float32, seed=9)]
-    _, pool_whole = make_pool(4, 128, 128)
-    _, pool = make_pool(4, 128, 128)
+    _, pool_whole = make_pool(NUM_SLOTS, 4, 128, 128)
+    _, pool = make_pool(NUM_SLOTS, 4, 128, 128)
     pool_whole, pool = pool_whole.cuda(), pool.cuda()
     slot = torch.tensor([5], device='cuda')
     ref = cuda_gdr.chunk_gated_delta_rule(*inputs, cu_seqlens_of([whole.lens[0]]).cuda(), pool_whole, slot,
@@ -520,7 +479,7 @@ def test_chunk_indices_host_match_fla_and_skip_its_derivation_gpu():
             torch.tensor(case.fresh, device='cuda')]
     results = []
     for indices in (None, cuda_gdr.chunk_indices_host(list(case.lens)).cuda()):
-        _, pool = make_pool(case.num_heads, case.dim_k, case.dim_v, seed=8)
+        _, pool = make_pool(NUM_SLOTS, case.num_heads, case.dim_k, case.dim_v, seed=8)
         pool = pool.cuda()
         out = cuda_gdr.chunk_gated_delta_rule(*inputs, meta[0], pool, *meta[1:], chunk_indices=indices)
         results.append((out, pool))

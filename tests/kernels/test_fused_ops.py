@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from interpreted import run_cpu_tests_interpreted
+from kernel_inputs import DTYPES, randn, strided_copy, tol
 from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
@@ -33,23 +34,6 @@ from lmdeploy.pytorch.nn.attention import QKNorm
 
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_fused_kernels_interpreted')
-DTYPES = pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
-
-
-def tol(dtype: torch.dtype) -> dict:
-    return {'atol': 1e-5, 'rtol': 1e-5} if dtype == torch.float32 else {'atol': 2e-2, 'rtol': 2e-2}
-
-
-def randn(*shape: int, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype)
-
-
-def strided(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
-    """Same values with every last-dim row inside a wider buffer (NaN padding that must never be read)."""
-    wide = torch.full((*x.shape[:-1], x.shape[-1] + pad), float('nan'), dtype=x.dtype, device=x.device)
-    wide[..., :x.shape[-1]] = x
-    return wide[..., :x.shape[-1]]
-
 
 # ----------------------------------------------------------------------------------------- residual add + norm
 
@@ -63,7 +47,7 @@ def check_add_rms_norm(shape, dtype, zero_centered: bool, is_strided: bool, devi
     ref_out, ref_res = ref_elementwise.add_rms_norm(x, res, weight, 1e-6, zero_centered)
     x_dev, res_dev = x.to(device), res.to(device)
     if is_strided:
-        x_dev, res_dev = strided(x_dev), strided(res_dev, pad=5)
+        x_dev, res_dev = strided_copy(x_dev, pad=3), strided_copy(res_dev, pad=5)
     out, new_res = cuda_norm.add_rms_norm(x_dev, res_dev, weight.to(device), 1e-6, zero_centered)
     assert out.dtype == new_res.dtype == dtype and out.shape == new_res.shape == x.shape
     # The residual stream is exact: the compiled kernel rounds to nearest even like torch. Triton's interpreter

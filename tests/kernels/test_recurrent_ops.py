@@ -1,12 +1,12 @@
 """Default-backend recurrent ops: gated delta rule (chunk / recurrent) and causal conv1d, against references."""
 
 import inspect
-import math
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_inputs import cu_seqlens_of, make_pool
 
 from lmdeploy.pytorch.kernels.default.causal_conv1d import causal_conv1d
 from lmdeploy.pytorch.kernels.default.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -18,20 +18,6 @@ hf_recurrent = inspect.unwrap(hf_qwen3_next.torch_recurrent_gated_delta_rule)
 
 ATOL = RTOL = 1e-4
 NUM_SLOTS = 8
-
-
-def make_pool(num_slots: int, *shape: int, dtype=torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random pool whose rows have a larger stride than their size: returns (backing tensor, strided pool view)."""
-    row = math.prod(shape)
-    gen = torch.Generator().manual_seed(seed)
-    backing = torch.randn(num_slots, row + 13, generator=gen).to(dtype)
-    pool = backing[:, 3:3 + row].view(num_slots, *shape)
-    assert not pool.is_contiguous()
-    return backing, pool
-
-
-def cu_seqlens_of(lens) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
 
 
 def assert_untouched(before: torch.Tensor, after: torch.Tensor, pool: torch.Tensor, used_slots) -> None:

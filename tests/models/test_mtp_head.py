@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from mtp_reference import MTPReference, add_random_mtp_weights
+from mtp_reference import MTPReference, mtp_checkpoint_builder
 
 from lmdeploy.pytorch.config import CacheConfig
 from lmdeploy.pytorch.engine.cache_engine import CacheEngine
@@ -28,16 +28,7 @@ CASES = {
 
 @pytest.fixture(scope='module')
 def mtp_checkpoints(tiny_model_factory, tmp_path_factory):
-    built = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            arch, overrides = CASES[name]
-            path = shutil.copytree(tiny_model_factory(arch, **overrides), tmp_path_factory.mktemp(f'{name}-mtp'),
-                                   dirs_exist_ok=True)
-            built[name] = add_random_mtp_weights(str(path), seed=1)
-        return built[name]
-    return get
+    return mtp_checkpoint_builder(tiny_model_factory, tmp_path_factory, CASES)
 
 
 def _prefill_inputs(ids: torch.Tensor, positions: torch.Tensor) -> ModelInputs:

@@ -212,7 +212,7 @@ def test_a_repeated_match_drops_evicted_nodes_it_verified_before():
     run(s, make_seq(tokens(13)))                 # 3 full blocks + 1 token: 3 trie nodes
     query = make_seq(tokens(13) + [1])
     assert s.trie.match(query).num_tokens == 12  # the verified run is memoized on the request
-    assert s.trie._evict_leaf()                  # the deepest node goes
+    assert s.trie.eviction.evict_lowest_leaf()   # the deepest node goes
     m = s.trie.match(query)
     assert m.num_tokens == 8 and all(node.attached for node in m.nodes)
     run(s, make_seq(tokens(13)))                 # block 2 cached again, as a new node

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import socket
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ import pytest
 from test_api_server import MODEL, LiveServer, engine_config, live_server_factory  # noqa: F401 (fixture)
 from test_hostile_http import assert_openai_error
 
+from lmdeploy.bench.http_load import latency_beside_storm
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.bounded_encode import PIECE_CHARS, PromptTooLong, encode_within
 from lmdeploy.serve.openai.api_server import create_app
@@ -218,39 +218,13 @@ def test_over_long_chat_names_the_session(server):
 
 
 # ---- tokenization off the event loop -----------------------------------------------------------------------------
-def _tiny_latency(server: LiveServer, client: httpx.Client) -> float:
-    start = time.perf_counter()
-    response = client.post(f'{server.url}/v1/completions',
-                           json={'model': MODEL, 'prompt': [5, 6, 7], 'max_tokens': 1}, timeout=30)
-    assert response.status_code == 200
-    return time.perf_counter() - start
-
-
 def test_large_prompts_leave_a_tiny_request_within_2x_of_its_baseline(server):
     # Large prompts: 3.5 MB of text each, just under the body limit, sent back to back from 3 threads.
-    # The body is encoded once: the clients share this process's GIL with the server.
     big = json.dumps({'model': MODEL, 'max_tokens': 1,
                       'messages': [{'role': 'user', 'content': 'tide and sea ' * 270_000}]}).encode()
-    with httpx.Client() as client:
-        for _ in range(3):
-            _tiny_latency(server, client)   # warm up
-        baseline = statistics.median(_tiny_latency(server, client) for _ in range(7))
-        stop, sent = threading.Event(), []
-
-        def storm():
-            with httpx.Client() as own:
-                while not stop.is_set() and len(sent) < 200:
-                    sent.append(own.post(f'{server.url}/v1/chat/completions', content=big, timeout=60,
-                                         headers={'Content-Type': 'application/json'}).status_code)
-
-        threads = [threading.Thread(target=storm) for _ in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        loaded = statistics.median(_tiny_latency(server, client) for _ in range(7))
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+    latency = latency_beside_storm(server.url, MODEL, big, num_threads=3, num_samples=7, max_sent=200,
+                                   tiny_timeout=30)
+    baseline, loaded, sent = statistics.median(latency.baseline), statistics.median(latency.loaded), latency.statuses
     print(f'\ntiny request: baseline {baseline * 1000:.1f} ms, next to large prompts {loaded * 1000:.1f} ms '
           f'({len(sent)} large prompts, statuses {sorted(set(sent))})')
     assert set(sent) == {400}

@@ -14,10 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from ...messages import PytorchEngineConfig, UnknownAdapterError
+from ...messages import PytorchEngineConfig
 from ..config import SchedulerConfig
 from ..messages import MultiModalSpan, SamplingParams, SchedulerSequence, SequenceStatus
 from ..models.lora_placement import ResidentAdapter, load_lora_adapters
@@ -28,10 +27,10 @@ from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, 
 from .agent_setup import build_engine_agent, free_memory, load_model, make_agent_spec, rank0_device, start_workers
 from .async_scheduling import LaunchedStep, build_feed, is_deferrable, needs_host_tokens
 from .cache_sizing import make_cache_config, session_len
-from .engine_stats import EngineStats
+from .engine_stats import EngineStats, collect_stats
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
-from .mm_inputs import validate_mm_spans
 from .request import EngineOutput, OutputCallback
+from .request_checks import adapter_identity, check_image_spans, check_prompt
 from .routes_recorder import RoutesRecorder
 from .spec_setup import build_speculative, num_draft_tokens
 from .spec_step import SpecForwardResult, SpeculativeStep
@@ -153,40 +152,16 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: list[int]) -> None:
         """Raise `ValueError` for a prompt the engine cannot serve; called before any work starts."""
-        if len(token_ids) == 0:
-            raise ValueError('the prompt is empty')
-        vocab = self.model_config.vocab_size
-        try:  # one C pass over the list; the Python loop below only runs on bad input
-            ids = np.asarray(token_ids)
-        except (ValueError, TypeError, OverflowError):
-            ids = np.zeros(0, dtype=object)
-        if ids.ndim == 1 and ids.dtype.kind in 'iu' and ids.min() >= 0 and ids.max() < vocab:
-            bad = []
-        else:
-            bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f'token ids out of the vocabulary [0, {vocab}): {bad[:8]}')
-        if len(token_ids) >= self.session_len:
-            raise ValueError(f'the prompt has {len(token_ids)} tokens; session_len is {self.session_len} '
-                             '(the prompt must leave room for at least one generated token)')
+        check_prompt(token_ids, self.model_config.vocab_size, self.session_len)
 
     def adapter_identity(self, adapter_name: str | None) -> str | None:
         """The prefix-cache identity of a resident adapter (None: the base model); `UnknownAdapterError` (a
         `ValueError`) for an unknown name."""
-        if adapter_name is None:
-            return None
-        adapter = self.adapters.get(adapter_name)
-        if adapter is None:
-            raise UnknownAdapterError(f'unknown adapter {adapter_name!r}; loaded adapters: {sorted(self.adapters)}')
-        return adapter.identity
+        return adapter_identity(self.adapters, adapter_name)
 
     def validate_mm_spans(self, token_ids: list[int], mm_spans: tuple[MultiModalSpan, ...]) -> None:
-        """Raise `ValueError` for image spans the model cannot take (see `mm_inputs.validate_mm_spans`)."""
-        validate_mm_spans(token_ids, mm_spans, self.model_config.image_token_id)
-        for span in mm_spans:
-            if self.model.num_image_tokens(span.data.grid_thw) != span.end - span.start:
-                raise ValueError(f'image span [{span.start}, {span.end}) does not match its patch grid '
-                                 f'{span.data.grid_thw}')
+        """Raise `ValueError` for image spans the model cannot take (see `request_checks.check_image_spans`)."""
+        check_image_spans(self.model, token_ids, mm_spans, self.model_config.image_token_id)
 
     def add_request(self, token_ids: list[int], sampling: SamplingParams, callback: OutputCallback | None = None,
                     collect_logits: bool = False, adapter_name: str | None = None,
@@ -568,22 +543,8 @@ class Engine:
 
     # ---- statistics ---------------------------------------------------------------------------------------------
     def _make_stats(self, step: int) -> EngineStats:
-        scheduler, cache, cache_config = self.scheduler, self.agent.vision_cache, self.cache_config
-        blocks, states = scheduler.block_manager, scheduler.state_manager
-        rows = cache_config.num_state_slots if cache_config.prefix_cache is not None else 0
-        running = sum(seq.state_slot is not None for seq in scheduler.running) if rows else 0
-        routes = self.routes.record_all
-        return EngineStats(step=step, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-                           num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free,
-                           num_state_slots=states.num_usable if states is not None else 0,
-                           num_free_state_slots=states.num_free if states is not None else 0,
-                           prefix_cache=scheduler.prefix_cache.snapshot(),
-                           vision_cache=cache.stats if cache is not None else None,
-                           checkpoint_rows=cache_config.prefix_cache.state_budget if rows else 0,
-                           checkpoint_capacity=rows - 2 - running if rows else 0,
-                           routed_experts_bytes_per_token=self.routes.bytes_per_token if routes else None,
-                           routed_experts_cached_bytes=scheduler.trie.routes_bytes() if routes else None,
-                           speculative=self.speculative.stats if self.speculative is not None else None)
+        return collect_stats(step, self.scheduler, self.cache_config, self.agent.vision_cache, self.routes,
+                             self.speculative.stats if self.speculative is not None else None)
 
     def _publish(self, snapshot: EngineStats) -> None:
         with self._published:

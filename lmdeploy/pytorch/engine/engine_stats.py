@@ -79,3 +79,25 @@ class EngineStats:
             out.update(vision_cache_hits=v.hits, vision_cache_misses=v.misses, vision_cache_entries=v.entries,
                        vision_cache_bytes=v.bytes)
         return out
+
+
+def collect_stats(step: int, scheduler, cache_config, vision_cache, routes, speculative: SpecDecodeStats | None
+                  ) -> EngineStats:
+    """The record of the engine after `step` steps: the scheduler's queues and pools, the prefix cache's snapshot,
+    the state rows checkpoints may use (`checkpoint_capacity`: the state slots less 2 and less the running
+    sequences' rows), the vision cache's and the routed experts' figures where the engine has them."""
+    blocks, states = scheduler.block_manager, scheduler.state_manager
+    rows = cache_config.num_state_slots if cache_config.prefix_cache is not None else 0
+    running = sum(seq.state_slot is not None for seq in scheduler.running) if rows else 0
+    record_routes = routes.record_all
+    return EngineStats(step=step, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                       num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free,
+                       num_state_slots=states.num_usable if states is not None else 0,
+                       num_free_state_slots=states.num_free if states is not None else 0,
+                       prefix_cache=scheduler.prefix_cache.snapshot(),
+                       vision_cache=vision_cache.stats if vision_cache is not None else None,
+                       checkpoint_rows=cache_config.prefix_cache.state_budget if rows else 0,
+                       checkpoint_capacity=rows - 2 - running if rows else 0,
+                       routed_experts_bytes_per_token=routes.bytes_per_token if record_routes else None,
+                       routed_experts_cached_bytes=scheduler.trie.routes_bytes() if record_routes else None,
+                       speculative=speculative)

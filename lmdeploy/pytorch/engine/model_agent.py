@@ -30,7 +30,7 @@ from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
-from .warm_start import padding_inputs, warm_up_shapes
+from .warm_start import padding_inputs, warm_up_sampling, warm_up_shapes
 
 logger = logging.getLogger('lmdeploy')
 
@@ -240,11 +240,14 @@ class ModelAgent:
         began = time.perf_counter()
         shapes = warm_up_shapes(self.max_forward_tokens, self.max_batch_size)
         kbs = self.cache_engine.cache_config.kernel_block_size
-        for q_lens in shapes:
-            (inputs,) = self.streams.to_device(padding_inputs(q_lens, kbs, has_lora=self.has_lora))
+        for i, q_lens in enumerate(shapes):
+            # greedy and random sampling in turn, so both paths and both batch-size classes of each are warm
+            inputs, sampling = self.streams.to_device(padding_inputs(q_lens, kbs, has_lora=self.has_lora),
+                                                      warm_up_sampling(len(q_lens), i % 2 == 0, self.device))
             with self.streams.forward():
                 hidden = self.model(self._context(inputs))
-                self.model.compute_logits(hidden[inputs.logits_indices])
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                self._sample(torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0), sampling)
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - began

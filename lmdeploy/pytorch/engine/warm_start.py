@@ -9,7 +9,9 @@ neither) and fla autotunes a kernel at its first call per key. An eager forward 
 `1 <= B <= T <= max_tokens`, and the integer arguments of its kernels are `T`, `B` and multiples of them; so the
 shapes cover `T` and `B` in each class (`warm_up_shapes`): decode batches (`T == B`: 1, 3, 16 sequences), one
 sequence of a multiple-of-16 and of an odd length, several sequences (prefill + decodes) of both, and the largest
-forward (`max_tokens`, which also sizes the caching allocator for it).
+forward (`max_tokens`, which also sizes the caching allocator for it). Each forward's logits are then sampled
+greedily and with temperature / top-k / top-p (`warm_up_sampling`: loads the sampler's kernels), from logits with
+NaN / inf replaced (padding rows may read garbage KV; a NaN probability would fail a draw on the device).
 
 Padding writes nothing a sequence owns (the contract of the graph warm-up in `engine/cuda_graph.py`): no KV
 (`slot_mapping = -1`), only the dummy state row 0 (every sequence fresh, so it is never read), block tables of
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model_inputs import ModelInputs
+from ..model_inputs import ModelInputs, SamplingInputs
 
 
 def _not_16(n: int) -> int:
@@ -65,3 +67,15 @@ def padding_inputs(q_lens: list[int], kernel_block_size: int, has_lora: bool = F
         state_ids=torch.zeros(batch, dtype=torch.int64), is_fresh=torch.ones(batch, dtype=torch.bool),
         q_lens_list=list(q_lens), kv_lens_list=list(q_lens), max_seqlen_q=max(q_lens), max_seqlen_k=max(q_lens),
         lora_ids=torch.zeros(batch, dtype=torch.int64) if has_lora else None)
+
+
+def warm_up_sampling(batch: int, greedy: bool, device: torch.device) -> SamplingInputs:
+    """Host sampling inputs for `batch` rows: greedy, or temperature 0.7 with top-k 20 and top-p 0.9 drawing from
+    a generator of its own (the global RNG a request may rely on is left as it was)."""
+    def full(value: float, dtype=torch.float32) -> torch.Tensor:
+        return torch.full((batch,), value, dtype=dtype)
+    generator = None if greedy else torch.Generator(device=device).manual_seed(0)
+    return SamplingInputs(
+        temperature=full(0.0 if greedy else 0.7), top_k=full(0 if greedy else 20, torch.int64),
+        top_p=full(1.0 if greedy else 0.9), repetition_penalty=full(1.0), penalty_ids=[None] * batch,
+        banned_ids=[None] * batch, generators=[generator] * batch, all_greedy=greedy)

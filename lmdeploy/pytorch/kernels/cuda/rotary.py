@@ -20,20 +20,31 @@ from .launch import fast_kernel
 
 
 @triton.jit
-def _rotated(x_ptr, cos_ptr, sin_ptr, head_dim, ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """One head rotated, in float32 ([BLOCK], features >= head_dim are 0)."""
+def _head_layout(head_dim, ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Feature offsets of one head, which are in the head, which rotate, which are in the first half, and each
+    one's partner (d + R/2 in the first half, d - R/2 in the second)."""
     offs = tl.arange(0, BLOCK)
-    mask = offs < head_dim
     half = ROTARY_DIM // 2
-    is_rot = offs < ROTARY_DIM
     first = offs < half
-    partner = tl.where(first, offs + half, offs - half)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(x_ptr + partner, mask=is_rot, other=0.0).to(tl.float32)
+    return offs, offs < head_dim, offs < ROTARY_DIM, first, tl.where(first, offs + half, offs - half)
+
+
+@triton.jit
+def _rope(x, x_partner, cos_ptr, sin_ptr, offs, is_rot, first):
+    """`x * cos + sign * x_partner * sin` on the rotating features (float32), `x` on the rest."""
     cos = tl.load(cos_ptr + offs, mask=is_rot, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + offs, mask=is_rot, other=0.0).to(tl.float32)
     rotated = tl.where(first, -x_partner, x_partner)
     return tl.where(is_rot, x * cos + rotated * sin, x)
+
+
+@triton.jit
+def _rotated(x_ptr, cos_ptr, sin_ptr, head_dim, ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """One head rotated, in float32 ([BLOCK], features >= head_dim are 0)."""
+    offs, mask, is_rot, first, partner = _head_layout(head_dim, ROTARY_DIM, BLOCK)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_ptr + partner, mask=is_rot, other=0.0).to(tl.float32)
+    return _rope(x, x_partner, cos_ptr, sin_ptr, offs, is_rot, first)
 
 
 @triton.jit
@@ -42,12 +53,7 @@ def _normed_rotated(x_ptr, w_ptr, cos_ptr, sin_ptr, head_dim, eps, ZERO_CENTERED
     """One head RMS-normalised (float32, scaled by w or 1 + w, rounded to x's dtype as the norm kernel's output
     is), then rotated: `_rotated` of `rms_norm(x)`. The norm's scale is one scalar per head, so the partner
     features are normalised on their own load."""
-    offs = tl.arange(0, BLOCK)
-    mask = offs < head_dim
-    half = ROTARY_DIM // 2
-    is_rot = offs < ROTARY_DIM
-    first = offs < half
-    partner = tl.where(first, offs + half, offs - half)
+    offs, mask, is_rot, first, partner = _head_layout(head_dim, ROTARY_DIM, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -58,10 +64,7 @@ def _normed_rotated(x_ptr, w_ptr, cos_ptr, sin_ptr, head_dim, eps, ZERO_CENTERED
     x_partner = tl.load(x_ptr + partner, mask=is_rot, other=0.0).to(tl.float32)
     x = (x * r * w).to(x_ptr.dtype.element_ty).to(tl.float32)
     x_partner = (x_partner * r * w_partner).to(x_ptr.dtype.element_ty).to(tl.float32)
-    cos = tl.load(cos_ptr + offs, mask=is_rot, other=1.0).to(tl.float32)
-    sin = tl.load(sin_ptr + offs, mask=is_rot, other=0.0).to(tl.float32)
-    rotated = tl.where(first, -x_partner, x_partner)
-    return tl.where(is_rot, x * cos + rotated * sin, x)
+    return _rope(x, x_partner, cos_ptr, sin_ptr, offs, is_rot, first)
 
 
 @triton.jit

@@ -3,7 +3,8 @@
 Owns the trie (via `TrieKVLifecycle`), the checkpoints (via `StateCheckpointLifecycle` and its index) and each
 running sequence's canonical path (the trie nodes of its leading full blocks). It never touches device memory:
 it returns copy plans as pairs of logical ids for the inputs maker. Which steps get checkpoints, and from where
-their slots come, is `CheckpointPolicy`'s (checkpoint_policy.py); this file matches, attaches, publishes and evicts.
+their slots come, is `CheckpointPolicy`'s (checkpoint_policy.py), what to evict `TrieEviction`'s (eviction.py);
+this file matches, attaches and publishes.
 
 Order per step (the contract's): `match` -> `acquire` / `rollback` -> `record_admission` during `schedule`;
 `plan_checkpoints` at its end; after the forward is queued `commit` attaches newly completed blocks, publishes the
@@ -28,7 +29,9 @@ from .checkpoint_index import StateCheckpointIndex
 from .checkpoint_lifecycle import StateCheckpointLifecycle
 from .checkpoint_policy import CheckpointPolicy, cap_at_hint
 from .coverage import PromptCoverage
+from .eviction import TrieEviction
 from .eviction_policy import ReusePolicy
+from .holdings import CacheHoldings
 from .kv_lifecycle import TrieKVLifecycle
 from .miss_tracker import MissTracker
 from .node import Node, NodeStateCheckpoint, tail_hash
@@ -72,16 +75,7 @@ class BlockTrie(PrefixCache):
             self.checkpoints.on_evict = self._on_evict
             self.checkpoints.on_change = self.kv.refresh
         self.stats = PrefixCacheStats()
-        # What the published checkpoints hold (bytes, and how many have a frozen block), kept up to date at
-        # publication, kept logits and eviction (the only way a published checkpoint dies) so that `snapshot` is O(1).
-        self._held_bytes = 0
-        self._num_partial = 0
-        # Routed experts kept by nodes and published checkpoints: counted where they are kept and where their owner
-        # is evicted (route_store.py), so that `routes_bytes` is O(1).
-        self._routes_bytes = 0
-        # Published checkpoints still live that were published after the last `mark()` (a benchmark's window).
-        self._since_mark: set[NodeStateCheckpoint] = set()
-        self._partial_since_mark = 0
+        self.held = CacheHoldings()  # running counts of checkpoint and route bytes (holdings.py)
         self._paths: dict[int, list[Node]] = {}
         # Branch point of each admitted sequence: a checkpoint reserved there starts with one observed reuse (the
         # cached prompt it was found in shares it).
@@ -89,6 +83,7 @@ class BlockTrie(PrefixCache):
         self._clock = 0
         self.policy = CheckpointPolicy(self, block_manager, state_manager, config)
         self.coverage = PromptCoverage(self)
+        self.eviction = TrieEviction(self)
 
     def tick(self) -> int:
         self._clock += 1
@@ -338,7 +333,7 @@ class BlockTrie(PrefixCache):
                 self.block_manager.free([seq.block_ids[i]])
                 seq.block_ids[i] = node.block_id
             node.last_access = now
-            self._routes_bytes += route_store.keep_block_routes(node, seq, i, bs)
+            self.held.routes_bytes += route_store.keep_block_routes(node, seq, i, bs)
             self.misses.note_attached_block(node.prefix_key)
             path.append(node)
             parent = node
@@ -386,41 +381,33 @@ class BlockTrie(PrefixCache):
         if (ck.step, ck.tail_hash) in anchor.checkpoints:
             self.checkpoints.release(ck)
             return
-        self._routes_bytes += route_store.keep_checkpoint_routes(ck, seq, self.block_size)
+        self.held.routes_bytes += route_store.keep_checkpoint_routes(ck, seq, self.block_size)
         # Recomputed inside the prompt, an evicted checkpoint at this step would have been this request's hit.
         in_prompt = ck.step < seq.num_prompt_tokens or (self.prompt_logits and ck.step == seq.num_prompt_tokens)
         self.checkpoints.publish(ck, tuple(path[:depth]), anchor, self.tick(), revives=in_prompt)
         self.stats.checkpoints_saved += 1
-        self._held_bytes += self.checkpoints.bytes_held(ck)
-        self._num_partial += ck.is_partial
-        self._since_mark.add(ck)
-        self._partial_since_mark += ck.is_partial
+        self.held.on_published(ck, self.checkpoints.bytes_held(ck))
 
     def keep_logits(self, ck: NodeStateCheckpoint, logits) -> None:
         """Keep a published prompt-end checkpoint's last-position logits (identical prompts sample from them)."""
         before = self.checkpoints.bytes_held(ck)
         ck.last_logits = logits
-        self._held_bytes += self.checkpoints.bytes_held(ck) - before
+        self.held.checkpoint_bytes += self.checkpoints.bytes_held(ck) - before
 
     def _on_evict(self, ck: NodeStateCheckpoint) -> None:
         self.misses.note_evicted_checkpoint(ck.anchor.prefix_key)
-        self._held_bytes -= self.checkpoints.bytes_held(ck)
-        self._routes_bytes -= route_store.tail_bytes(ck)
-        self._num_partial -= ck.is_partial
-        if ck in self._since_mark:
-            self._since_mark.discard(ck)
-            self._partial_since_mark -= ck.is_partial
+        self.held.on_evicted(ck, self.checkpoints.bytes_held(ck), route_store.tail_bytes(ck))
 
     def mark(self) -> None:
-        self._since_mark, self._partial_since_mark = set(), 0
+        self.held.mark()
 
     def routes_bytes(self) -> int:
         """Host bytes of the routed experts kept by blocks and checkpoint tails (a running count, O(1))."""
-        return self._routes_bytes
+        return self.held.routes_bytes
 
     def drop_block_routes(self, node: Node) -> None:
         """Forget the routes `node` keeps: a recording request no longer takes a hit through it (`routes_missing`)."""
-        self._routes_bytes -= route_store.drop_block_routes(node)
+        self.held.routes_bytes -= route_store.drop_block_routes(node)
 
     def plan_checkpoints(self, out: SchedulerOutput) -> None:
         self.policy.plan(out)
@@ -455,59 +442,23 @@ class BlockTrie(PrefixCache):
         return self.policy.allocate_slot()
 
     def evict_blocks(self, num_needed: int) -> bool:
-        """Free KV blocks until `num_needed` are free. Partial checkpoints (each frees its frozen block) and trie
-        leaves (each frees its block, with its checkpoints) compete in one order: the lowest priority goes
-        (eviction_policy.py; a partial checkpoint first on a tie)."""
-        while not self.block_manager.can_allocate(num_needed):
-            ck = self.checkpoints.peek(partial_only=True) if self.checkpoints is not None else None
-            leaf = self.kv.peek_leaf(self._leaf_is_evictable)
-            if ck is None and leaf is None:
-                return False
-            if ck is not None and (leaf is None or ck[0] <= leaf[0]):
-                self.checkpoints.evict(ck[1], 'kv')
-            else:
-                self.evict_leaf(*leaf)
-        return True
-
-    def _leaf_is_evictable(self, leaf: Node) -> bool:
-        return self.block_manager.ref_count(leaf.block_id) == 1 and all(
-            self.checkpoints.is_evictable(ck) for ck in leaf.checkpoints.values())
-
-    def _evict_leaf(self) -> bool:
-        """Evict the lowest-priority evictable trie leaf; False when there is none."""
-        leaf = self.kv.peek_leaf(self._leaf_is_evictable)
-        if leaf is not None:
-            self.evict_leaf(*leaf)
-        return leaf is not None
-
-    def evict_leaf(self, priority: float, leaf: Node) -> None:
-        """Evict `leaf` (found at `priority`) with its checkpoints."""
-        for ck in list(leaf.checkpoints.values()):
-            self.checkpoints.evict(ck, 'kv_leaf')
-        self.reuse.on_evicted(priority)
-        self.misses.note_evicted_block(leaf.prefix_key)
-        self._routes_bytes -= route_store.block_bytes(leaf)
-        self.kv.detach(leaf)
+        """Free KV blocks until `num_needed` are free (eviction.py: one order for partial checkpoints and leaves)."""
+        return self.eviction.evict_blocks(num_needed)
 
     def evict_slot(self) -> bool:
         """Free one state slot by evicting the lowest-priority unpinned checkpoint."""
-        return self.checkpoints is not None and self.checkpoints.evict_one(partial_only=False, cause='state')
+        return self.eviction.evict_slot()
 
     # ---- invariants -------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every published checkpoint's recorded path is attached and is its anchor's path (matching relies on it
         instead of walking the trie), and the running counts of what the cache holds are exact."""
         live = self.checkpoints.live() if self.checkpoints is not None else []
-        assert self._routes_bytes == route_store.bytes_held(self.kv.roots.values(), live), 'route bytes drifted'
-        if self.checkpoints is not None:
-            published = [ck for ck in self.checkpoints.live() if ck.published]
-            for ck in published:
-                assert self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
-            held = sum(self.checkpoints.bytes_held(ck) for ck in published)
-            partial = sum(ck.is_partial for ck in published)
-            assert (self._held_bytes, self._num_partial) == (held, partial), 'checkpoint byte accounting drifted'
-            assert self._since_mark <= set(published), 'an evicted checkpoint is still counted since the mark'
-            assert self._partial_since_mark == sum(ck.is_partial for ck in self._since_mark)
+        published = [ck for ck in live if ck.published]
+        for ck in published:
+            assert self.checkpoints.verify(ck), f'checkpoint at {ck.step} lost its path'
+        self.held.check(published, sum(self.checkpoints.bytes_held(ck) for ck in published),
+                        route_store.bytes_held(self.kv.roots.values(), live))
 
     def owners(self) -> tuple[Counter, Counter]:
         blocks = self.kv.owners()
@@ -523,9 +474,9 @@ class BlockTrie(PrefixCache):
             num_requests=s.num_requests, num_hits=s.num_hits, query_tokens=s.query_tokens, hit_tokens=s.hit_tokens,
             logits_hits=s.logits_hits, branch_points=s.branch_points,
             miss_reasons=MappingProxyType(dict(s.miss_reasons)),
-            live_checkpoints=self.num_checkpoints, partial_checkpoints=self._num_partial,
-            live_since_mark=len(self._since_mark), partial_since_mark=self._partial_since_mark,
-            checkpoint_bytes=self._held_bytes, checkpoints_saved=s.checkpoints_saved,
+            live_checkpoints=self.num_checkpoints, partial_checkpoints=self.held.num_partial,
+            live_since_mark=len(self.held.since_mark), partial_since_mark=self.held.partial_since_mark,
+            checkpoint_bytes=self.held.checkpoint_bytes, checkpoints_saved=s.checkpoints_saved,
             evicted_checkpoints=cks.num_evicted if cks is not None else 0, evicted_blocks=self.kv.num_evicted,
             evictions_by_cause=MappingProxyType(dict(cks.evictions_by_cause) if cks is not None else {}),
             match_calls=s.match_calls, match_seconds=s.match_seconds)

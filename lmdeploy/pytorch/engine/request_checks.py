@@ -1,0 +1,52 @@
+"""Checks of a request before anything is queued: its prompt tokens, its image spans against the model's patch grid,
+its adapter name. Each raises `ValueError` (a message for that request only) and touches no engine state; the
+engine runs them in the caller's thread (`Engine.add_request`, and the serve layer before it builds a request).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...messages import UnknownAdapterError
+from ..messages import MultiModalSpan
+from ..models.lora_placement import ResidentAdapter
+from .mm_inputs import validate_mm_spans
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, session_len: int) -> None:
+    """Non-empty, every id an int in `[0, vocab_size)`, and room left for one generated token."""
+    if len(token_ids) == 0:
+        raise ValueError('the prompt is empty')
+    try:  # one C pass over the list; the Python loop below only runs on bad input
+        ids = np.asarray(token_ids)
+    except (ValueError, TypeError, OverflowError):
+        ids = np.zeros(0, dtype=object)
+    if ids.ndim == 1 and ids.dtype.kind in 'iu' and ids.min() >= 0 and ids.max() < vocab_size:
+        bad = []
+    else:
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
+    if bad:
+        raise ValueError(f'token ids out of the vocabulary [0, {vocab_size}): {bad[:8]}')
+    if len(token_ids) >= session_len:
+        raise ValueError(f'the prompt has {len(token_ids)} tokens; session_len is {session_len} '
+                         '(the prompt must leave room for at least one generated token)')
+
+
+def check_image_spans(model, token_ids: list[int], mm_spans: tuple[MultiModalSpan, ...],
+                      image_token_id: int | None) -> None:
+    """The spans' placement (`mm_inputs.validate_mm_spans`), and each span as long as its patch grid encodes to."""
+    validate_mm_spans(token_ids, mm_spans, image_token_id)
+    for span in mm_spans:
+        if model.num_image_tokens(span.data.grid_thw) != span.end - span.start:
+            raise ValueError(f'image span [{span.start}, {span.end}) does not match its patch grid '
+                             f'{span.data.grid_thw}')
+
+
+def adapter_identity(adapters: dict[str, ResidentAdapter], adapter_name: str | None) -> str | None:
+    """The prefix-cache identity of a resident adapter (None: the base model); `UnknownAdapterError` (a
+    `ValueError`) for an unknown name."""
+    if adapter_name is None:
+        return None
+    adapter = adapters.get(adapter_name)
+    if adapter is None:
+        raise UnknownAdapterError(f'unknown adapter {adapter_name!r}; loaded adapters: {sorted(adapters)}')
+    return adapter.identity
