@@ -7,10 +7,11 @@ head, `engine/spec_graphs.py`):
 - `plain`: plain decoding;
 - `mtp`: speculative decoding with the MTP head's own drafts (random weights: its acceptance means nothing, but
   it is reported: acceptance rate and mean accepted length from the engine's statistics);
-- `forced_a`: forced acceptance, a = 1 .. K + 1 tokens emitted per verify step: a draft override replays plain
-  greedy's continuation (recorded by the `plain` run), wrong at draft a, so each verify accepts a - 1 drafts. The
-  head still runs every step. The measured mean accepted length is printed beside the target a (bf16 near-ties can
-  make the speculative stream part from the recorded one, which then lowers acceptance).
+- `forced_a`: forced acceptance, a = 1 .. K + 1 tokens emitted per verify step: a draft override replays the
+  greedy continuation the `mtp` run emitted (the speculative engine's own stream; `mtp_equals_plain` is the share
+  of its tokens equal to plain decoding's), wrong at draft a, so each verify accepts a - 1 drafts. The head still
+  runs every step. The measured mean accepted length is printed beside the target a (bf16 near-ties can make a
+  stream part from the recorded one, which then lowers acceptance).
 - `--eager` adds `plain_eager` and `mtp_eager` / `forced_eager_{K+1}` (the same without graphs).
 Decode tokens/s counts only the steps after every request got its first token (prefill excluded). The commit
 printed is `LMDEPLOY_COMMIT` from the environment (else `git rev-parse`).
@@ -99,12 +100,16 @@ def bench_batch(path, device, dtype, batch, context, new_tokens, k, vocab, eager
     row = {'batch': batch}
     graphs = device == 'cuda'
     plain = make_engine(path, device, dtype, batch, context, new_tokens, 0, eager=not graphs)
-    row['plain'], outs, _ = decode(plain, prompts, new_tokens)
+    row['plain'], plain_outs, _ = decode(plain, prompts, new_tokens)
     del plain
-    continuations = {tuple(p): o for p, o in zip(prompts, outs)}
     spec = make_engine(path, device, dtype, batch, context, new_tokens, k, eager=not graphs)
-    row['mtp'], _, stats = decode(spec, prompts, new_tokens)
+    row['mtp'], outs, stats = decode(spec, prompts, new_tokens)
     row['mtp_stats'] = _summary(stats)
+    # the forced runs replay this engine's own greedy stream (bf16 near-ties of dummy weights can part plain and
+    # speculative decoding's kernels); how much of it equals plain decoding's is reported
+    row['mtp_equals_plain'] = sum(a == b for o, p in zip(outs, plain_outs) for a, b in zip(o, p)) / \
+        max(1, sum(len(o) for o in outs))
+    continuations = {tuple(p): o for p, o in zip(prompts, outs)}
     for a in range(1, k + 2):
         spec.speculative.set_draft_override(replay(continuations, context, k, a - 1))
         row[f'forced_{a}'], _, stats = decode(spec, prompts, new_tokens)
@@ -121,7 +126,7 @@ def bench_batch(path, device, dtype, batch, context, new_tokens, k, vocab, eager
         spec = make_engine(path, device, dtype, batch, context, new_tokens, k, eager=True)
         row['mtp_eager'], _, stats = decode(spec, prompts, new_tokens)
         row['mtp_eager_stats'] = _summary(stats)
-        spec.speculative.set_draft_override(replay(continuations, context, k, k))
+        spec.speculative.set_draft_override(replay({tuple(p): o for p, o in zip(prompts, plain_outs)}, context, k, k))
         row[f'forced_eager_{k + 1}'], _, stats = decode(spec, prompts, new_tokens)
         row[f'forced_eager_{k + 1}_stats'] = _summary(stats)
         del spec
