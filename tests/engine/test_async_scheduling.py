@@ -85,23 +85,26 @@ def assert_all_free(engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-def run_mix(engine, stop_ids: dict[int, tuple[int, ...]], abort: bool):
+def run_mix(engine, stop_ids: dict[int, tuple[int, ...]], abort: bool, stop_seq: tuple[int, ...] = ()):
     """Six concurrent requests of mixed lengths (one chunked: its prompt exceeds the 64-token prefill budget), then
-    a second wave while the first decodes; stops by length, by stop token (with min_new_tokens), seeded sampling,
-    one request collecting logits, one aborted mid-decode."""
+    a second wave while the first decodes; stops by length, by stop token (with min_new_tokens), by a stop sequence
+    (with logprobs: both keep their steps synchronous), seeded sampling, one request collecting logits, one aborted
+    mid-decode."""
     run = Run(engine)
     ids = []
     for i in range(6):
         params = SamplingParams(max_new_tokens=6 + 5 * i, stop_token_ids=stop_ids.get(i, ()),
                                 min_new_tokens=2 if i == 3 else 0,
                                 temperature=0.8 if i == 4 else 0.0, top_k=20, random_seed=7 + i if i == 4 else None)
-        ids.append(run.add(prompt(9 + 23 * i, i), params, collect=i == 2, abort_after=4 if abort and i == 5 else None))
+        ids.append(run.add(prompt(9 + 23 * i, i), params, collect=i == 0, abort_after=4 if abort and i == 5 else None))
     for _ in range(3):
         engine.step()
         engine.check_integrity()
     for i in range(6, 9):
         params = SamplingParams(max_new_tokens=9, stop_token_ids=stop_ids.get(i, ()))
         ids.append(run.add(prompt(30 + 11 * i, i), params))
+    params = SamplingParams(max_new_tokens=7, stop_sequences=(stop_seq,) if stop_seq else (), logprobs=2)
+    ids.append(run.add(prompt(20, 9), params))
     run.finish()
     logits = {rid: engine.pop_collected_logits(rid) for rid in ids if rid in engine._collected_logits}
     return [run.result(rid) for rid in ids], logits
@@ -114,18 +117,21 @@ def test_async_scheduling_gives_the_synchronous_tokens(model_path, arch, cache, 
     reference, ref_logits = run_mix(make_engine(path, cache=cache, async_scheduling=False), {}, abort=True)
     # stop ids from the reference's own output, so that five requests really stop on a token mid-reply
     stop_ids = {i: (reference[i][0][k],) for i, k in ((0, 2), (1, 4), (3, 1), (6, 3), (7, 5))}
+    stop_seq = tuple(reference[9][0][2:4])
     sync_engine = make_engine(path, cache=cache, async_scheduling=False)
-    expected, expected_logits = run_mix(sync_engine, stop_ids, abort=True)
-    assert sum(reason == 'stop' for _, reason, _ in expected) >= 4
+    expected, expected_logits = run_mix(sync_engine, stop_ids, abort=True, stop_seq=stop_seq)
+    assert sum(reason == 'stop' for _, reason, _ in expected) >= 5 and expected[9][1] == 'stop'
     rollbacks = count_rollbacks(monkeypatch)
     engine = make_engine(path, cache=cache, async_scheduling=True)
-    got, got_logits = run_mix(engine, stop_ids, abort=True)
+    got, got_logits = run_mix(engine, stop_ids, abort=True, stop_seq=stop_seq)
     assert got == expected
     assert got_logits.keys() == expected_logits.keys()
     for rid in got_logits:
         assert_close(got_logits[rid], expected_logits[rid], atol=1e-5, rtol=0)
-    assert engine.num_overlapped_steps > 10
-    assert rollbacks[0] >= 1
+    assert engine.num_overlapped_steps >= 5
+    # With prefix caching on, prefill steps reserve checkpoints and settle at once, so whether a token stop lands in
+    # an overlapped step depends on the arrivals; the reply-checkpoint test below forces one.
+    assert rollbacks[0] >= 1 or cache
     assert_all_free(engine)
     assert_all_free(sync_engine)
 
@@ -197,14 +203,15 @@ def test_cuda_async_scheduling_gives_the_synchronous_tokens(model_path, arch, ca
                           max_prefill_token_num=64)
     reference, _ = run_mix(cuda(path, cache=cache, async_scheduling=False), {}, abort=True)
     stop_ids = {i: (reference[i][0][k],) for i, k in ((0, 2), (1, 4), (3, 1), (6, 3), (7, 5))}
+    stop_seq = tuple(reference[9][0][2:4])
     sync_engine = cuda(path, cache=cache, async_scheduling=False)
-    expected, expected_logits = run_mix(sync_engine, stop_ids, abort=True)
+    expected, expected_logits = run_mix(sync_engine, stop_ids, abort=True, stop_seq=stop_seq)
     engine = cuda(path, cache=cache)
     assert engine.async_scheduling
-    got, got_logits = run_mix(engine, stop_ids, abort=True)
+    got, got_logits = run_mix(engine, stop_ids, abort=True, stop_seq=stop_seq)
     assert [g[1:] for g in got] == [e[1:] for e in expected]
     assert [g[0] for g in got] == [e[0] for e in expected]
     for rid in got_logits:
         assert_close(got_logits[rid], expected_logits[rid], atol=1e-3, rtol=0)
-    assert engine.num_overlapped_steps > 10
+    assert engine.num_overlapped_steps >= 5
     assert_all_free(engine)
