@@ -1,15 +1,20 @@
 """Decode tokens/s of the engine with and without MTP speculative decoding, at batch 1 and 16, on a real-depth
 Qwen3.5 shape (0.8B: 24 layers, hidden 1024, vocab 248320) with dummy weights.
 
-Modes, per batch size (B requests of `--context` random prompt tokens, `--new-tokens` greedy tokens each):
-- `plain`: plain decoding, eager (and `plain_graphs`: with decode CUDA graphs, on CUDA);
+Modes, per batch size (B requests of `--context` random prompt tokens, `--new-tokens` greedy tokens each), on CUDA
+with the engine's default CUDA graphs (speculative engines replay graphs of the verify forward and the draft
+head, `engine/spec_graphs.py`):
+- `plain`: plain decoding;
 - `mtp`: speculative decoding with the MTP head's own drafts (random weights: its acceptance means nothing, but
   it is reported: acceptance rate and mean accepted length from the engine's statistics);
-- `forced_a`: forced acceptance, a = 1 .. K + 1 tokens emitted per verify step: a draft override replays plain
-  greedy's continuation (recorded by the `plain` run), wrong at draft a, so each verify accepts a - 1 drafts. The
-  head still runs every step. The measured mean accepted length is printed beside the target a (bf16 near-ties can
-  make the speculative stream part from the recorded one, which then lowers acceptance).
-Decode tokens/s counts only the steps after every request got its first token (prefill excluded).
+- `forced_a`: forced acceptance, a = 1 .. K + 1 tokens emitted per verify step: a draft override replays the
+  greedy continuation the `mtp` run emitted (the speculative engine's own stream; `mtp_equals_plain` is the share
+  of its tokens equal to plain decoding's), wrong at draft a, so each verify accepts a - 1 drafts. The head still
+  runs every step. The measured mean accepted length is printed beside the target a (bf16 near-ties can make a
+  stream part from the recorded one, which then lowers acceptance).
+- `--eager` adds `plain_eager` and `mtp_eager` / `forced_eager_{K+1}` (the same without graphs).
+Decode tokens/s counts only the steps after every request got its first token (prefill excluded). The commit
+printed is `LMDEPLOY_COMMIT` from the environment (else `git rev-parse`).
 
     python benchmark/bench_mtp_engine.py [--draft-tokens 3] [--batches 1 16] [--context 512] [--new-tokens 64]
     python benchmark/bench_mtp_engine.py --smoke        # tiny shape on the CPU (what CI runs)
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,26 +94,54 @@ def replay(continuations: dict[tuple, list[int]], prompt_len: int, k: int, accep
     return override
 
 
-def bench_batch(path, device, dtype, batch, context, new_tokens, k, vocab) -> dict:
+def bench_batch(path, device, dtype, batch, context, new_tokens, k, vocab, eager: bool) -> dict:
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
     row = {'batch': batch}
-    plain = make_engine(path, device, dtype, batch, context, new_tokens, 0, eager=True)
-    row['plain'], outs, _ = decode(plain, prompts, new_tokens)
+    graphs = device == 'cuda'
+    plain = make_engine(path, device, dtype, batch, context, new_tokens, 0, eager=not graphs)
+    row['plain'], plain_outs, _ = decode(plain, prompts, new_tokens)
     del plain
-    if device == 'cuda':
-        graphs = make_engine(path, device, dtype, batch, context, new_tokens, 0, eager=False)
-        row['plain_graphs'], _, _ = decode(graphs, prompts, new_tokens)
-        del graphs
-    spec = make_engine(path, device, dtype, batch, context, new_tokens, k, eager=True)
-    row['mtp'], _, stats = decode(spec, prompts, new_tokens)
+    spec = make_engine(path, device, dtype, batch, context, new_tokens, k, eager=not graphs)
+    row['mtp'], outs, stats = decode(spec, prompts, new_tokens)
     row['mtp_stats'] = _summary(stats)
+    # the forced runs replay this engine's own greedy stream (bf16 near-ties of dummy weights can part plain and
+    # speculative decoding's kernels); how much of it equals plain decoding's is reported
+    row['mtp_equals_plain'] = sum(a == b for o, p in zip(outs, plain_outs) for a, b in zip(o, p)) / \
+        max(1, sum(len(o) for o in outs))
     continuations = {tuple(p): o for p, o in zip(prompts, outs)}
     for a in range(1, k + 2):
         spec.speculative.set_draft_override(replay(continuations, context, k, a - 1))
         row[f'forced_{a}'], _, stats = decode(spec, prompts, new_tokens)
         row[f'forced_{a}_stats'] = _summary(stats)
+    if graphs:
+        agent = spec.agent
+        row['verify_graph_replays'] = agent.verify_graphs.num_replays
+        row['head_graph_replays'] = agent.head_graphs.runner.num_replays
+    del spec
+    if eager and graphs:
+        plain = make_engine(path, device, dtype, batch, context, new_tokens, 0, eager=True)
+        row['plain_eager'], _, _ = decode(plain, prompts, new_tokens)
+        del plain
+        spec = make_engine(path, device, dtype, batch, context, new_tokens, k, eager=True)
+        row['mtp_eager'], _, stats = decode(spec, prompts, new_tokens)
+        row['mtp_eager_stats'] = _summary(stats)
+        spec.speculative.set_draft_override(replay({tuple(p): o for p, o in zip(prompts, plain_outs)}, context, k, k))
+        row[f'forced_eager_{k + 1}'], _, stats = decode(spec, prompts, new_tokens)
+        row[f'forced_eager_{k + 1}_stats'] = _summary(stats)
+        del spec
     return row
+
+
+def commit() -> str:
+    """`LMDEPLOY_COMMIT` (the device checkout's .git is stale), else this checkout's HEAD."""
+    if os.environ.get('LMDEPLOY_COMMIT'):
+        return os.environ['LMDEPLOY_COMMIT']
+    try:
+        return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or 'unknown'
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -118,20 +152,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument('--context', type=int, default=512)
     parser.add_argument('--new-tokens', type=int, default=64)
     parser.add_argument('--smoke', action='store_true', help='tiny shape on the CPU, float32')
+    parser.add_argument('--eager', action='store_true', help='also plain and speculative decoding without graphs')
     args = parser.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     device, dtype = ('cpu', 'float32') if smoke else ('cuda', 'bfloat16')
     layers, context, new_tokens = (4, 24, 12) if smoke else (args.layers, args.context, args.new_tokens)
     shape = SMOKE_SHAPE if smoke else REAL_SHAPE
     k = args.draft_tokens
+    began = time.perf_counter()
+    print(f'bench_mtp_engine: commit={commit()} device={device} dtype={dtype} layers={layers} K={k}', flush=True)
     with tempfile.TemporaryDirectory() as path:
         write_config(path, layers, shape)
-        rows = [bench_batch(path, device, dtype, b, context, new_tokens, k, shape['vocab_size'])
+        rows = [bench_batch(path, device, dtype, b, context, new_tokens, k, shape['vocab_size'], args.eager)
                 for b in args.batches]
-    modes = ['plain'] + (['plain_graphs'] if device == 'cuda' else []) + ['mtp'] + \
-        [f'forced_{a}' for a in range(1, k + 2)]
-    print('decode tokens/s (prefill excluded); forced_a: a tokens emitted per verify step '
-          '(measured mean accepted length in brackets)')
+    modes = ['plain', 'mtp'] + [f'forced_{a}' for a in range(1, k + 2)]
+    if args.eager and device == 'cuda':
+        modes += ['plain_eager', 'mtp_eager', f'forced_eager_{k + 1}']
+    print('decode tokens/s (prefill excluded)' + (', CUDA graphs' if device == 'cuda' else ', eager') +
+          '; forced_a: a tokens emitted per verify step (measured mean accepted length in brackets)')
     print(f'{"batch":>5} ' + ' '.join(f'{m:>16}' for m in modes))
     for r in rows:
         cells = []
@@ -139,8 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
             length = r.get(f'{m}_stats', {}).get('mean_accepted_length')
             cells.append(f'{r[m]:>9.1f}' + (f' [{length:.2f}]' if length is not None else ' ' * 7))
         print(f'{r["batch"]:>5} ' + ' '.join(f'{c:>16}' for c in cells))
-    result = dict(layers=layers, context=context, new_tokens=new_tokens, draft_tokens=k, device=device,
-                  dtype=dtype, rows=rows)
+    result = dict(commit=commit(), layers=layers, context=context, new_tokens=new_tokens, draft_tokens=k,
+                  device=device, dtype=dtype, rows=rows, seconds=round(time.perf_counter() - began, 1))
     print(json.dumps(result))
     return result
 

@@ -256,7 +256,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument('--max-prefill', type=int, default=8192)
     parser.add_argument('--cache-max-entry-count', type=float, default=0.6)
     parser.add_argument('--reps', type=int, default=3)
-    parser.add_argument('--budget-s', type=float, default=100.0,
+    parser.add_argument('--budget-s', type=float, default=85.0,
                         help='per TP value: rows not started by then (from the engine start) are skipped')
     parser.add_argument('--fit-80b', action='store_true', help='only: the Qwen3-Next-80B shape with every expert '
                         'loads and serves one request at TP=max(--tp)')

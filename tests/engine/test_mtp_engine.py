@@ -334,3 +334,47 @@ def test_decode_interval_checkpoints_come_from_committed_steps_inside_accepted_r
     assert got == want and hits[0] == 32
     # the warm run feeds from step 32: its logits are the cold run's from there on
     torch.testing.assert_close(got_logits, want_logits[32:], atol=ATOL, rtol=ATOL)
+
+
+def _with_logprobs(engine, prompts, sampling):
+    """Each request's tokens and the logprobs delivered with them (one dict per delivered token)."""
+    tokens, logprobs = {}, {}
+
+    def callback(o):
+        tokens.setdefault(o.seq_id, []).extend(o.new_token_ids)
+        logprobs.setdefault(o.seq_id, []).extend(o.logprobs or [])
+    ids = [engine.add_request(p, sampling, callback=callback) for p in prompts]
+    while engine.has_work:
+        engine.step()
+        engine.check_integrity()
+    return [tokens.get(i, []) for i in ids], [logprobs.get(i, []) for i in ids]
+
+
+def test_requests_with_logprobs_speculate_and_get_plain_decodings_logprobs(mtp_model):
+    """A request asking for logprobs drafts like any other and gets, for every emitted token (accepted drafts
+    included), the top logprobs plain decoding reports for it. Forced acceptance (plain greedy's continuation,
+    wrong at a varying draft) makes runs of every length 1 .. K + 1."""
+    path = mtp_model()
+    prompts = [_prompt(21, 30), _prompt(14, 31)]
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=3)
+    plain, plain_lp = _with_logprobs(make_engine(path), prompts, sampling)
+    full = {tuple(p[:4]): p + t + [0] * (2 * K) for p, t in zip(prompts, plain)}
+    schedule = iter([3, 0, 2, 1] * 20)
+
+    def replay(seq, _):
+        t, j = seq.num_tokens, next(schedule)
+        drafts = full[tuple(seq.token_ids[:4])][t:t + K]
+        if j < K:
+            drafts[j] = (drafts[j] + 1) % 500
+        return drafts
+    engine = make_engine(path, speculative_config=_spec())
+    engine.speculative.set_draft_override(replay)
+    spec, spec_lp = _with_logprobs(engine, prompts, sampling)
+    assert spec == plain
+    assert engine.stats['spec_accepted_tokens'] > 0
+    for got_row, want_row, tokens in zip(spec_lp, plain_lp, spec):
+        assert len(got_row) == len(want_row) == len(tokens)
+        for got, want in zip(got_row, want_row):
+            assert got.keys() == want.keys()
+            torch.testing.assert_close(torch.tensor(list(got.values())), torch.tensor([want[k] for k in got]),
+                                       atol=ATOL, rtol=ATOL)

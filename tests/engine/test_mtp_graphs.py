@@ -274,7 +274,9 @@ def test_graph_replay_of_speculative_steps_equals_eager_and_plain(mtp_model, nam
     graphs, graph_logits = _run(engine, prompts, _greedy(14), collect=True)
     assert graphs == eager == plain
     for got, eager_row, want in zip(graph_logits, eager_logits, plain_logits):
-        torch.testing.assert_close(got, eager_row, atol=ATOL, rtol=ATOL)
+        # CUDA: the padded graph's GEMMs see other row counts than eager's, and a K + 1 token verify runs other
+        # kernels than decode (the tolerance of test_mtp_engine's CUDA comparison)
+        torch.testing.assert_close(got, eager_row, atol=10 * ATOL, rtol=10 * ATOL)
         torch.testing.assert_close(got, want, atol=10 * ATOL, rtol=10 * ATOL)
     agent = engine.agent
     assert agent.verify_graphs.num_replays > 0 and agent.head_graphs.runner.num_replays > 0

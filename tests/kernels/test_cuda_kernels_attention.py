@@ -303,20 +303,25 @@ _PREFILL_SEQS = [
     ((130, 64, 7), (5, 300, 0)),
     ((0, 130, 1, 7), (5, 300, 0, 300)),  # a sequence with no new tokens in the batch
 ]
+# Each head_dim with both page sizes and both dtypes, paired (kbs 16 + bf16, kbs 64 + fp32): half the Triton
+# specializations of the full product, so the file fits a loaded GPU run.
+_PAGE_DTYPES = ((16, 'bf16'), (64, 'fp32'))
 PREFILL_CASES_GPU = [
     AttnCase(q_lens, hist, 16, 2, d, kbs, dtype)
-    for q_lens, hist in _PREFILL_SEQS for d in (64, 128, 256) for kbs in (16, 64) for dtype in ('bf16', 'fp32')
+    for q_lens, hist in _PREFILL_SEQS for d in (64, 128, 256) for kbs, dtype in _PAGE_DTYPES
 ] + [
     AttnCase((), (), 16, 2, 128, 16, 'bf16'),
     AttnCase((130, 7), (300, 5), 16, 2, 80, 16, 'bf16'),
     AttnCase((130, 7), (300, 5), 8, 8, 128, 64, 'fp16'),
     AttnCase((1000, 1), (37, 2000), 32, 4, 128, 64, 'bf16'),
 ] + [
-    # Split-KV: short queries after long, non-aligned histories (the default rule splits these 16 ways).
+    # Split-KV: short queries after long, non-aligned histories (the default rule splits these up to 32 ways).
     AttnCase(q_lens, hist, 16, 4, d, kbs, dtype)
-    for q_lens, hist in [((100,), (32_700,)), ((100, 7, 1), (5_003, 300, 9_001)), ((130, 0, 64), (2_000, 7, 0))]
-    for d in (128, 256) for kbs in (16, 64) for dtype in ('bf16', 'fp32')
+    for q_lens, hist in [((100, 7, 1), (5_003, 300, 9_001)), ((130, 0, 64), (2_000, 7, 0))]
+    for d in (128, 256) for kbs, dtype in ((64, 'bf16'), (16, 'fp32'))
 ] + [
+    AttnCase((100,), (32_700,), 16, 4, 256, 64, 'bf16'),        # the 9B suffix row's shape
+    AttnCase((100,), (32_700,), 16, 4, 128, 16, 'fp32'),
     AttnCase((100, 70), (4_001, 1_000), 16, 4, 256, 64, 'bf16', num_splits=7, min_split=64),
     AttnCase((300,), (3_000,), 16, 4, 256, 16, 'bf16', num_splits=1),
     AttnCase((33, 1), (20_000, 129), 8, 8, 80, 16, 'fp16'),
@@ -432,13 +437,16 @@ def test_gathered_prefill_only_for_long_eager_chunks_of_few_sequences():
 
 
 def test_prefill_split_rule_fills_the_gpu_only_for_short_queries():
-    # 100 tokens (graph bucket 128) x 16 heads, BLOCK_M 64: 32 tiles, far below 4 waves of 132 SMs.
-    assert prefill_num_splits(128, 16, 256, 64, 132) == prefill_mod.MAX_SPLITS
-    assert prefill_num_splits(1024, 16, 256, 64, 132) == 3          # 256 tiles: ceil(528 / 256)
-    assert prefill_num_splits(8192, 16, 256, 64, 132) == 1          # cold chunks: enough tiles already
+    # 100 tokens (graph bucket 128) x 16 heads, BLOCK_M 128: 16 tiles want ceil(4 x 132 / 16) = 33 splits; the
+    # partials' cap (128 x 16 x (256 + 1) x 4 bytes per split, 64 MiB in all) allows 31
+    assert prefill_num_splits(128, 16, 256, 128, 132) == 31
+    assert prefill_num_splits(128, 16, 256, 64, 132) == 17          # 32 tiles: ceil(528 / 32)
+    assert prefill_num_splits(128, 2, 128, 128, 132) == prefill_mod.MAX_SPLITS
+    assert prefill_num_splits(1024, 16, 256, 128, 132) == 3         # 5 wanted, 3 fit the cap
+    assert prefill_num_splits(8192, 16, 256, 128, 132) == 1         # cold chunks: enough tiles already
     assert prefill_num_splits(2048, 64, 256, 128, 132) == 1
-    # 64 tiles want ceil(528 / 64) = 9 splits; the partials' cap: 4096 x 2 heads x (256 + 1) x 4 bytes is just
-    # over 8 MiB per split, so 7 fit in 64 MiB
+    # 64 tiles want ceil(528 / 64) = 9 splits; 4096 x 2 heads x (256 + 1) x 4 bytes is just over 8 MiB per
+    # split, so 7 fit in 64 MiB
     assert prefill_num_splits(4096, 2, 256, 128, 132) == 7
 
 

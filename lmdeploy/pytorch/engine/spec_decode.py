@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends.default.sampling import _filter_min_p, _filter_top_k_top_p
+from ..backends.default.sampling import _filter_min_p, _filter_top_k_top_p, _top_logprobs
 from ..messages import SchedulerSequence
 from ..model_inputs import ModelInputs, SamplingInputs
 from .spec_acceptance import greedy_accept, rejection_sample
@@ -42,6 +42,9 @@ class VerifyOutput(NamedTuple):
     logits: torch.Tensor | None       # [T, V] of every fed row (on the host), when some sequence collects logits
     first_logits: torch.Tensor        # [S, V] at each sampled sequence's last real token (plain decoding's logits)
     logprobs: list | None             # per sampled sequence, plain sampling's top logprobs (rows without drafts)
+    # per sampled sequence with drafts whose request asks for logprobs: the top logprobs of every emitted token of
+    # its run, from the target's raw logits at that position (what plain decoding reports); None elsewhere
+    run_logprobs: list[list[dict[int, float]] | None] | None = None
 
 
 class SampleParams(NamedTuple):
@@ -104,7 +107,28 @@ class SpeculativeDecoder:
         first_logits = logits[torch.tensor(starts, dtype=torch.int64, device=dev)] if counts else logits[:0]
         runs, accepted, logprobs = self._accept(logits, first_logits, plan, counts, sampling, params)
         return VerifyOutput(runs, accepted, torch.cat([pre, overlap.to(pre.dtype)]),
-                            all_logits.cpu() if all_logits is not None else None, first_logits, logprobs)
+                            all_logits.cpu() if all_logits is not None else None, first_logits, logprobs,
+                            self._run_logprobs(logits, plan, counts, runs, sampling.max_num_logprobs))
+
+    @staticmethod
+    def _run_logprobs(logits: torch.Tensor, plan: VerifyPlan, counts: list[int], runs: list[list[int]],
+                      k: int) -> list | None:
+        """Top-k logprobs of each emitted token of the drafting rows that ask for them (one batched call):
+        token j of a run was sampled from the target's logits at the row's position j (its raw distribution, as
+        plain decoding reports it)."""
+        rows = [i for i, d in enumerate(plan.num_drafts) if d and plan.wants_logprobs[i]]
+        if not rows or k < 0:
+            return None
+        starts = [sum(counts[:i]) for i in rows]
+        index = torch.tensor([s + j for s, i in zip(starts, rows) for j in range(len(runs[i]))], dtype=torch.int64,
+                             device=logits.device)
+        ids = torch.tensor([t for i in rows for t in runs[i]], dtype=torch.int64, device=logits.device)
+        flat = _top_logprobs(logits[index], ids, k)
+        out: list = [None] * len(runs)
+        at = 0
+        for i in rows:
+            out[i], at = flat[at:at + len(runs[i])], at + len(runs[i])
+        return out
 
     def _accept(self, logits: torch.Tensor, first_logits: torch.Tensor, plan: VerifyPlan, counts: list[int],
                 sampling: SamplingInputs, params: list[SampleParams | None]):

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..model_inputs import ModelInputs, StepContext
-from .cuda_graph import CUDAGraphRunner, _StaticInputs, capture_sizes
+from .cuda_graph import CUDAGraphRunner, _StaticInputs, capture_sizes, prefill_key
 
 logger = logging.getLogger('lmdeploy')
 
@@ -160,7 +160,7 @@ class HeadGraphs:
     def __init__(self, model, make_context: Callable[[ModelInputs, torch.Tensor | None], StepContext],
                  max_batch_size: int, max_pages: int, num_draft_tokens: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, kernel_block_size: int = 1):
-        self.model = model
+        self.model, self.k, self.device = model, num_draft_tokens, device
         # the catch-up feeds up to K + 1 committed positions per sequence, plus the position before a cache hit
         self.runner = CUDAGraphRunner(self._forward, make_context, max_batch_size, max_pages, device,
                                       max_prefill_tokens=max_batch_size * (num_draft_tokens + 2),
@@ -179,4 +179,20 @@ class HeadGraphs:
         return self.runner.run(inputs, key)
 
     def capture_all(self) -> None:
-        self.runner.capture_all()
+        """The runner's start-up graphs, then the catch-up shapes of steady decoding: every padded batch size B
+        with 1 .. K + 2 rows per sequence (accepted runs, plus the row before a cache hit), so no step in steady
+        decoding captures a graph."""
+        runner = self.runner
+        runner.capture_all()
+        keys = {prefill_key(size * rows, size, runner.token_buckets, runner.seq_buckets)
+                for size in runner.sizes for rows in range(2, self.k + 3)}
+        for key in sorted((k for k in keys if k is not None), reverse=True):
+            if key in runner.graphs or key in runner.failed:
+                continue
+            try:
+                runner._warm_and_capture(key)
+            except Exception as exc:  # noqa: BLE001 - a shape that cannot run here stays eager
+                runner.failed.add(key)
+                torch.cuda.synchronize(self.device)
+                logger.warning('warming up a draft-head CUDA graph for %s failed (%s: %s); that shape runs eagerly',
+                               key, type(exc).__name__, exc)

@@ -27,11 +27,12 @@ from ..paging.scheduler_output import SchedulerOutput
 
 def can_speculate(seq: SchedulerSequence) -> bool:
     """Whether verify-and-accept reproduces this request's sampling exactly: temperature / top-k / top-p / min-p (or
-    greedy) only. Penalties, logit bias, grammars and logprobs make the next-token distribution depend on the
-    tokens before it inside the run (or need per-token outputs), so those requests decode one token per step (no
-    drafts); so does a request still under `min_new_tokens`."""
+    greedy) only, with or without logprobs (those of every emitted token come from the verify forward's logits).
+    Penalties, logit bias and grammars make the next-token distribution depend on the tokens before it inside the
+    run, so those requests decode one token per step (no drafts); so does a request still under
+    `min_new_tokens`."""
     p = seq.sampling
-    return (p.logprobs is None and p.repetition_penalty == 1.0 and not p.has_output_penalties and not p.logit_bias
+    return (p.repetition_penalty == 1.0 and not p.has_output_penalties and not p.logit_bias
             and p.grammar is None and seq.grammar_state is None and seq.num_generated >= p.min_new_tokens)
 
 
@@ -48,6 +49,7 @@ class VerifyPlan(NamedTuple):
     num_drafts: list[int]          # per sampled sequence (in sampled order)
     draft_ids: list[list[int]]
     draft_probs: list[object]      # per sampled sequence: [d, V] device tensor (sampled requests) or None
+    wants_logprobs: list[bool]     # per sampled sequence: its request asks for logprobs
 
 
 def plan_verify(out: SchedulerOutput, inputs: ModelInputs, sampled: list[SchedulerSequence]) -> VerifyPlan:
@@ -72,7 +74,8 @@ def plan_verify(out: SchedulerOutput, inputs: ModelInputs, sampled: list[Schedul
         overlap_slots=[seq.state_slot for seq, o in zip(out.seqs, overlap) if o],
         hidden_rows=torch.tensor(hidden_rows, dtype=torch.int64), cut_rows=torch.tensor(cut_rows, dtype=torch.int64),
         cut_slots=torch.tensor(cut_slots, dtype=torch.int64), logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
-        num_drafts=num_drafts, draft_ids=draft_ids, draft_probs=draft_probs)
+        num_drafts=num_drafts, draft_ids=draft_ids, draft_probs=draft_probs,
+        wants_logprobs=[seq.sampling.logprobs is not None for seq in sampled])
 
 
 def uniform_draft_slots(out: SchedulerOutput, inputs: ModelInputs, k: int) -> torch.Tensor | None:

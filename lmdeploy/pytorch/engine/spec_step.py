@@ -28,9 +28,16 @@ class SpecForwardResult:
         self.routed_experts = None
 
     def rows(self, sampled: list[SchedulerSequence]) -> list[SampledToken]:
-        logprobs = self.verify.logprobs
-        return [SampledToken(seq, run[-1], logprobs[i] if logprobs and len(run) == 1 else None, tuple(run[:-1]))
-                for i, (seq, run) in enumerate(zip(sampled, self.verify.runs))]
+        logprobs, run_logprobs = self.verify.logprobs, self.verify.run_logprobs
+        rows = []
+        for i, (seq, run) in enumerate(zip(sampled, self.verify.runs)):
+            per_token = run_logprobs[i] if run_logprobs else None
+            if per_token is not None:  # a drafting row: the logprobs of every token of its run
+                rows.append(SampledToken(seq, run[-1], per_token[-1], tuple(run[:-1]), tuple(per_token[:-1])))
+            else:
+                rows.append(SampledToken(seq, run[-1], logprobs[i] if logprobs and len(run) == 1 else None,
+                                         tuple(run[:-1])))
+        return rows
 
 
 class SpeculativeStep:

@@ -36,7 +36,7 @@ def save_conv_draft_cuts(x: torch.Tensor, conv_state: torch.Tensor, inputs: Mode
     slots = inputs.draft_state_slots
     batch, k = slots.shape
     width, channels = conv_state.shape[-1], conv_state.shape[1]
-    idx = _conv_index(inputs, width, x.device)
+    idx = inputs.derived(('draft_conv_index', width, x.device), lambda: _conv_index(inputs, width, x.device))
     from_x = x[idx['x_index'].reshape(-1)].view(batch, k, width, channels).transpose(2, 3).to(conv_state.dtype)
     old = conv_state[inputs.state_ids].masked_fill(inputs.is_fresh.view(-1, 1, 1), 0)       # [B, C, width]
     hist = old[:, None].expand(batch, k, channels, width)
@@ -68,7 +68,7 @@ def gated_delta_draft_rounds(impl, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     def token(t: torch.Tensor, r: int) -> torch.Tensor:
         return t.unflatten(0, (batch, rows))[:, r].contiguous()
-    first, later = _round_inputs(inputs)
+    first, later = inputs.derived('draft_round_inputs', lambda: _round_inputs(inputs))  # once per forward
     out = v.new_empty(v.shape)
     for r in range(rows):
         o = impl(token(q, r), token(k, r), token(v, r), token(g, r), token(beta, r), state, first if r == 0 else later,

@@ -40,6 +40,8 @@ class SampledToken(NamedTuple):
     logprobs: dict[int, float] | None        # its top logprobs, when the request asked for them
     # Speculative decoding: the draft tokens accepted before `token_id` (emitted first, in order); () otherwise.
     accepted: tuple[int, ...] = ()
+    # ... and their top logprobs, in order, when the request asked for them (else ()).
+    accepted_logprobs: tuple[dict[int, float], ...] = ()
 
 
 class SequenceUpdate(NamedTuple):

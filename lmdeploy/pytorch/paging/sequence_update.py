@@ -36,9 +36,10 @@ def append_run(row: SampledToken, session_len: int) -> tuple[SequenceUpdate, int
     tokens = [*row.accepted, row.token_id]
     new_ids: list[int] = []
     logprobs: list[dict[int, float]] | None = None
+    per_token = [*row.accepted_logprobs, row.logprobs] if row.accepted_logprobs else [None] * len(row.accepted) + \
+        [row.logprobs]
     for i, token in enumerate(tokens):
-        update = append_sampled(SampledToken(row.seq, token, row.logprobs if i == len(tokens) - 1 else None),
-                                session_len)
+        update = append_sampled(SampledToken(row.seq, token, per_token[i]), session_len)
         new_ids += update.new_token_ids
         if update.logprobs:
             logprobs = (logprobs or []) + update.logprobs

@@ -74,16 +74,20 @@ def _rotate_head(x_ptr, out_ptr, cos_ptr, sin_ptr, head_dim, ROTARY_DIM: tl.cons
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < head_dim)
 
 
+@triton.jit
+def _program_rows(cos_ptr, sin_ptr, stride_cos, stride_sin):
+    """Program (token, head) of a launch over [T, Hq + Hk] and its token's cos / sin rows."""
+    token = tl.program_id(0).to(tl.int64)
+    return token, tl.program_id(1), cos_ptr + token * stride_cos, sin_ptr + token * stride_sin
+
+
 @fast_kernel
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
                    stride_qot, stride_qoh, stride_kot, stride_koh, num_q_heads, head_dim,
                    ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    cos_row = cos_ptr + token * stride_cos
-    sin_row = sin_ptr + token * stride_sin
+    token, head, cos_row, sin_row = _program_rows(cos_ptr, sin_ptr, stride_cos, stride_sin)
     if head < num_q_heads:
         _rotate_head(q_ptr + token * stride_qt + head * stride_qh,
                      q_out_ptr + token * stride_qot + head * stride_qoh,
@@ -132,10 +136,7 @@ def _rotary_fill_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cach
                         stride_cos, stride_sin, stride_qot, stride_qoh, stride_cp, stride_co, stride_ch, page_size,
                         num_q_heads, head_dim, HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                         ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    cos_row = cos_ptr + token * stride_cos
-    sin_row = sin_ptr + token * stride_sin
+    token, head, cos_row, sin_row = _program_rows(cos_ptr, sin_ptr, stride_cos, stride_sin)
     if head < num_q_heads:
         q_row = q_ptr + token * stride_qt + head * stride_qh
         if HAS_NORM:
