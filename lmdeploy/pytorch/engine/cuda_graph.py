@@ -19,8 +19,8 @@ A graph is keyed by `(tokens, sequences)`:
 - Hybrids on fla (`chunk_indices=True`): the gated delta rule runs fla's chunked kernels inside the graph, on the
   static `cu_seqlens` and static chunk indices of a fixed row count per bucket (`max_graph_chunks`), built on the
   host each step and copied non-blocking from pinned memory; the padding rows name chunk 0 of the last (empty)
-  sequence, which fla's kernels mask out entirely (see `kernels/cuda/gated_delta_rule.py`). Without it
-  (`LMDEPLOY_GRAPH_GDR=recurrent`) the graph runs the token-by-token kernel (`ModelInputs.use_recurrent_kernel`).
+  sequence, which fla's kernels mask out entirely (see `kernels/cuda/gated_delta_rule.py`); this is the default.
+  With `LMDEPLOY_GRAPH_GDR=recurrent` the graph runs the token-by-token kernel (`ModelInputs.use_recurrent_kernel`).
 
 Padding is harmless by construction of the kernels' contracts: pad tokens write no KV (`slot_mapping = -1`), pad
 and empty sequences use state row 0 (a reserved dummy no sequence owns), decode padding rows have `kv_len = 0`
@@ -69,11 +69,10 @@ PREFILL_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 
 # beside one decode), i.e. sequence bucket 4. Mixed batches with more decodes capture on first use.
 WARM_PREFILL_SEQS = 2
 MAX_PREFILL_GRAPHS = 48
-# The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise. 256 (graphs with the token-by-token
-# gated delta rule): on the H200 (2026-12-01) the 4096-token limit with the chunked rule inside graphs gave illegal
-# memory accesses in FP8 and prefix-cache engine tests, and graph-vs-eager logit mismatches at bucket edges; opt in
-# with LMDEPLOY_PREFILL_GRAPH_TOKENS=4096 LMDEPLOY_GRAPH_GDR=chunked until that is found.
-DEFAULT_PREFILL_GRAPH_TOKENS = 256
+# The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise (256 restores the old limit, 0 turns
+# prefill graphs off). 4096 with the chunked gated delta rule inside the graphs passed the H200 run of 2026-12-01
+# (run 2) once the pad sequence's block-table row was wide enough (see `table_width`).
+DEFAULT_PREFILL_GRAPH_TOKENS = 4096
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:

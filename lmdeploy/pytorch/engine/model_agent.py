@@ -30,7 +30,7 @@ from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
-from .warm_start import padding_inputs, warm_up_sampling, warm_up_shapes
+from .warm_start import padding_inputs, warm_up_plan, warm_up_sampling
 
 logger = logging.getLogger('lmdeploy')
 
@@ -236,18 +236,22 @@ class ModelAgent:
 
     @torch.inference_mode()
     def warm_up_eager(self) -> float:
-        """Run the eager warm-up forwards (`warm_start.warm_up_shapes`) on all-padding inputs; returns seconds."""
+        """Run the eager warm-up forwards (`warm_start.warm_up_plan`) on all-padding inputs; returns seconds."""
         began = time.perf_counter()
-        shapes = warm_up_shapes(self.max_forward_tokens, self.max_batch_size)
         kbs = self.cache_engine.cache_config.kernel_block_size
-        for i, q_lens in enumerate(shapes):
+        shapes = warm_up_plan(self.max_forward_tokens, self.max_batch_size, kbs)
+        for i, (q_lens, width) in enumerate(shapes):
             # greedy and random sampling in turn, so both paths and both batch-size classes of each are warm
-            inputs, sampling = self.streams.to_device(padding_inputs(q_lens, kbs, has_lora=self.has_lora),
-                                                      warm_up_sampling(len(q_lens), i % 2 == 0, self.device))
+            inputs, sampling = self.streams.to_device(
+                padding_inputs(q_lens, kbs, has_lora=self.has_lora, table_width=width),
+                warm_up_sampling(len(q_lens), i % 2 == 0, self.device))
             with self.streams.forward():
                 hidden = self.model(self._context(inputs))
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
                 self._sample(torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0), sampling)
+        if self.cache_engine.kv_pool.numel():   # the KV block copy kernel of prefix-cache saves / restores
+            with self.streams.forward():        # block 0 onto itself: every word keeps its value
+                self.cache_engine.copy_logical_blocks(torch.zeros(2, 1, dtype=torch.int64, device=self.device))
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - began

@@ -11,7 +11,8 @@ shapes cover `T` and `B` in each class (`warm_up_shapes`): decode batches (`T ==
 sequence of a multiple-of-16 and of an odd length, several sequences (prefill + decodes) of both, and the largest
 forward (`max_tokens`, which also sizes the caching allocator for it). Each forward's logits are then sampled
 greedily and with temperature / top-k / top-p (`warm_up_sampling`: loads the sampler's kernels), from logits with
-NaN / inf replaced (padding rows may read garbage KV; a NaN probability would fail a draw on the device).
+NaN / inf replaced (padding rows may read garbage KV; a NaN probability would fail a draw on the device). Last,
+one KV block copy (block 0 onto itself) compiles the prefix cache's copy kernel.
 
 Padding writes nothing a sequence owns (the contract of the graph warm-up in `engine/cuda_graph.py`): no KV
 (`slot_mapping = -1`), only the dummy state row 0 (every sequence fresh, so it is never read), block tables of
@@ -52,13 +53,47 @@ def warm_up_shapes(max_tokens: int, max_batch_size: int) -> list[list[int]]:
     return unique
 
 
-def padding_inputs(q_lens: list[int], kernel_block_size: int, has_lora: bool = False) -> ModelInputs:
-    """Host `ModelInputs` of fresh all-padding sequences of `q_lens` tokens (see the module docstring)."""
+def _width_of_class(needed: int, cls: str) -> int:
+    """A block-table width >= `needed` pages in specialization class `cls` (`one`: only when one page suffices)."""
+    if cls == 'x16':
+        return -(-needed // 16) * 16
+    if cls == 'other':
+        return needed if needed % 16 and needed != 1 else needed + 1
+    return needed
+
+
+def warm_up_plan(max_tokens: int, max_batch_size: int, kernel_block_size: int) -> list[tuple[list[int], int]]:
+    """(new tokens per sequence, block-table width) per warm-up forward. The attention kernels take the table's
+    row stride (its width: the most pages of a batch's sequences) as an integer argument, so its classes (1, x16,
+    other) are covered on the decode path (`T == B`) and on the prefill path, on top of `warm_up_shapes`."""
+    shapes = warm_up_shapes(max_tokens, max_batch_size)
+    if max_tokens >= 2 and [2] not in shapes:
+        shapes.append([2])   # a prefill whose table is one page wide
+    plan, seen = [], {True: set(), False: set()}
+    for q_lens in shapes:
+        needed = -(-max(q_lens) // kernel_block_size)
+        decode = sum(q_lens) == len(q_lens)
+        cls = next((c for c in ('one', 'x16', 'other') if c not in seen[decode] and (c != 'one' or needed == 1)),
+                   'x16')
+        seen[decode].add(cls)
+        plan.append((q_lens, _width_of_class(needed, cls)))
+    for decode in (True, False):   # classes no shape took yet: the path's smallest shape once more
+        smallest = min((q for q in shapes if (sum(q) == len(q)) == decode), key=sum, default=None)
+        for cls in ('one', 'x16', 'other'):
+            if smallest is not None and cls not in seen[decode]:
+                plan.append((smallest, _width_of_class(-(-max(smallest) // kernel_block_size), cls)))
+    return plan
+
+
+def padding_inputs(q_lens: list[int], kernel_block_size: int, has_lora: bool = False,
+                   table_width: int | None = None) -> ModelInputs:
+    """Host `ModelInputs` of fresh all-padding sequences of `q_lens` tokens (see the module docstring), with block
+    tables `table_width` pages wide (None: as many as the longest sequence needs)."""
     num_tokens, batch = sum(q_lens), len(q_lens)
     lens = torch.tensor(q_lens, dtype=torch.int64)
     cu = torch.zeros(batch + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lens, 0)
-    pages = -(-max(q_lens) // kernel_block_size)
+    pages = max(-(-max(q_lens) // kernel_block_size), table_width or 0)
     return ModelInputs(
         input_ids=torch.zeros(num_tokens, dtype=torch.int64),
         position_ids=torch.cat([torch.arange(n, dtype=torch.int64) for n in q_lens]),

@@ -107,9 +107,9 @@ def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
     return not is_hybrid or (dtype != torch.float32 and _fla_available())
 
 
-# Prefill graphs run the token-by-token kernel unless LMDEPLOY_GRAPH_GDR=chunked (fla's chunked kernels inside the
-# graphs: opt-in, see DEFAULT_PREFILL_GRAPH_TOKENS in engine/cuda_graph.py for the H200 failures it showed).
-DEFAULT_GRAPH_GDR = 'recurrent'
+# Prefill graphs run fla's chunked kernels (as eager prefills do) unless LMDEPLOY_GRAPH_GDR=recurrent (the
+# token-by-token kernel: one launch, but it walks the tokens of a long prefill one by one).
+DEFAULT_GRAPH_GDR = 'chunked'
 
 
 def graph_gdr_chunked() -> bool:
