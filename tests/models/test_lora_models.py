@@ -213,7 +213,8 @@ def rms(x: torch.Tensor) -> float:
     return x.float().pow(2).mean().sqrt().item()
 
 
-BF16_RMS = 5e-2   # bf16 vs float32 logits after 3 layers, RMS error / RMS logits (the CPU engine in bf16: 2.3-2.9%)
+BF16_RMS = 1e-1   # bf16 vs float32 logits after 3 layers, RMS error / RMS logits (CPU engine in bf16: 2.3-2.9%; CUDA
+#                   eager on the H200: 5.9%, graphs equal to it)
 
 
 @pytest.mark.gpu
@@ -243,6 +244,8 @@ def test_cuda_graphs_with_lora_stay_near_float32_with_their_own_adapter_in_bf16(
         err = {'eager': rms(logits_e - own), 'graphs': rms(logits_g - own)}
         print(f'\nadapter {adapter}: rms logits {rms(own):.3e}, bf16 vs fp32 rms err {err}, '
               f'nearest other adapter {nearest_other:.3e}')
+        # the graphs are no further from float32 than eager (a graph-only error would add to eager's rounding)
+        assert err['graphs'] <= 1.25 * err['eager'] + 1e-3 * rms(own), f'graphs vs eager ({adapter}): {err}'
         for mode, e in err.items():
             assert e <= BF16_RMS * rms(own), f'{mode} ({adapter}): rms err {e:.3e} vs rms logits {rms(own):.3e}'
             assert e < 0.1 * nearest_other, f'{mode} ({adapter}): {e:.3e} vs another adapter at {nearest_other:.3e}'
