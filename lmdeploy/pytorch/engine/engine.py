@@ -295,13 +295,7 @@ class Engine:
             result, sampled = self._forward(sched, rejected)
             rows = self._sampled_rows(result, sampled) + self._sample_logits_hits(sched.logits_hits, rejected)
         except Exception as exc:  # the engine keeps serving (unless a tensor-parallel rank failed)
-            logger.exception('forward failed')
-            outputs = self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
-                                         for seq in self.scheduler.cancel(sched)])
-            if isinstance(exc, TensorParallelFailure):
-                self._fatal = str(exc)
-                outputs += self._fail_everything(self._fatal)
-            return outputs
+            return self._fail_forward(sched, exc)
         if result is not None:
             self.routes.store(sched.seqs, sched.num_new_tokens, result.routed_experts)
         updates = self.scheduler.update(sched, rows)
