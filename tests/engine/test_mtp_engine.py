@@ -178,9 +178,15 @@ class _Recorder:
 
 
 def _trie_blocks(engine) -> dict[int, torch.Tensor]:
-    """Trie-owned KV blocks -> their bytes in every KV-pool layer (the MTP head's included)."""
+    """Trie-owned KV blocks -> their bytes in every KV-pool layer (the MTP head's included), read once the device
+    has run everything queued: block copies (checkpoint saves) run on the forward stream, and a step's tokens can
+    reach the host before the save after its forward is done (a snapshot read on the default stream before the
+    reply checkpoint's save had landed looked like a rewrite one step later: the H200 failure of 2026-12-01 that
+    came and went with timing, e.g. never under eager mode)."""
     blocks = sorted(engine.scheduler.prefix_cache.owners()[0])
     pool, per = engine.cache_engine.kv_pool, engine.cache_config.pages_per_block
+    if pool.is_cuda:
+        torch.cuda.synchronize(pool.device)
     offsets = engine.scheduler.block_manager.resolve_gpu_block_offsets(blocks)
     return {b: pool[:, int(o) * per:(int(o) + 1) * per].clone() for b, o in zip(blocks, offsets)}
 

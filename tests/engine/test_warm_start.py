@@ -39,8 +39,9 @@ def test_warm_up_shapes_cover_every_specialization_class(max_tokens, max_batch):
 @pytest.mark.parametrize('max_tokens,max_batch,kbs', [(8192, 128, 64), (64, 4, 16), (100, 3, 8), (5, 1, 64)])
 def test_warm_up_plan_covers_the_block_table_width_classes(max_tokens, max_batch, kbs):
     """The attention kernels specialize on the table's row stride: decode and prefill forwards each see widths of
-    one page, a multiple of 16 and neither (H200 run 2: decodes of 16 and 79 pages compiled on first use), and
-    every width holds the pages its sequences need."""
+    one page, a multiple of 16 and neither (H200 run 2: decodes of 16 and 79 pages compiled on first use), the
+    smallest and the largest prefill (split-KV and one-pass attention) each all of them, and every width holds
+    the pages its sequences need."""
     from lmdeploy.pytorch.engine.warm_start import warm_up_plan
     plan = warm_up_plan(max_tokens, max_batch, kbs)
     assert [q for q, _ in plan][:len(warm_up_shapes(max_tokens, max_batch))] == warm_up_shapes(max_tokens, max_batch)
@@ -49,6 +50,10 @@ def test_warm_up_plan_covers_the_block_table_width_classes(max_tokens, max_batch
         if widths:
             assert {_class(w) for w in widths} == {'one', 'x16', 'other'}, (decode, widths)
     assert all(w >= -(-max(q) // kbs) for q, w in plan)
+    prefills = [q for q, _ in plan if sum(q) != len(q)]
+    for end in (min(prefills, key=sum), max(prefills, key=sum)):   # split-KV and one-pass prefill attention
+        want = {'x16', 'other'} | ({'one'} if max(end) <= kbs else set())
+        assert {_class(w) for q, w in plan if q == end} >= want, (end, plan)
     inputs = padding_inputs([5, 1], kernel_block_size=8, table_width=17)
     assert inputs.block_tables.shape == (2, 17) and inputs.block_tables.eq(0).all()
 

@@ -314,6 +314,8 @@ def test_launch_key_separates_every_triton_specialization():
     assert len(keys) == 5
     assert _arg_key(17) == _arg_key(3) and _arg_key(32) == _arg_key(48)
     assert _arg_key(1.0) != _arg_key(1) and _arg_key(None) != _arg_key(True)
+    # a do_not_specialize int: only its width class (Triton compiles one binary for 1, 16 and 17)
+    assert _arg_key(1, False) == _arg_key(16, False) == _arg_key(17, False) != _arg_key(2 ** 31, False)
 
 
 @fast_kernel
@@ -324,6 +326,14 @@ def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + offs, mask=mask)
     y = tl.load(y_ptr + offs, mask=mask)
     tl.store(out_ptr + offs, alpha * x + y, mask=mask)
+
+
+@fast_kernel
+@triton.jit(do_not_specialize=['n'])
+def _axpy_any_n_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, alpha * tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
 
 
 @pytest.mark.gpu
@@ -340,6 +350,12 @@ def test_fast_launch_reuses_compiled_handle_and_respecializes_gpu():
         torch.testing.assert_close(out, 0.5 * x + y[:n])
     # (n % 16 == 0, aligned), (n == 1), (n odd), (misaligned x, n odd): four specializations, each compiled once
     assert kernel.num_compiled == 4
+    unspecialized: FastKernel = _axpy_any_n_kernel
+    for n in (4096, 1, 17, 16):
+        out = torch.empty(n, device='cuda')
+        unspecialized[(triton.cdiv(n, 128),)](base[:n], y[:n], out, n, 0.5, BLOCK=128)
+        torch.testing.assert_close(out, 0.5 * base[:n] + y[:n])
+    assert unspecialized.num_compiled == 1   # `n` is not specialized: one binary for every n
 
 
 # ------------------------------------------------------------------------------------------------ interpreter

@@ -65,7 +65,9 @@ def _width_of_class(needed: int, cls: str) -> int:
 def warm_up_plan(max_tokens: int, max_batch_size: int, kernel_block_size: int) -> list[tuple[list[int], int]]:
     """(new tokens per sequence, block-table width) per warm-up forward. The attention kernels take the table's
     row stride (its width: the most pages of a batch's sequences) as an integer argument, so its classes (1, x16,
-    other) are covered on the decode path (`T == B`) and on the prefill path, on top of `warm_up_shapes`."""
+    other) are covered on the decode path (`T == B`) and on the prefill path, on top of `warm_up_shapes`. The
+    prefill attention launches one of two kernels by the token count (split-KV for few tokens, see
+    `paged_prefill_attention`), so both the smallest and the largest prefill see every class."""
     shapes = warm_up_shapes(max_tokens, max_batch_size)
     if max_tokens >= 2 and [2] not in shapes:
         shapes.append([2])   # a prefill whose table is one page wide
@@ -77,11 +79,17 @@ def warm_up_plan(max_tokens: int, max_batch_size: int, kernel_block_size: int) -
                    'x16')
         seen[decode].add(cls)
         plan.append((q_lens, _width_of_class(needed, cls)))
-    for decode in (True, False):   # classes no shape took yet: the path's smallest shape once more
-        smallest = min((q for q in shapes if (sum(q) == len(q)) == decode), key=sum, default=None)
+    decodes = [q for q in shapes if sum(q) == len(q)]
+    prefills = [q for q in shapes if sum(q) != len(q)]
+    ends = [min(decodes, key=sum)] if decodes else []
+    if prefills:
+        ends += [min(prefills, key=sum), max(prefills, key=sum)]
+    for q_lens in ends:   # classes a path's end shape has not seen yet
+        needed = -(-max(q_lens) // kernel_block_size)
         for cls in ('one', 'x16', 'other'):
-            if smallest is not None and cls not in seen[decode]:
-                plan.append((smallest, _width_of_class(-(-max(smallest) // kernel_block_size), cls)))
+            width = _width_of_class(needed, cls)
+            if (cls != 'one' or needed == 1) and (q_lens, width) not in plan:
+                plan.append((q_lens, width))
     return plan
 
 

@@ -11,7 +11,8 @@ Key (invariant: two calls with the same key have the same Triton specialization,
 - every constexpr parameter's value;
 - every tensor's dtype and whether its data pointer is 16-byte aligned (Triton's pointer specialization);
 - every int's width class (i32 / i64 / u64), whether it equals 1 and whether it is divisible by 16 (Triton
-  specializes ints on both);
+  specializes ints on both), the last two left out for parameters named in `triton.jit(do_not_specialize=...)`,
+  which Triton compiles once for every value of the width class;
 - the type of every other value (floats, bools, None).
 The key is at least as fine as Triton's, so a hit never runs a binary compiled for another specialization. A miss
 launches through `JITFunction` (compiling if needed) and stores the `CompiledKernel` it returns.
@@ -34,11 +35,14 @@ _INT32_MIN, _INT32_MAX, _UINT64_MIN = -(2 ** 31), 2 ** 31 - 1, 2 ** 63
 _ENABLED = os.environ.get('LMDEPLOY_FAST_LAUNCH', '1') != '0'
 
 
-def _arg_key(arg: Any) -> Any:
-    """The part of Triton's specialization an argument decides (see the module docstring)."""
+def _arg_key(arg: Any, specialize: bool = True) -> Any:
+    """The part of Triton's specialization an argument decides (see the module docstring); `specialize=False` for a
+    `do_not_specialize` parameter."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
     if arg.__class__ is int:
+        if not specialize:
+            return _INT32_MIN <= arg <= _INT32_MAX, arg >= _UINT64_MIN
         return arg == 1, arg & 15 == 0, _INT32_MIN <= arg <= _INT32_MAX, arg >= _UINT64_MIN
     return arg.__class__
 
@@ -58,6 +62,7 @@ class FastKernel:
         if self.is_fast:
             self.arg_names: list[str] = list(fn.arg_names)
             self.is_constexpr = [p.is_constexpr for p in fn.params]
+            self.specialize = [not p.do_not_specialize for p in fn.params]
             self.defaults = {name: param.default for name, param in fn.signature.parameters.items()
                              if param.default is not param.empty}
         self._compiled: dict[tuple, Any] = {}
@@ -96,7 +101,7 @@ class FastKernel:
         values, options = self._bind(args, kwargs)
         device = self._current_device()
         key = (device, tuple(sorted(options.items())),
-               tuple(v if c else _arg_key(v) for v, c in zip(values, self.is_constexpr)))
+               tuple(v if c else _arg_key(v, s) for v, c, s in zip(values, self.is_constexpr, self.specialize)))
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*values, **options)

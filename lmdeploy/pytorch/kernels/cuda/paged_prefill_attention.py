@@ -24,6 +24,7 @@ eager and graph runs of the same shapes make the same split decision (identical 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -46,7 +47,7 @@ _DEFAULT_SMS = 132  # the H200's SM count: the split decision of interpreted (CP
 
 
 @fast_kernel
-@triton.jit
+@triton.jit(do_not_specialize=['num_splits'])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_tables_ptr, cu_seqlens_q_ptr, q_lens_ptr,
                     kv_lens_ptr, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                     stride_cp, stride_co, stride_ch, stride_bt, qk_scale, head_dim, num_splits, min_split,
@@ -117,7 +118,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
 
 
 @fast_kernel
-@triton.jit
+@triton.jit(do_not_specialize=['num_splits'])
 def _merge_kernel(part_ptr, lse_ptr, o_ptr, cu_seqlens_q_ptr, q_lens_ptr, kv_lens_ptr,
                   stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
                   head_dim, num_splits, min_split,
@@ -197,6 +198,15 @@ def prefill_num_splits(num_tokens: int, num_heads: int, head_dim: int, block_m: 
     return max(1, min(MAX_SPLITS, triton.cdiv(target, tiles), by_memory))
 
 
+def _split_buffer(num_splits: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An fp32 [num_splits, *shape] buffer whose split stride is a multiple of 16: the kernels' integer arguments
+    then depend on the token count only through classes the warm start covers (`num_splits` is not specialized),
+    so no request compiles a split-KV binary of its own."""
+    numel = math.prod(shape)
+    flat = torch.empty(num_splits, triton.cdiv(numel, 16) * 16, dtype=torch.float32, device=device)
+    return flat[:, :numel].view(num_splits, *shape)
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
                             max_seqlen_q: int, scale: float, num_splits: int | None = None,
@@ -224,8 +234,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     split = num_splits > 1
     min_split = triton.cdiv(max(min_split_keys, 1), block_n) * block_n
     if split:
-        part = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        part = _split_buffer(num_splits, q.shape, q.device)
+        lse = _split_buffer(num_splits, (num_tokens, num_heads), q.device)
     else:
         part, lse = out.unsqueeze(0), out.new_empty((1, 1, 1), dtype=torch.float32)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, batch_size * num_splits)
