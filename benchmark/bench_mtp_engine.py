@@ -1,5 +1,6 @@
 """Decode tokens/s of the engine with and without MTP speculative decoding, at batch 1 and 16, on a real-depth
-Qwen3.5 shape (0.8B: 24 layers, hidden 1024, vocab 248320) with dummy weights.
+Qwen3.5 shape (`--shape`: 0.8B, 24 layers, hidden 1024, vocab 248320; or 9B, transformers' default config, 32
+layers, hidden 4096) with dummy weights.
 
 Modes, per batch size (B requests of `--context` random prompt tokens, `--new-tokens` greedy tokens each), on CUDA
 with the engine's default CUDA graphs (speculative engines replay graphs of the verify forward and the draft
@@ -35,6 +36,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mtp_decode import REAL_SHAPE, SMOKE_SHAPE, write_config  # noqa: E402
+
+# transformers' default Qwen3_5TextConfig widths (Qwen3.5-9B: hidden 4096, 16 / 4 heads of 256, 16 / 32
+# linear heads of 128, vocab 248320); write_config sets the depth and one MTP layer
+NINE_B_SHAPE: dict = {}
 
 from lmdeploy import PytorchEngineConfig, SpeculativeConfig  # noqa: E402
 from lmdeploy.pytorch.engine.engine import Engine  # noqa: E402
@@ -146,7 +151,9 @@ def commit() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--layers', type=int, default=24)
+    parser.add_argument('--shape', choices=['qwen3.5-0.8b', 'qwen3.5-9b'], default='qwen3.5-0.8b',
+                        help="0.8B: the widths above; 9B: transformers' default Qwen3_5TextConfig (hidden 4096)")
+    parser.add_argument('--layers', type=int, default=None, help='default: the shape\'s depth (24 / 32)')
     parser.add_argument('--draft-tokens', type=int, default=3)
     parser.add_argument('--batches', type=int, nargs='+', default=[1, 16])
     parser.add_argument('--context', type=int, default=512)
@@ -156,11 +163,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     device, dtype = ('cpu', 'float32') if smoke else ('cuda', 'bfloat16')
-    layers, context, new_tokens = (4, 24, 12) if smoke else (args.layers, args.context, args.new_tokens)
-    shape = SMOKE_SHAPE if smoke else REAL_SHAPE
+    nine_b = args.shape == 'qwen3.5-9b'
+    layers, context, new_tokens = (4, 24, 12) if smoke else (args.layers or (32 if nine_b else 24), args.context,
+                                                             args.new_tokens)
+    shape = SMOKE_SHAPE if smoke else NINE_B_SHAPE if nine_b else REAL_SHAPE
     k = args.draft_tokens
     began = time.perf_counter()
-    print(f'bench_mtp_engine: commit={commit()} device={device} dtype={dtype} layers={layers} K={k}', flush=True)
+    print(f'bench_mtp_engine: commit={commit()} device={device} dtype={dtype} shape={"smoke" if smoke else args.shape} '
+          f'layers={layers} K={k}', flush=True)
     with tempfile.TemporaryDirectory() as path:
         write_config(path, layers, shape)
         rows = [bench_batch(path, device, dtype, b, context, new_tokens, k, shape['vocab_size'], args.eager)
