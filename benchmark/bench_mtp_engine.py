@@ -39,7 +39,7 @@ from bench_mtp_decode import REAL_SHAPE, SMOKE_SHAPE, write_config  # noqa: E402
 
 # transformers' default Qwen3_5TextConfig widths (Qwen3.5-9B: hidden 4096, 16 / 4 heads of 256, 16 / 32
 # linear heads of 128, vocab 248320); write_config sets the depth and one MTP layer
-NINE_B_SHAPE: dict = {}
+NINE_B_SHAPE = dict(vocab_size=248320)
 
 from lmdeploy import PytorchEngineConfig, SpeculativeConfig  # noqa: E402
 from lmdeploy.pytorch.engine.engine import Engine  # noqa: E402
