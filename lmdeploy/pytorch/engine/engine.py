@@ -27,7 +27,7 @@ from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, 
 from .agent_setup import build_engine_agent, free_memory, load_model, make_agent_spec, rank0_device, start_workers
 from .async_scheduling import LaunchedStep, build_feed, is_deferrable, needs_host_tokens
 from .cache_sizing import make_cache_config, session_len
-from .engine_stats import EngineStats, collect_stats
+from .engine_stats import EngineStats, StepBatch, collect_stats, step_batch
 from .inputs_maker import InputsMaker, drop_sampled_rows, make_sampling_inputs
 from .request import EngineOutput, OutputCallback
 from .request_checks import adapter_identity, check_image_spans, check_prompt
@@ -130,6 +130,7 @@ class Engine:
             and not cfg.prefix_cache_decode_state_interval)
         self._inflight: LaunchedStep | None = None
         self.num_overlapped_steps = 0  # steps launched while another was in flight
+        self._batch = StepBatch()  # the running step's forward (its stats record's `batch`)
         self._snapshot = self._make_stats(0)
 
     def close(self) -> None:
@@ -245,6 +246,7 @@ class Engine:
                 self._steps_begun += 1
                 step = self._steps_begun
             self._stepping_thread = threading.get_ident()
+            self._batch = StepBatch()
             try:
                 return self._step()
             finally:
@@ -264,6 +266,7 @@ class Engine:
         if self._inflight is not None and not self.scheduler.can_schedule_ahead():
             outputs += self._settle(self._take_inflight())  # no room to schedule without preempting pending tokens
         sched = self.scheduler.schedule()
+        self._batch = step_batch(sched)
         for seq, error in sched.rejected:  # faults while scheduling fail their own requests
             logger.error('request %d: %s', seq.seq_id, error)
             out = self._error_output(seq, error)
@@ -538,7 +541,7 @@ class Engine:
     # ---- statistics ---------------------------------------------------------------------------------------------
     def _make_stats(self, step: int) -> EngineStats:
         return collect_stats(step, self.scheduler, self.cache_config, self.agent.vision_cache, self.routes,
-                             self.speculative.stats if self.speculative is not None else None)
+                             self.speculative.stats if self.speculative is not None else None, self._batch)
 
     def _publish(self, snapshot: EngineStats) -> None:
         with self._published:
