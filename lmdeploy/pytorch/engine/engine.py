@@ -27,7 +27,7 @@ from ..paging.scheduler import Scheduler
 from ..paging.scheduler_output import SequenceUpdate
 from .agent_setup import build_engine_agent, free_memory, load_model, make_agent_spec, rank0_device, start_workers
 from .cache_sizing import make_cache_config, session_len
-from .engine_stats import EngineStats, collect_stats
+from .engine_stats import EngineStats, StepBatch, collect_stats
 from .engine_step import EngineStep
 from .inputs_maker import InputsMaker
 from .request import EngineOutput, OutputCallback
@@ -124,6 +124,7 @@ class Engine(EngineStep):
         self._fatal: str | None = None
         self.last_step_idle = False
         self._init_async_state()
+        self._batch = StepBatch()  # the running step's forward (its stats record's `batch`)
         self._snapshot = self._make_stats(0)
 
     def close(self) -> None:
@@ -239,6 +240,7 @@ class Engine(EngineStep):
                 self._steps_begun += 1
                 step = self._steps_begun
             self._stepping_thread = threading.get_ident()
+            self._batch = StepBatch()
             try:
                 return self._step()
             finally:
@@ -314,7 +316,7 @@ class Engine(EngineStep):
     # ---- statistics ---------------------------------------------------------------------------------------------
     def _make_stats(self, step: int) -> EngineStats:
         return collect_stats(step, self.scheduler, self.cache_config, self.agent.vision_cache, self.routes,
-                             self.speculative.stats if self.speculative is not None else None)
+                             self.speculative.stats if self.speculative is not None else None, self._batch)
 
     def _publish(self, snapshot: EngineStats) -> None:
         with self._published:

@@ -6,10 +6,10 @@ Synchronous order: make inputs -> forward -> update -> deliver -> commit -> copy
 are described in `paging/scheduler.py`). Tokens and stops are delivered before the bookkeeping the next step needs.
 
 `EngineStep` is a base of `Engine` (`engine.py`) and owns only the in-flight step (`_inflight`,
-`num_overlapped_steps`); it uses the engine's parts (scheduler, agent, inputs maker, routes recorder, speculative
-step, per-request generators and collected logits) and its request outputs (`_deliver`, `_fail`,
-`_finish_output`, `_error_output`, `_update_output`, `_reject`, `_deliver_all`, `_forget`). It never builds or
-closes any of them.
+`num_overlapped_steps`); it names the step's forward in `_batch` (for its stats record). It uses the engine's parts
+(scheduler, agent, inputs maker, routes recorder, speculative step, per-request generators and collected logits)
+and its request outputs (`_deliver`, `_fail`, `_finish_output`, `_error_output`, `_update_output`, `_reject`,
+`_deliver_all`, `_forget`). It never builds or closes any of them.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 from ..messages import SchedulerSequence
 from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput
 from .async_scheduling import LaunchedStep, build_feed, is_deferrable, needs_host_tokens
+from .engine_stats import step_batch
 from .inputs_maker import drop_sampled_rows, make_sampling_inputs
 from .request import EngineOutput
 from .spec_step import SpecForwardResult
@@ -54,6 +55,7 @@ class EngineStep:
         if self._inflight is not None and not self.scheduler.can_schedule_ahead():
             outputs += self._settle(self._take_inflight())  # no room to schedule without preempting pending tokens
         sched = self.scheduler.schedule()
+        self._batch = step_batch(sched)
         for seq, error in sched.rejected:  # faults while scheduling fail their own requests
             logger.error('request %d: %s', seq.seq_id, error)
             out = self._error_output(seq, error)
