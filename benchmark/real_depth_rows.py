@@ -17,7 +17,9 @@ steps launched while another was in flight, `steps` in a fully overlapped window
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 from bench_harness import HF, Bench, Rec, engine_run, make_prompt, record_into, seed_of
@@ -50,13 +52,15 @@ def check_decode_window(batches: list, batch: int) -> None:
                            f'{b.num_tokens} tokens')
 
 
-def _decode_window(bench: Bench, engine, batch: int, prompt_len: int, steps: int, seed: int, vocab: int) -> dict:
-    """One decode window (module docstring); the requests are aborted after it and the engine left idle."""
+def decode_window(bench: Bench, engine, batch: int, prompt_len: int, steps: int, seed: int, vocab: int,
+                  around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict:
+    """One decode window (module docstring), its steps and both synchronisations inside `around()` (a profiler);
+    the requests are aborted after it and the engine left idle."""
     from lmdeploy.pytorch.messages import SamplingParams
     a = bench.args
     # more than the window needs: the prefills (at most 2 x batch x prompt / budget steps) stagger the first tokens
     stagger = 2 * -(-batch * prompt_len // a.max_prefill_token_num) + 2
-    new = min(a.session_len - prompt_len, SETTLE + steps + stagger + 2)
+    new = min(engine.session_len - prompt_len, SETTLE + steps + stagger + 2)
     params = SamplingParams(max_new_tokens=new, min_new_tokens=new, temperature=0.0, stop_token_ids=())
     recs = [Rec() for _ in range(batch)]
     ids = [engine.add_request(make_prompt(prompt_len, seed * 1000 + i, vocab), params, record_into(rec))
@@ -67,15 +71,16 @@ def _decode_window(bench: Bench, engine, batch: int, prompt_len: int, steps: int
             engine.step()
         for _ in range(SETTLE):
             engine.step()
-        bench.sync()
-        batches = [engine.stats_snapshot.batch]
-        overlapped0, t0 = engine.num_overlapped_steps, time.perf_counter()
-        delivered0 = sum(len(r.times) for r in recs)
-        for _ in range(steps):
-            engine.step()
-            batches.append(engine.stats_snapshot.batch)
-        bench.sync()
-        elapsed = time.perf_counter() - t0
+        with around():
+            bench.sync()
+            batches = [engine.stats_snapshot.batch]
+            overlapped0, t0 = engine.num_overlapped_steps, time.perf_counter()
+            delivered0 = sum(len(r.times) for r in recs)
+            for _ in range(steps):
+                engine.step()
+                batches.append(engine.stats_snapshot.batch)
+            bench.sync()
+            elapsed = time.perf_counter() - t0
         delivered = sum(len(r.times) for r in recs) - delivered0
         overlapped = engine.num_overlapped_steps - overlapped0
     finally:
@@ -95,8 +100,8 @@ def _decode_window(bench: Bench, engine, batch: int, prompt_len: int, steps: int
 def engine_decode(bench: Bench, engine, batch: int, vocab: int) -> dict:
     """tokens/s over `--decode-steps` engine steps once every request has its first token (prefill excluded)."""
     a = bench.args
-    _decode_window(bench, engine, batch, min(64, a.decode_prompt_len), 3, seed_of('decode', batch, -1), vocab)
-    res = _decode_window(bench, engine, batch, a.decode_prompt_len, a.decode_steps, seed_of('decode', batch, 0),
+    decode_window(bench, engine, batch, min(64, a.decode_prompt_len), 3, seed_of('decode', batch, -1), vocab)
+    res = decode_window(bench, engine, batch, a.decode_prompt_len, a.decode_steps, seed_of('decode', batch, 0),
                          vocab)
     res['async_scheduling'] = bool(engine.async_scheduling)
     return res
