@@ -201,6 +201,7 @@ def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
     ref_pool = ref_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
     ref = ref_conv.causal_conv1d(x, weight, bias, ref_pool, state_ids, is_fresh, cu_seqlens, activation)
 
+    start_backing = backing.clone()  # on the CPU `.to(device)` is the same tensor, which the call updates
     dev_backing = backing.to(device)
     dev_pool = dev_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
     def to(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -212,6 +213,26 @@ def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
     assert torch.isfinite(out).all()
     assert_close(out, ref, what='conv out', **tol(dtype, fp32=1e-5))
     compare_pools(dev_backing, ref_backing, pool, slots, atol=0, rtol=0)  # states are copies of inputs
+    check_conv_planes(case, x, weight, bias, start_backing, pool, state_ids, is_fresh, cu_seqlens, activation, out,
+                      dev_backing, device)
+
+
+def check_conv_planes(case: ConvCase, x, weight, bias, backing, pool, state_ids, is_fresh, cu_seqlens, activation,
+                      out, want_backing, device: str) -> None:
+    """With `out_splits` (three groups whose bounds fall inside the kernel's channel blocks), each group is a
+    contiguous tensor holding exactly the plain output's columns, and the pool ends as after the plain call."""
+    third = case.channels // 3
+    splits = (third, third, case.channels - 2 * third)
+    plane_backing = backing.to(device)
+    plane_pool = plane_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
+    planes = cuda_conv.causal_conv1d(x.to(device), weight.to(device), None if bias is None else bias.to(device),
+                                     plane_pool, state_ids.to(device), is_fresh.to(device), cu_seqlens.to(device),
+                                     activation, out_splits=splits)
+    assert len(planes) == 3
+    for plane, want in zip(planes, out.split(splits, dim=-1)):
+        assert plane.is_contiguous() and plane.shape == want.shape
+        torch.testing.assert_close(plane, want, rtol=0, atol=0)
+    torch.testing.assert_close(plane_backing, want_backing, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu

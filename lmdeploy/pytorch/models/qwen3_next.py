@@ -115,8 +115,7 @@ class GatedDeltaNet(nn.Module):
         states = ctx.state_caches[self.state_index]
         mixed_qkv, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.shard_sizes, dim=-1)
         b, a = self.in_proj_ba(x).split(self.in_proj_ba.shard_sizes, dim=-1)
-        mixed_qkv = self.conv1d(mixed_qkv, states['conv'], ctx.inputs)
-        q, k, v = mixed_qkv.split(self.qkv_sizes, dim=-1)
+        q, k, v = self.conv1d(mixed_qkv, states['conv'], ctx.inputs, out_splits=self.qkv_sizes)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))

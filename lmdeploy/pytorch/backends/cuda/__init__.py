@@ -164,9 +164,11 @@ def _conv_index(inputs, x: torch.Tensor) -> dict:
 
 
 def _build_causal_conv1d(**_kwargs):
-    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
+    def forward(x, weight, bias, conv_state, inputs, activation='silu', out_splits=None):
+        # out_splits: each channel group written as its own contiguous plane (no copy before fla's kernels)
         return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
-                                   inputs.cu_seqlens_q, activation=activation, **_conv_index(inputs, x))
+                                   inputs.cu_seqlens_q, activation=activation, out_splits=out_splits,
+                                   **_conv_index(inputs, x))
     return forward
 
 
