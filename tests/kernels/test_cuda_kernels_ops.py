@@ -70,6 +70,47 @@ def check_gated_rms_norm(shape, dtype, strided: bool, device: str) -> None:
     assert_close(out, ref, what='gated_rms_norm', **tol(dtype))
 
 
+def head_slice_copy(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """Same values [..., H, D], as the heads of a channel slice of a wider NaN-padded projection [..., pad + H * D +
+    pad] (gated DeltaNet's z): the rows of D are not evenly spaced, so they are not a [rows, D] view."""
+    width = x.shape[-2] * x.shape[-1]
+    wide = torch.full((*x.shape[:-2], width + 2 * pad), float('nan'), dtype=x.dtype, device=x.device)
+    wide[..., pad:pad + width] = x.flatten(-2)
+    return wide[..., pad:pad + width].unflatten(-1, x.shape[-2:])
+
+
+HEAD_SHAPES = [(3, 4, 128), (2, 3, 4096), (5, 2, 3, 16), (4, 1, 16)]
+
+
+def check_gated_rms_norm_head_slices(shape, dtype, device: str) -> None:
+    """x and gate as head slices of wider projections are read in place ([outer, inner, D], no copy)."""
+    gen = torch.Generator().manual_seed(2)
+    x, gate = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
+    weight = randn(shape[-1], gen=gen, dtype=dtype)
+    ref = ref_elementwise.gated_rms_norm(x, gate, weight, 1e-6)
+    x_dev, gate_dev = head_slice_copy(x.to(device), pad=5), head_slice_copy(gate.to(device))
+    if shape[-2] > 1:
+        rows, _, _, inner = cuda_norm._row_layout(gate_dev)
+        assert rows.data_ptr() == gate_dev.data_ptr() and inner == shape[-2], 'the gate was copied'
+    out = cuda_norm.gated_rms_norm(x_dev, gate_dev, weight.to(device), 1e-6)
+    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, ref, what='gated_rms_norm of head slices', **tol(dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('shape', HEAD_SHAPES, ids=norm_id)
+def test_gated_rms_norm_reads_head_slices_in_place_gpu(shape, dtype):
+    check_gated_rms_norm_head_slices(shape, dtype, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('shape', [HEAD_SHAPES[0], HEAD_SHAPES[2], HEAD_SHAPES[3]], ids=norm_id)
+def test_cpu_gated_rms_norm_head_slices(shape, dtype):
+    check_gated_rms_norm_head_slices(shape, dtype, 'cpu')
+
+
 @pytest.mark.gpu
 @DTYPES
 @pytest.mark.parametrize('zero_centered', [False, True], ids=['plain', 'zero_centered'])

@@ -1,7 +1,9 @@
 """Triton RMSNorm (plain, zero-centred, gated, residual-add); semantics of `backends/default/elementwise.py`.
 
 One program normalises one row of the last dimension in float32 and writes a new contiguous tensor of the input's
-shape and dtype. Leading dimensions are flattened into rows (copying only when they cannot be viewed as rows).
+shape and dtype. Leading dimensions are flattened into rows. x and the gate are read in place when their rows can
+be viewed as [rows, D], or as [outer, inner, D] (row r at outer r // inner, inner r % inner: per-head rows of a
+channel slice of a wider projection, such as gated DeltaNet's z); anything else is copied first.
 With a residual, the row is first `x + residual` rounded to the input dtype (what the unfused `x + residual` in
 that dtype produces); that sum is stored as the new residual and is what gets normalised.
 """
@@ -16,13 +18,15 @@ from .launch import fast_kernel
 
 @fast_kernel
 @triton.jit
-def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stride_gate, stride_res,
-                     stride_res_out, stride_out, dim, eps, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stride_x_inner, x_inner,
+                     stride_gate, stride_gate_inner, gate_inner, stride_res, stride_res_out, stride_out, dim, eps,
+                     ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    x_row = (row // x_inner) * stride_x + (row % x_inner) * stride_x_inner  # x_inner == 1: row * stride_x
+    x = tl.load(x_ptr + x_row + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
@@ -34,7 +38,8 @@ def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stri
         w = w + 1.0
     y = x * w
     if HAS_GATE:
-        gate = tl.load(gate_ptr + row * stride_gate + offs, mask=mask, other=0.0).to(tl.float32)
+        gate_row = (row // gate_inner) * stride_gate + (row % gate_inner) * stride_gate_inner
+        gate = tl.load(gate_ptr + gate_row + offs, mask=mask, other=0.0).to(tl.float32)
         y = y * gate * tl.sigmoid(gate)
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -43,6 +48,24 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [rows, D] with unit stride along D (a view when the layout allows)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(tensor, outer stride, inner stride, inner count): row r of x's [..., D] rows starts at element
+    (r // inner) * outer + (r % inner) * inner_stride of the tensor; inner is 1 for a plain [rows, D] view. Copies
+    only when neither [rows, D] nor [outer, inner, D] with unit stride along D is a view of x."""
+    if x.dim() >= 3 and x.stride(-1) == 1:
+        try:
+            rows = x.view(-1, x.shape[-1])
+        except RuntimeError:  # rows not evenly spaced: try [outer, inner, D]
+            try:
+                heads = x.view(-1, x.shape[-2], x.shape[-1])
+                return heads, heads.stride(0), heads.stride(1), heads.shape[1]
+            except RuntimeError:
+                rows = x.contiguous().view(-1, x.shape[-1])
+        return rows, rows.stride(0), 0, 1
+    rows = _as_rows(x)
+    return rows, rows.stride(0), 0, 1
 
 
 def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -54,15 +77,17 @@ def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, ep
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if x.numel() == 0:
         return out, res_out
-    x_rows = _as_rows(x)
-    gate_rows = _as_rows(gate) if gate is not None else x_rows
-    res_rows = _as_rows(residual) if residual is not None else x_rows
-    res_out_rows = res_out.view(-1, dim) if res_out is not None else x_rows
+    x_rows, stride_x, stride_x_inner, x_inner = _row_layout(x)
+    gate_rows, stride_gate, stride_gate_inner, gate_inner = \
+        _row_layout(gate) if gate is not None else (x_rows, stride_x, stride_x_inner, x_inner)
+    res_rows = _as_rows(residual) if residual is not None else out.view(-1, dim)
+    res_out_rows = res_out.view(-1, dim) if res_out is not None else out.view(-1, dim)
     out_rows = out.view(-1, dim)
     block = triton.next_power_of_2(dim)
-    _rms_norm_kernel[(x_rows.shape[0],)](
+    _rms_norm_kernel[(out_rows.shape[0],)](
         x_rows, gate_rows, res_rows, res_out_rows, weight if weight.stride(0) == 1 else weight.contiguous(),
-        out_rows, stride_x=x_rows.stride(0), stride_gate=gate_rows.stride(0), stride_res=res_rows.stride(0),
+        out_rows, stride_x=stride_x, stride_x_inner=stride_x_inner, x_inner=x_inner, stride_gate=stride_gate,
+        stride_gate_inner=stride_gate_inner, gate_inner=gate_inner, stride_res=res_rows.stride(0),
         stride_res_out=res_out_rows.stride(0), stride_out=out_rows.stride(0), dim=dim, eps=float(eps),
         ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
