@@ -144,15 +144,27 @@ class HybridDecoderLayer(nn.Module):
         self.mlp_reduce = AllReduce()
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        """The residual stream after this layer, from the one before it."""
+        out, residual = self.forward_residual(x, None, rotary, cos_sin, ctx)
+        return out + residual
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding, cos_sin,
+                         ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before the MLP): their sum is the stream after this layer. The stream
+        before the layer is `x`, or `x + residual` when a residual is given (the previous layer's pair), an add
+        that fuses into the input norm. The sums are those `forward` takes, in the same dtype: bit-identical."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual=residual)
         if self.layer_type == LINEAR_ATTENTION:
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, rotary, cos_sin, ctx)
-        h, x = self.post_attention_layernorm(self.mixer_reduce(h), residual=x)
+        h, residual = self.post_attention_layernorm(self.mixer_reduce(h), residual=residual)
         if self.moe_index is None:
-            return x + self.mlp_reduce(self.mlp(h))
-        return x + self.mlp_reduce(self.mlp(h, ctx.routes_of(self.moe_index)))
+            return self.mlp_reduce(self.mlp(h)), residual
+        return self.mlp_reduce(self.mlp(h, ctx.routes_of(self.moe_index))), residual
 
 
 class HybridModel(nn.Module):
@@ -186,9 +198,10 @@ class HybridModel(nn.Module):
             x = x.index_copy(0, inputs.mm_token_rows, inputs.mm_embeds.to(x.dtype))
         positions = inputs.position_ids if inputs.mrope_position_ids is None else inputs.mrope_position_ids
         cos_sin = self.rotary_emb.cos_sin(positions)
-        for layer in self.layers:
-            x = layer(x, self.rotary_emb, cos_sin, ctx)
-        return x
+        residual = None
+        for layer in self.layers:  # each layer's residual add runs inside the next layer's input norm
+            x, residual = layer.forward_residual(x, residual, self.rotary_emb, cos_sin, ctx)
+        return x if residual is None else x + residual
 
 
 class HybridForCausalLM(CausalLM):
