@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ModelConfig, StateSpec
 from ..model_inputs import StepContext
-from ..nn.activation import GatedMLP
+from ..nn.activation import GatedMLP, SigmoidGate
 from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
 from ..nn.linear import Embedding, Linear, MergedLinear
@@ -69,6 +69,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index)
+        self.output_gate = SigmoidGate()
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
         q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
@@ -77,7 +78,7 @@ class GatedAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         # q/k norm and rotary inside the attention op (the cuda backend fuses them with the KV fill)
         out = self.attn(q, k, v, ctx, cos_sin=cos_sin, qk_norm=qk_norm_of(self.q_norm, self.k_norm))
-        out = out * torch.sigmoid(gate)
+        out = self.output_gate(out, gate)
         return self.o_proj(out.flatten(-2))
 
 

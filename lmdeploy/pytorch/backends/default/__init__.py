@@ -114,6 +114,7 @@ _BUILDERS = {
     OpType.GatedRMSNorm: _const(elementwise.gated_rms_norm),
     OpType.ApplyRotary: _const(elementwise.apply_rotary),
     OpType.SiluAndMul: _const(elementwise.silu_and_mul),
+    OpType.SigmoidGateMul: _const(elementwise.sigmoid_gate_mul),
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
     OpType.GatedDeltaGating: _const(elementwise.gated_delta_gating),

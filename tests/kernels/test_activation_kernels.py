@@ -1,11 +1,12 @@
-"""The `cuda` backend's fused SiLU-and-mul (`kernels/cuda/silu_and_mul.py`) against torch's `F.silu(gate) * up`
-(`backends/default/elementwise.silu_and_mul`, what transformers' MLPs compute).
+"""The `cuda` backend's fused gated activations (`kernels/cuda/activation.py`) against torch's unfused pairs
+(`backends/default/elementwise.py`, what transformers computes): `silu_and_mul` (`F.silu(gate) * up`) and
+`sigmoid_gate_mul` (`x * torch.sigmoid(gate)`).
 
 Shapes on purpose: a single row, widths that are not a multiple of the kernel's block (one masked tail, and a
-tail in a second block), extra leading dimensions, zero rows, and rows inside a wider NaN-padded buffer (the
-padding must never be read). `@pytest.mark.gpu` tests run on CUDA in fp32 / bf16 / fp16, one of them inside a
-captured CUDA graph; `test_cpu_*` run on CPU tensors under the Triton interpreter in the subprocess
-`test_silu_and_mul_interpreted` starts.
+tail in a second block), extra leading dimensions, zero rows, rows inside a wider NaN-padded buffer (the padding
+must never be read), and gates that are per-head slices of a query projection, as in gated attention.
+`@pytest.mark.gpu` tests run on CUDA in fp32 / bf16 / fp16, one of them inside a captured CUDA graph; `test_cpu_*`
+run on CPU tensors under the Triton interpreter in the subprocess `test_activation_kernels_interpreted` starts.
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from kernel_inputs import randn, strided_copy
 from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
-from lmdeploy.pytorch.kernels.cuda import silu_and_mul as cuda_act
+from lmdeploy.pytorch.kernels.cuda import activation as cuda_act
 
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
-interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_silu_and_mul_interpreted')
+interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_activation_kernels_interpreted')
+
+# --------------------------------------------------------------------------------------------- SiLU and mul
 
 # (leading dims..., d): the input is [..., 2d]
 SHAPES = [(1, 7), (5, 33), (3, 4, 128), (0, 16), (2, 1100), (9, 1024)]
@@ -39,6 +42,14 @@ def act_tol(dtype: torch.dtype, device: str) -> dict:
     return {'atol': 1e-5, 'rtol': (2 if device == 'cuda' else 3) * torch.finfo(dtype).eps}
 
 
+def assert_mostly_bit_identical(out: torch.Tensor, ref: torch.Tensor, device: str) -> None:
+    """Compiled, both roundings are to nearest even like torch's: a float32 ulp of exp / division moves one only
+    where the exact value sits next to a rounding boundary, so almost every element is bit-identical."""
+    if device == 'cuda' and ref.dtype != torch.float32 and ref.numel() > 1000:
+        mismatch = (out.cpu() != ref).float().mean().item()
+        assert mismatch < 0.01, f'{mismatch:.2%} of the elements differ from torch'
+
+
 def check_silu_and_mul(shape, dtype, is_strided: bool, device: str) -> None:
     *lead, width = shape
     x = randn(*lead, 2 * width, gen=torch.Generator().manual_seed(width), dtype=dtype) * 4
@@ -49,11 +60,7 @@ def check_silu_and_mul(shape, dtype, is_strided: bool, device: str) -> None:
     out = cuda_act.silu_and_mul(x_dev)
     assert out.shape == (*lead, width) and out.dtype == dtype and out.is_contiguous()
     assert_close(out, ref, what=f'silu_and_mul {shape}', **act_tol(dtype, device))
-    if device == 'cuda' and dtype != torch.float32 and ref.numel() > 1000:
-        # Compiled, both roundings are to nearest even like torch's: a float32 ulp of exp / division moves one
-        # only where the exact value sits next to a rounding boundary, so almost every element is bit-identical.
-        mismatch = (out.cpu() != ref).float().mean().item()
-        assert mismatch < 0.01, f'{mismatch:.2%} of the elements differ from torch'
+    assert_mostly_bit_identical(out, ref, device)
 
 
 @pytest.mark.gpu
@@ -100,7 +107,51 @@ def test_cpu_silu_and_mul(shape, dtype):
     check_silu_and_mul(shape, dtype, is_strided=shape[0] % 2 == 1, device='cpu')
 
 
+# ------------------------------------------------------------------------------------------ sigmoid output gate
+
+# (leading dims..., H, D)
+GATE_SHAPES = [(1, 2, 16), (7, 4, 33), (0, 2, 16), (5, 16, 256), (3, 3, 100), (2, 3, 2, 8)]
+
+
+def check_sigmoid_gate_mul(shape, dtype, device: str) -> None:
+    """x contiguous (an attention output), gate the second half of each head of a [.., H, 2D] projection."""
+    *lead, num_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(head_dim)
+    x = randn(*lead, num_heads, head_dim, gen=gen, dtype=dtype) * 2
+    q_gate = randn(*lead, num_heads * 2 * head_dim, gen=gen, dtype=dtype) * 4
+    gate = q_gate.unflatten(-1, (num_heads, 2 * head_dim)).chunk(2, dim=-1)[1]
+    ref = ref_elementwise.sigmoid_gate_mul(x, gate)
+    out = cuda_act.sigmoid_gate_mul(x.to(device), q_gate.to(device).unflatten(
+        -1, (num_heads, 2 * head_dim)).chunk(2, dim=-1)[1])
+    assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, ref, what=f'sigmoid_gate_mul {shape}', **act_tol(dtype, device))
+    assert_mostly_bit_identical(out, ref, device)
+
+
+@pytest.mark.gpu
+@ALL_DTYPES
+@pytest.mark.parametrize('shape', GATE_SHAPES, ids=lambda s: 'x'.join(map(str, s)))
+def test_sigmoid_gate_mul_matches_torch_gpu(shape, dtype):
+    check_sigmoid_gate_mul(shape, dtype, 'cuda')
+
+
+@interpreted
+@ALL_DTYPES
+@pytest.mark.parametrize('shape', [GATE_SHAPES[i] for i in (0, 1, 2, 4, 5)], ids=lambda s: 'x'.join(map(str, s)))
+def test_cpu_sigmoid_gate_mul(shape, dtype):
+    check_sigmoid_gate_mul(shape, dtype, 'cpu')
+
+
+def test_cuda_backend_dispatches_sigmoid_gate_mul_to_the_kernel():
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    from lmdeploy.pytorch.backends.base import OpType
+    expected = cuda_act.sigmoid_gate_mul if cuda_backend._FUSED_OPS else ref_elementwise.sigmoid_gate_mul
+    assert cuda_backend.BACKEND.build(OpType.SigmoidGateMul) is expected
+
+
+# ------------------------------------------------------------------------------------------------ interpreter
+
 @pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
-def test_silu_and_mul_interpreted():
+def test_activation_kernels_interpreted():
     """Run the `test_cpu_*` tests in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported)."""
     run_cpu_tests_interpreted(__file__)
