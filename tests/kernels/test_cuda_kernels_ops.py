@@ -79,7 +79,7 @@ def head_slice_copy(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
     return wide[..., pad:pad + width].unflatten(-1, x.shape[-2:])
 
 
-HEAD_SHAPES = [(3, 4, 128), (2, 3, 4096), (5, 2, 3, 16), (4, 1, 16)]
+HEAD_SHAPES = [(3, 4, 128), (2, 3, 4096), (5, 2, 3, 16), (4, 1, 16), (37, 4, 128)]  # 148 rows: 10 programs of 16
 
 
 def check_gated_rms_norm_head_slices(shape, dtype, device: str) -> None:
@@ -106,7 +106,7 @@ def test_gated_rms_norm_reads_head_slices_in_place_gpu(shape, dtype):
 
 @interpreted
 @DTYPES
-@pytest.mark.parametrize('shape', [HEAD_SHAPES[0], HEAD_SHAPES[2], HEAD_SHAPES[3]], ids=norm_id)
+@pytest.mark.parametrize('shape', [HEAD_SHAPES[i] for i in (0, 2, 3, 4)], ids=norm_id)
 def test_cpu_gated_rms_norm_head_slices(shape, dtype):
     check_gated_rms_norm_head_slices(shape, dtype, 'cpu')
 
