@@ -243,6 +243,10 @@ def engine_suffix_ttft(bench: Bench, engine, prefix_len: int, vocab: int) -> dic
     return {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'num_cached': cached, 'first_tokens': tokens}
 
 
+def engine_warmup(bench: Bench, engine, vocab: int) -> None:
+    """One request, then four at once (64-token prompts, 4 new tokens): the paths every row runs compile here."""
+    engine_run(bench, engine, [make_prompt(64, 7, vocab)], 4)
+    engine_run(bench, engine, [make_prompt(64, 8 + i, vocab) for i in range(4)], 4)
 
 
 # transformers
@@ -310,5 +314,28 @@ def hf_suffix_ttft(hf: HF, prefix_len: int, vocab: int) -> dict:
     if check is not None:
         res['cache_matches_full_forward'] = check
     return res
+
+
+def in_inference_mode(fn: Callable[..., dict], *args) -> dict:
+    with torch.inference_mode():
+        return fn(*args)
+
+
+def measure_cold(bench: Bench, tag: str, engine, hf: HF | None, size: int, vocab: int) -> None:
+    """Cold TTFT of `size` tokens: `{tag}.cold.{size}` on the engine, then `hf.cold.{size}` on transformers (either
+    None: that row is not run)."""
+    if engine is not None:
+        bench.measure(f'{tag}.cold.{size}', lambda: engine_cold_ttft(bench, engine, size, vocab))
+    if hf is not None:
+        bench.measure(f'hf.cold.{size}', lambda: in_inference_mode(hf_cold_ttft, hf, size, vocab))
+
+
+def measure_suffix(bench: Bench, tag: str, engine, hf: HF | None, prefix_len: int, vocab: int) -> None:
+    """TTFT of the suffix after a cached `prefix_len`-token prefix: `{tag}.suffix.{n}` on the engine, then
+    `hf.suffix.{n}` on transformers' own cache (either None: that row is not run)."""
+    if engine is not None:
+        bench.measure(f'{tag}.suffix.{prefix_len}', lambda: engine_suffix_ttft(bench, engine, prefix_len, vocab))
+    if hf is not None:
+        bench.measure(f'hf.suffix.{prefix_len}', lambda: in_inference_mode(hf_suffix_ttft, hf, prefix_len, vocab))
 
 

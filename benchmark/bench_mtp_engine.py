@@ -123,6 +123,8 @@ def bench_batch(path, device, dtype, batch, context, new_tokens, k, vocab, eager
         agent = spec.agent
         row['verify_graph_replays'] = agent.verify_graphs.num_replays
         row['head_graph_replays'] = agent.head_graphs.runner.num_replays
+        # the greedy chain in one graph (LMDEPLOY_SPEC_CHAIN_GRAPH, default on): one replay per drafting step
+        row['chain_graph_replays'] = agent.chain_graphs.num_replays if agent.chain_graphs is not None else 0
     del spec
     if eager and graphs:
         plain = make_engine(path, device, dtype, batch, context, new_tokens, 0, eager=True)
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     k = args.draft_tokens
     began = time.perf_counter()
     print(f'bench_mtp_engine: commit={commit()} device={device} dtype={dtype} shape={"smoke" if smoke else args.shape} '
-          f'layers={layers} K={k}', flush=True)
+          f'layers={layers} K={k} LMDEPLOY_SPEC_CHAIN_GRAPH={os.environ.get("LMDEPLOY_SPEC_CHAIN_GRAPH", "1")}',
+          flush=True)
     with tempfile.TemporaryDirectory() as path:
         write_config(path, layers, shape)
         rows = [bench_batch(path, device, dtype, b, context, new_tokens, k, shape['vocab_size'], args.eager)

@@ -22,9 +22,11 @@ Order (a `--time-budget` skips what would start after it; `--out` is rewritten a
      prefix (engine: the prefix request first, then prefix + suffix timed; transformers: the suffix forward on its
      own cache of the prefix), cold TTFT with the cache on;
   2. engine, prefix caching off (the first engine freed first): cold TTFT (transformers: one forward,
-     `logits_to_keep=1`, + argmax), decode tokens/s at batch 1 / 32 / 128 timed without the prefill (engine: the
-     steps after every request has its first token; transformers: its forward loop on its cache), and the
-     continuous-batching run (`real_depth_serving.py`: throughput, TTFT / ITL percentiles, device busy share).
+     `logits_to_keep=1`, + argmax), decode tokens/s at batch 1 / 32 / 128 timed without the prefill (engine: a
+     window of steps after every request has its first token, each step's forward checked a decode batch of the
+     whole batch by the engine's per-step record, async scheduling or not: `real_depth_rows.py`; transformers: its
+     forward loop on its cache), and the continuous-batching run (`real_depth_serving.py`: throughput, TTFT / ITL
+     percentiles, device busy share).
 TTFT rows: median of `--reps` after one untimed repetition, wall clock with the device synchronised.
 
     python benchmark/bench_real_depth.py --shape qwen3.5-9b --out /tmp/real_depth_9b.md
@@ -53,20 +55,15 @@ import bench_shapes  # noqa: E402
 from bench_harness import (  # noqa: E402 - the shared helpers beside this script
     HF,
     Bench,
-    Rec,
     collect_env,
-    engine_cold_ttft,
-    engine_run,
-    engine_suffix_ttft,
-    hf_cold_ttft,
-    hf_suffix_ttft,
+    engine_warmup,
     make_prompt,
-    record_into,
-    seed_of,
+    measure_cold,
+    measure_suffix,
 )
 from real_depth_floors import DeviceRates, ModelCost, measure_device, model_cost  # noqa: E402
 from real_depth_report import render_report  # noqa: E402
-from real_depth_serving import poisson_workload, run_continuous  # noqa: E402
+from real_depth_rows import continuous, engine_decode, first_vs_later, hf_decode  # noqa: E402
 
 # shape -> (transformers config class, causal-LM class, release expert count)
 SHAPES = {
@@ -136,91 +133,6 @@ def build_engine(bench: Bench, folder: str, prefix_caching: bool):
               f'{engine.cache_config.num_blocks} KV blocks of {engine.cache_config.block_size}, '
               f'{engine.cache_config.num_state_slots} state rows, session_len {engine.session_len}')
     return engine, startup
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# measurements
-# ----------------------------------------------------------------------------------------------------------------
-def first_vs_later(bench: Bench, engine, startup_s: float, vocab: int) -> dict:
-    """The first request after start-up against a later one of the same length (different tokens)."""
-    n, new = bench.args.first_request_len, 8
-    out = {'startup_s': startup_s, 'prompt_len': n, 'new_tokens': new}
-    for name, seed in (('first', 11), ('later', 12), ('later2', 13)):
-        t0, (rec,) = engine_run(bench, engine, [make_prompt(n, seed, vocab)], new)
-        out[f'{name}_ms'] = (rec.end - t0) * 1e3
-        out[f'{name}_ttft_ms'] = (rec.first - t0) * 1e3
-    out['later_ms'] = min(out['later_ms'], out.pop('later2_ms'))
-    out['later_ttft_ms'] = min(out['later_ttft_ms'], out.pop('later2_ttft_ms'))
-    return out
-
-
-def engine_decode(bench: Bench, engine, batch: int, vocab: int) -> dict:
-    """tokens/s over `--decode-steps` engine steps once every request has its first token (prefill excluded)."""
-    from lmdeploy.pytorch.messages import SamplingParams
-    a = bench.args
-    settle = 2
-
-    def run(prompt_len: int, steps: int, seed: int) -> tuple[float, int]:
-        new = settle + steps + 2
-        params = SamplingParams(max_new_tokens=new, min_new_tokens=new, temperature=0.0, stop_token_ids=())
-        recs = [Rec() for _ in range(batch)]
-        for i, rec in enumerate(recs):
-            engine.add_request(make_prompt(prompt_len, seed * 1000 + i, vocab), params, record_into(rec))
-        deadline = time.perf_counter() + a.request_timeout
-        while any(r.first is None for r in recs) and time.perf_counter() < deadline:
-            engine.step()
-        for _ in range(settle):
-            engine.step()
-        bench.sync()
-        t0, n0 = time.perf_counter(), sum(len(r.times) for r in recs)
-        for _ in range(steps):
-            engine.step()
-        bench.sync()
-        elapsed, tokens = time.perf_counter() - t0, sum(len(r.times) for r in recs) - n0
-        engine.run_until_idle()
-        errors = [r.error for r in recs if r.error]
-        if errors:
-            raise RuntimeError(f'{len(errors)} request(s) failed: {errors[0]}')
-        return elapsed, tokens
-
-    run(min(64, a.decode_prompt_len), 3, seed_of('decode', batch, -1))  # warm-up at this batch size
-    elapsed, tokens = run(a.decode_prompt_len, a.decode_steps, seed_of('decode', batch, 0))
-    if tokens != batch * a.decode_steps:
-        raise RuntimeError(f'{tokens} tokens in {a.decode_steps} steps at batch {batch}: not one decode batch')
-    return {'decode_tok_s': tokens / elapsed, 'step_ms': elapsed / a.decode_steps * 1e3}
-
-
-def hf_decode(hf: HF, batch: int, vocab: int) -> dict:
-    """tokens/s of transformers' forward loop on its own cache (greedy argmax fed back; prefill excluded)."""
-    a = hf.bench.args
-
-    def run(prompt_len: int, steps: int, seed: int) -> float:
-        ids = hf.ids([make_prompt(prompt_len, seed * 1000 + i, vocab) for i in range(batch)])
-        tokens, cache = hf.forward(ids)
-        for _ in range(2):
-            tokens, cache = hf.forward(tokens[:, None], cache)
-        hf.bench.sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tokens, cache = hf.forward(tokens[:, None], cache)
-        hf.bench.sync()
-        return time.perf_counter() - t0
-
-    with torch.inference_mode():
-        run(min(64, a.decode_prompt_len), 2, seed_of('decode', batch, -1))
-        elapsed = run(a.decode_prompt_len, a.decode_steps, seed_of('decode', batch, 0))
-    return {'decode_tok_s': batch * a.decode_steps / elapsed, 'step_ms': elapsed / a.decode_steps * 1e3}
-
-
-def continuous(bench: Bench, engine, vocab: int) -> dict:
-    a = bench.args
-    work = poisson_workload(a.cb_requests, a.cb_rate, tuple(a.cb_prompt_len), tuple(a.cb_output_len), vocab, seed=5)
-    return run_continuous(bench, engine, work)
-
-
-def _inference(fn, *args) -> dict:
-    with torch.inference_mode():
-        return fn(*args)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,21 +217,16 @@ def phase_rows(bench: RealDepthBench, engine, hf: HF | None, tag: str, startup_s
     a, rows = bench.args, bench.args.rows
     if startup_s is not None and 'startup' in rows:
         bench.measure('engine.startup', lambda: first_vs_later(bench, engine, startup_s, vocab))
-    engine_run(bench, engine, [make_prompt(64, 7, vocab)], 4)  # warm-up
-    engine_run(bench, engine, [make_prompt(64, 8 + i, vocab) for i in range(4)], 4)
+    engine_warmup(bench, engine, vocab)
     if hf is not None and not getattr(hf, 'warmed', False):
         with torch.inference_mode():
             hf.timed_forward(hf.ids([make_prompt(64, 7, vocab)]))
         hf.warmed = True
     cache_on = tag == 'engine_pc_on'
     for n in a.prefix_sizes if cache_on and 'suffix' in rows else []:
-        bench.measure(f'{tag}.suffix.{n}', lambda n=n: engine_suffix_ttft(bench, engine, n, vocab))
-        if hf is not None:
-            bench.measure(f'hf.suffix.{n}', lambda n=n: _inference(hf_suffix_ttft, hf, n, vocab))
+        measure_suffix(bench, tag, engine, hf, n, vocab)
     for n in a.cold_sizes if 'cold' in rows else []:
-        bench.measure(f'{tag}.cold.{n}', lambda n=n: engine_cold_ttft(bench, engine, n, vocab))
-        if hf is not None and not cache_on:
-            bench.measure(f'hf.cold.{n}', lambda n=n: _inference(hf_cold_ttft, hf, n, vocab))
+        measure_cold(bench, tag, engine, None if cache_on else hf, n, vocab)
     if cache_on:
         return
     for b in a.decode_batches if 'decode' in rows else []:

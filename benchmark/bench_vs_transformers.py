@@ -43,7 +43,6 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Callable
 
 import torch
 
@@ -52,12 +51,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_harness import (  # noqa: E402 - the shared helpers beside this script
     HF,
     collect_env,
-    engine_cold_ttft,
     engine_run,
-    engine_suffix_ttft,
-    hf_cold_ttft,
-    hf_suffix_ttft,
+    engine_warmup,
+    in_inference_mode,
     make_prompt,
+    measure_cold,
+    measure_suffix,
     median,
     seed_of,
 )
@@ -152,11 +151,6 @@ def build_engine(bench: Bench, prefix_caching: bool):
     bench.log(f'engine (prefix caching {"on" if prefix_caching else "off"}) built in {time.perf_counter() - t:.1f}s: '
               f'{engine.cache_config.num_blocks} KV blocks, session_len {engine.session_len}')
     return engine
-
-
-def engine_warmup(bench: Bench, engine, vocab: int) -> None:
-    engine_run(bench, engine, [make_prompt(64, 7, vocab)], 4)
-    engine_run(bench, engine, [make_prompt(64, 8 + i, vocab) for i in range(4)], 4)
 
 
 def engine_decode(bench: Bench, engine, batch: int, vocab: int) -> dict:
@@ -284,11 +278,6 @@ def prepare_engine(bench: Bench, prefix_caching: bool, vocab: int):
         return None
 
 
-def _in_inference_mode(fn: Callable[..., dict], *args) -> dict:
-    with torch.inference_mode():
-        return fn(*args)
-
-
 def run_all(bench: Bench, hf_model, vocab: int, dtype: torch.dtype) -> None:
     """Pairs first: each measurement runs on the engine and right after on transformers (both resident), so a
     time budget or a timeout cuts whole comparisons, not one system. Priority: decode, cold TTFT, suffix TTFT."""
@@ -303,25 +292,18 @@ def run_all(bench: Bench, hf_model, vocab: int, dtype: torch.dtype) -> None:
         if engine is not None:
             bench.measure(f'engine_pc_off.decode.{b}', lambda b=b: engine_decode(bench, engine, b, vocab))
         if hf is not None:
-            bench.measure(f'hf.decode.{b}', lambda b=b: _in_inference_mode(hf_decode, hf, b, vocab))
+            bench.measure(f'hf.decode.{b}', lambda b=b: in_inference_mode(hf_decode, hf, b, vocab))
     for n in a.cold_sizes:
-        if engine is not None:
-            bench.measure(f'engine_pc_off.cold.{n}', lambda n=n: engine_cold_ttft(bench, engine, n, vocab))
-        if hf is not None:
-            bench.measure(f'hf.cold.{n}', lambda n=n: _in_inference_mode(hf_cold_ttft, hf, n, vocab))
+        measure_cold(bench, 'engine_pc_off', engine, hf, n, vocab)
     engine = None  # free the first KV pool before the second engine sizes its own
     bench.free()
 
     # phase 2: engine with prefix caching on (cold TTFT, cached-prefix suffix TTFT), transformers suffix TTFT
     engine = prepare_engine(bench, True, vocab) if use_engine else None
     for n in a.cold_sizes:
-        if engine is not None:
-            bench.measure(f'engine_pc_on.cold.{n}', lambda n=n: engine_cold_ttft(bench, engine, n, vocab))
+        measure_cold(bench, 'engine_pc_on', engine, None, n, vocab)
     for n in a.prefix_sizes:
-        if engine is not None:
-            bench.measure(f'engine_pc_on.suffix.{n}', lambda n=n: engine_suffix_ttft(bench, engine, n, vocab))
-        if hf is not None:
-            bench.measure(f'hf.suffix.{n}', lambda n=n: _in_inference_mode(hf_suffix_ttft, hf, n, vocab))
+        measure_suffix(bench, 'engine_pc_on', engine, hf, n, vocab)
     if engine is not None:
         with contextlib.suppress(Exception):
             bench.log(f'engine_pc_on prefix-cache stats: {engine.stats}')

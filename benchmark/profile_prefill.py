@@ -1,6 +1,6 @@
 """Where one cold long prefill spends its time: a real-depth model with dummy weights (`--shape`, the shapes of
 `bench_real_depth.py`), one cold `--tokens`-token prompt (the engine's forwards of `max_prefill_token_num` tokens)
-under `torch.profiler`, and a breakdown of the device kernels:
+under `torch.profiler`, and a breakdown of the device kernels (`kernel_profile.py`):
 - the top `--top` kernels by total device time (calls, total ms, share of the profiled wall time);
 - the same time by category (GEMM, gated delta rule, conv, attention, MoE, norm / rotary, copies, other) and the
   share of wall time the device was busy at all.
@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 import time
-from collections import defaultdict
 
 import torch
 
@@ -28,59 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_harness import Bench, engine_run, make_prompt  # noqa: E402
 from bench_real_depth import SHAPES, make_config  # noqa: E402
-
-# (category, pattern over the lower-cased kernel name), first match wins
-CATEGORIES = [
-    ('attention', r'prefill_kernel|merge_kernel|decode_split|decode_merge|flash|fmha|attention'),
-    ('gated delta rule', r'chunk_|gated_delta|delta_rule|recurrent|solve_tril|wy_fast|w_u|cumsum|kkt|l2norm'),
-    ('conv', r'conv'),
-    ('moe', r'moe|expert|topk|align'),
-    ('gemm', r'gemm|nvjet|xmma|cutlass|sm90|sm80|ampere|matmul|wgmma|cublas'),
-    ('activation', r'silu_and_mul|sigmoid_gate'),
-    ('norm / rotary / fill', r'norm|rotary|rope|fill_kv|gating'),
-    ('copy', r'copy|memcpy|memset|cat|index'),
-]
-
-
-def category(name: str) -> str:
-    low = name.lower()
-    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, low)), 'other')
-
-
-def device_time_us(evt) -> float:
-    for attr in ('self_device_time_total', 'self_cuda_time_total'):
-        if hasattr(evt, attr):
-            return float(getattr(evt, attr))
-    return 0.0
-
-
-def kernel_events(prof, on_cuda: bool) -> list[tuple[str, int, float]]:
-    """(name, calls, total us) of every device kernel (CPU ops by self time in a CPU run)."""
-    rows = []
-    for evt in prof.key_averages():
-        if on_cuda:
-            if evt.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = device_time_us(evt)
-        else:
-            us = float(evt.self_cpu_time_total)
-        if us > 0:
-            rows.append((evt.key, evt.count, us))
-    return sorted(rows, key=lambda r: -r[2])
-
-
-def print_breakdown(rows: list[tuple[str, int, float]], wall_ms: float, top: int) -> None:
-    busy_ms = sum(us for _, _, us in rows) / 1e3
-    print(f'\nprofiled wall {wall_ms:.1f} ms, device kernels {busy_ms:.1f} ms ({100 * busy_ms / wall_ms:.1f}% busy)')
-    print(f'\n{"kernel":80s} {"calls":>6s} {"total ms":>9s} {"% wall":>7s}  category')
-    for name, calls, us in rows[:top]:
-        print(f'{name[:80]:80s} {calls:6d} {us / 1e3:9.2f} {100 * us / 1e3 / wall_ms:6.1f}%  {category(name)}')
-    by_cat: dict[str, float] = defaultdict(float)
-    for name, _, us in rows:
-        by_cat[category(name)] += us / 1e3
-    print(f'\n{"category":24s} {"total ms":>9s} {"% wall":>7s}')
-    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
-        print(f'{cat:24s} {ms:9.2f} {100 * ms / wall_ms:6.1f}%')
+from kernel_profile import kernel_events, print_breakdown  # noqa: E402
 
 
 def build_engine(args, folder: str):

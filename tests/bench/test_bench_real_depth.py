@@ -96,3 +96,52 @@ def test_isolated_phases_merge_both_engines_rows_into_one_report(bench, tmp_path
     assert {'engine_pc_on.cold.64', 'engine_pc_off.cold.64'} <= set(results)
     assert not [k for k, v in results.items() if 'error' in v]
     assert 'cold TTFT 64 tok, prefix cache on (ms)' in out.read_text() and 'copy ' in out.read_text()
+
+
+def test_decode_rows_time_full_decode_batches_with_and_without_async_scheduling(bench):
+    # batch 8 of 32-token prompts under a 128-token prefill budget: two prefill chunks stagger the first tokens by a
+    # step (the old "delivered == steps x batch" arithmetic failed here under async scheduling: 60 of 64)
+    summary = bench.main(['--smoke', '--rows', 'decode', '--systems', 'engine', '--phase', 'off', '--async-scheduling',
+                          '--compare-sync', '--decode-batches', '1', '8', '--decode-steps', '6'])
+    results = summary['results']
+    for key, overlapped in (('engine.decode.8', 6), ('engine_sync.decode.8', 0), ('engine.decode.1', 6)):
+        row = results[key]
+        assert 'error' not in row, row
+        batch = int(key.rsplit('.', 1)[1])
+        assert row['steps'] == 6 and row['delivered_tokens'] == 6 * batch
+        assert row['overlapped_steps'] == overlapped and row['async_scheduling'] == (overlapped > 0)
+        assert row['decode_tok_s'] == pytest.approx(batch * 1e3 / row['step_ms'])
+
+
+def test_decode_window_check_rejects_what_a_short_request_leaves_in_the_window(bench, tmp_path):
+    """The old row's requests (exactly settle + steps + 2 tokens) under async scheduling, stepped as the row steps:
+    the early prefill chunk's requests finish inside the window, the delivered tokens fall short of steps x batch,
+    and the check on the engine's per-step records rejects the window."""
+    rows = sys.modules['real_depth_rows']
+    from bench_harness import Rec, make_prompt, record_into
+
+    from lmdeploy.pytorch.messages import SamplingParams
+    args = bench.parse_args(['--smoke', '--async-scheduling'])
+    args.out = None
+    config, _, _ = bench.make_config(args)
+    config.save_pretrained(tmp_path)
+    engine, _ = bench.build_engine(bench.RealDepthBench(args), str(tmp_path), False)
+    batch, steps = 8, 6
+    new = rows.SETTLE + steps + 2
+    params = SamplingParams(max_new_tokens=new, min_new_tokens=new, temperature=0.0, stop_token_ids=())
+    recs = [Rec() for _ in range(batch)]
+    for i, rec in enumerate(recs):
+        engine.add_request(make_prompt(32, i, config.vocab_size), params, record_into(rec))
+    while any(r.first is None for r in recs):
+        engine.step()
+    for _ in range(rows.SETTLE):
+        engine.step()
+    window, delivered0 = [engine.stats_snapshot.batch], sum(len(r.times) for r in recs)
+    for _ in range(steps):
+        engine.step()
+        window.append(engine.stats_snapshot.batch)
+    assert sum(len(r.times) for r in recs) - delivered0 < steps * batch
+    with pytest.raises(RuntimeError, match='not one decode batch of 8'):
+        rows.check_decode_window(window, batch)
+    rows.check_decode_window(window[:2], batch)  # the window's start was still the whole batch decoding
+    engine.run_until_idle()

@@ -21,7 +21,9 @@ from mtp_reference import add_random_mtp_weights
 
 from lmdeploy import SpeculativeConfig
 from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
+from lmdeploy.pytorch.engine.spec_chain import DraftChainGraphs, build_chain_graphs
 from lmdeploy.pytorch.engine.spec_graphs import HeadGraphs, VerifyGraphRunner
+from lmdeploy.pytorch.engine.spec_inputs import plan_chain
 from lmdeploy.pytorch.messages import SamplingParams
 
 pytest.importorskip('transformers')
@@ -122,22 +124,27 @@ class _Recorder:
         return drafts
 
 
-def _through_static_buffers(engine):
+def _through_static_buffers(engine, chain: bool = True):
     """Give a CPU speculative engine the graph runners of a CUDA one, never capturing: every forward they support
-    runs eagerly on their padded static buffers. Returns call counters of the verify and head runners."""
+    runs eagerly on their padded static buffers (`chain=False`: no greedy-chain graph, as with
+    LMDEPLOY_SPEC_CHAIN_GRAPH=0). Returns call counters of the verify, head and chain runners."""
     agent, cfg = engine.agent, engine.model_config
     batch = engine.scheduler_config.max_batch_size
-    pages = -(-engine.session_len // engine.cache_config.kernel_block_size)
+    kbs = engine.cache_config.kernel_block_size
+    pages = -(-engine.session_len // kbs)
     dtype = getattr(torch, cfg.dtype)
     agent.verify_graphs = VerifyGraphRunner(agent.model.pre_norm_hidden, agent._context, batch, pages, K,
                                             agent.device)
     agent.head_graphs = HeadGraphs(agent.model, agent._context, batch, pages, K, cfg.hidden_size, dtype, agent.device)
+    agent.chain_graphs = DraftChainGraphs(agent.model, agent._context, batch, pages, K, cfg.hidden_size, dtype,
+                                          agent.device, kernel_block_size=kbs) if chain else None
     agent.graph_runner = CUDAGraphRunner(agent.model.pre_norm_hidden, agent._context, batch, pages, agent.device,
                                          max_prefill_tokens=64)
     for runner in (agent.head_graphs.runner, agent.graph_runner):
         _eager_on_static_buffers(runner)
     agent._graphs_pre_norm = True
-    return _Counted(agent.verify_graphs, 'run'), _Counted(agent.head_graphs.runner, 'run')
+    return (_Counted(agent.verify_graphs, 'run'), _Counted(agent.head_graphs.runner, 'run'),
+            _Counted(agent.chain_graphs, 'run') if chain else None)
 
 
 @pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next'])
@@ -148,15 +155,75 @@ def test_padded_static_buffers_give_plain_greedy_tokens_and_logits(mtp_model, na
     eager = make_engine(path, speculative_config=_spec())
     eager.speculative.set_draft_override(eager_drafts := _Recorder())
     assert _run(eager, prompts, _greedy(14)) == plain
+    for chain in (True, False):  # the greedy chain in one graph, and step by step through the head's graphs
+        engine = make_engine(path, speculative_config=_spec())
+        verify, head, chained = _through_static_buffers(engine, chain=chain)
+        engine.speculative.set_draft_override(drafts := _Recorder())
+        spec, spec_logits = _run(engine, prompts, _greedy(14), collect=True)
+        assert spec == plain
+        for got, want in zip(spec_logits, plain_logits):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+        assert drafts.proposals == eager_drafts.proposals  # the head through its static buffers drafts as eagerly
+        if chain:  # every step's drafts came from one chain run; the head's runner ran the catch-ups only
+            assert verify.calls > 0 and chained.calls >= verify.calls and head.calls > 0
+        else:
+            assert verify.calls > 0 and head.calls > verify.calls  # the catch-up and the chained drafts
+
+
+def test_greedy_chain_derives_the_rows_plan_chain_builds_on_the_host(mtp_model):
+    """The chain graph gets chained step 1's rows only; every later step's positions, KV slots and lengths (derived
+    on the device) equal `plan_chain`'s for that step, its tokens are the previous round's drafts, and padding rows
+    write no KV and read none."""
+    engine = make_engine(mtp_model(), speculative_config=_spec())
+    _through_static_buffers(engine)
+    spec, agent, maker = engine.speculative, engine.agent, engine.inputs_maker
+    planned, checked = [], []
+    chains_of, draft = spec._chains, agent.draft
+
+    def record(drafting, params):
+        planned.append(list(drafting))
+        return chains_of(drafting, params)
+
+    def check(*args, greedy_chain=False, **kw):
+        ids, probs = draft(*args, greedy_chain=greedy_chain, **kw)
+        if greedy_chain:
+            seqs, size = planned[-1], agent.chain_graphs.size_of(len(planned[-1]), 1)
+            for step in range(1, K):
+                want = plan_chain(seqs, step, maker.page_table, maker.kernel_block_size)
+                got = {name: t[:size].tolist() for name, t in agent.chain_graphs.steps[step - 1].items()}
+                pad = size - len(seqs)
+                assert got['position_ids'] == want.position_ids.tolist() + [0] * pad
+                assert got['slot_mapping'] == want.slot_mapping.tolist() + [-1] * pad
+                assert got['kv_lens'] == want.kv_lens.tolist() + [0] * pad
+                assert got['input_ids'] == [row[step - 1] for row in ids] + [0] * pad
+            checked.append(len(seqs))
+        return ids, probs
+    spec._chains, agent.draft = record, check
+    _run(engine, [_prompt(21, 0), _prompt(30, 3), _prompt(12, 4)], _greedy(10))  # 3 drafting rows pad to 4
+    assert 3 in checked
+
+
+def test_chain_graph_switch_and_sampled_drafts_take_the_step_by_step_chain(mtp_model, monkeypatch):
+    """`LMDEPLOY_SPEC_CHAIN_GRAPH=0` builds no chain graph; a step where a sampled request drafts runs the chain step
+    by step (it needs the head's distributions), and the greedy request beside it still decodes as plain."""
+    monkeypatch.setenv('LMDEPLOY_SPEC_CHAIN_GRAPH', '0')
+    assert build_chain_graphs(None, None, None, 4, 8, K, torch.device('cpu')) is None
+    monkeypatch.delenv('LMDEPLOY_SPEC_CHAIN_GRAPH')
+    path = mtp_model()
+    prompts = [_prompt(21, 0), _prompt(17, 5)]
+    (want,) = _run(make_engine(path), prompts[:1], _greedy(12))
     engine = make_engine(path, speculative_config=_spec())
-    verify, head = _through_static_buffers(engine)
-    engine.speculative.set_draft_override(drafts := _Recorder())
-    spec, spec_logits = _run(engine, prompts, _greedy(14), collect=True)
-    assert spec == plain
-    for got, want in zip(spec_logits, plain_logits):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
-    assert drafts.proposals == eager_drafts.proposals  # the head through its static buffers drafts as eagerly
-    assert verify.calls > 0 and head.calls > verify.calls  # the catch-up and the chained drafts
+    _, head, chained = _through_static_buffers(engine)
+    tokens = {}
+    ids = [engine.add_request(p, s, callback=lambda o: tokens.setdefault(o.seq_id, []).extend(o.new_token_ids))
+           for p, s in zip(prompts, (_greedy(12), SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20)))]
+    calls = []
+    while engine.has_work:
+        engine.step()
+        engine.check_integrity()
+        calls.append(chained.calls)
+    assert tokens[ids[0]] == want and len(tokens[ids[1]]) == 6
+    assert calls[2] == 0 and calls[-1] > 0  # mixed steps: step by step; once the sampled request ends: the graph
 
 
 def _states(engine, slot: int) -> list[torch.Tensor]:
@@ -183,7 +250,7 @@ def test_padded_verify_leaves_the_plain_decode_state_for_every_acceptance_count(
             drafts[j] = (drafts[j] + 1) % 500
         return drafts
     engine = make_engine(path, speculative_config=_spec())
-    verify, _ = _through_static_buffers(engine)
+    verify, _, _ = _through_static_buffers(engine)
     engine.speculative.set_draft_override(replay)
     advances = []
 
@@ -280,6 +347,26 @@ def test_graph_replay_of_speculative_steps_equals_eager_and_plain(mtp_model, nam
         torch.testing.assert_close(got, want, atol=10 * ATOL, rtol=10 * ATOL)
     agent = engine.agent
     assert agent.verify_graphs.num_replays > 0 and agent.head_graphs.runner.num_replays > 0
+    assert agent.chain_graphs.num_replays > 0
+
+
+@pytest.mark.gpu
+def test_greedy_chain_graph_drafts_as_the_step_by_step_chain(mtp_model, monkeypatch):
+    """The greedy chain in one replay proposes exactly the drafts of the step-by-step chain through the head's
+    graphs (LMDEPLOY_SPEC_CHAIN_GRAPH=0), at every step of every request, and both decode as plain decoding."""
+    path = mtp_model()
+    prompts = [_prompt(21, 0), _prompt(35, 1), _prompt(9, 2)]
+    plain = _run(make_engine(path, **_cuda()), prompts, _greedy(14))
+    runs = {}
+    for switch in ('0', '1'):
+        monkeypatch.setenv('LMDEPLOY_SPEC_CHAIN_GRAPH', switch)
+        engine = make_engine(path, speculative_config=_spec(), **_cuda())
+        engine.speculative.set_draft_override(drafts := _Recorder())
+        runs[switch] = (_run(engine, prompts, _greedy(14)), drafts.proposals, engine.agent.chain_graphs)
+    (off, off_drafts, off_graphs), (on, on_drafts, on_graphs) = runs['0'], runs['1']
+    assert off_graphs is None and on_graphs.num_replays > 0
+    assert on == off == plain
+    assert on_drafts == off_drafts
 
 
 @pytest.mark.gpu

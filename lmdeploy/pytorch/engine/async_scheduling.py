@@ -1,7 +1,7 @@
 """Async scheduling (vLLM's name; `PytorchEngineConfig.async_scheduling`): the host overlaps the device.
 
 Owns the device side of feeding one forward's sampled tokens to the next one, and the record of a forward still in
-flight. The engine's step with async scheduling on (`Engine._run_async`):
+flight. The engine's step with async scheduling on (`engine_step.py`, `Engine._run_async`):
 
     schedule step N+1 (step N still runs on the device; its tokens are pending) -> make inputs -> launch N+1, whose
     pieces that feed a pending token of N read it on the device (`TokenFeed`) -> settle N (wait for its tokens: a

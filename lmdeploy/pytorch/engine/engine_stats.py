@@ -36,6 +36,28 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class StepBatch:
+    """The forward one step scheduled (all zero: the step ran none). A decode piece belongs to a sequence whose
+    prompt is computed (it feeds sampled tokens only: one, plus its drafts with speculative decoding); every other
+    piece is a prefill chunk. With async scheduling this is the forward the step launched, whose tokens the next
+    step delivers."""
+    num_seqs: int = 0         # sequences in the forward
+    num_tokens: int = 0       # tokens they feed (drafts included)
+    num_decode_seqs: int = 0  # of the sequences, decode pieces
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.num_seqs > 0 and self.num_decode_seqs == self.num_seqs
+
+
+def step_batch(sched) -> StepBatch:
+    """The batch of a `SchedulerOutput`, read before the step advances its sequences (`num_computed` still the
+    position the piece starts at)."""
+    decode = sum(seq.num_computed >= seq.num_prompt_tokens for seq in sched.seqs)
+    return StepBatch(num_seqs=len(sched.seqs), num_tokens=sum(sched.num_new_tokens), num_decode_seqs=decode)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     step: int                               # steps completed when this was published (0: before the first)
     num_running: int                        # requests in the running batch
@@ -55,6 +77,8 @@ class EngineStats:
     routed_experts_cached_bytes: int | None = None
     # Speculative decoding's acceptance counters (None: speculation off).
     speculative: SpecDecodeStats | None = None
+    # The forward this step scheduled (not in `as_dict`).
+    batch: StepBatch = StepBatch()
 
     @property
     def kv_usage(self) -> float:
@@ -81,11 +105,12 @@ class EngineStats:
         return out
 
 
-def collect_stats(step: int, scheduler, cache_config, vision_cache, routes, speculative: SpecDecodeStats | None
-                  ) -> EngineStats:
+def collect_stats(step: int, scheduler, cache_config, vision_cache, routes, speculative: SpecDecodeStats | None,
+                  batch: StepBatch = StepBatch()) -> EngineStats:
     """The record of the engine after `step` steps: the scheduler's queues and pools, the prefix cache's snapshot,
     the state rows checkpoints may use (`checkpoint_capacity`: the state slots less 2 and less the running
-    sequences' rows), the vision cache's and the routed experts' figures where the engine has them."""
+    sequences' rows), the vision cache's and the routed experts' figures where the engine has them, and the
+    step's `batch`."""
     blocks, states = scheduler.block_manager, scheduler.state_manager
     rows = cache_config.num_state_slots if cache_config.prefix_cache is not None else 0
     running = sum(seq.state_slot is not None for seq in scheduler.running) if rows else 0
@@ -100,4 +125,4 @@ def collect_stats(step: int, scheduler, cache_config, vision_cache, routes, spec
                        checkpoint_capacity=rows - 2 - running if rows else 0,
                        routed_experts_bytes_per_token=routes.bytes_per_token if record_routes else None,
                        routed_experts_cached_bytes=scheduler.trie.routes_bytes() if record_routes else None,
-                       speculative=speculative)
+                       speculative=speculative, batch=batch)

@@ -26,6 +26,8 @@ from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
+from .packed_upload import packable, upload_packed
+from .spec_chain import DraftChainGraphs, build_chain_graphs
 from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
@@ -74,7 +76,7 @@ class ModelAgent:
         `vision_cache_bytes > 0` keeps encoded images by content hash (`VisionEncoderCache`).
         `num_draft_tokens > 0`: MTP speculative decoding with K drafts (`forward_verify`, `draft`); with graphs,
         every graph of the target keeps its pre-norm hidden states (the head reads them) and the verify forward and
-        the head replay graphs of their own (`spec_graphs`)."""
+        the head replay graphs of their own (`spec_graphs`), the greedy draft chain one graph (`spec_chain`)."""
         self.model = model
         self.vision_cache = VisionEncoderCache(vision_cache_bytes) if vision_cache_bytes > 0 else None
         self.cache_engine = cache_engine
@@ -92,6 +94,7 @@ class ModelAgent:
         self.has_lora = has_lora
         self.verify_graphs: VerifyGraphRunner | None = None
         self.head_graphs: HeadGraphs | None = None
+        self.chain_graphs: DraftChainGraphs | None = None
         if num_draft_tokens:
             self.enable_speculative(num_draft_tokens)
         # with speculation the target's graphs end before the final norm (`spec.verify` / `run_model` apply it)
@@ -111,6 +114,8 @@ class ModelAgent:
                 self.verify_graphs, self.head_graphs = build_spec_graphs(
                     model, self._context, cache_engine, cuda_graph_batch_size, max_pages_per_seq, num_draft_tokens,
                     device, has_lora)
+                self.chain_graphs = build_chain_graphs(model, self._context, cache_engine, cuda_graph_batch_size,
+                                                       max_pages_per_seq, num_draft_tokens, device)
 
     def enable_speculative(self, num_draft_tokens: int) -> None:
         """Verify and draft with the model's MTP head (`forward_verify`, `draft`); graphs of the speculative steps
@@ -232,6 +237,8 @@ class ModelAgent:
                 if self.verify_graphs is not None:
                     self.verify_graphs.capture_all()
                     self.head_graphs.capture_all()
+                    if self.chain_graphs is not None:
+                        self.chain_graphs.capture_all()
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -289,7 +296,7 @@ class ModelAgent:
         states; graphs where they fit, `_target_hidden`), acceptance. Save copies wait for `draft`. Returns the
         verify output, the device copy plans (for `draft`) and the logits at each sampled sequence's last real
         token."""
-        inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
+        inputs, sampling, cache_inputs = self._upload(inputs, sampling, cache_inputs)
         with self.streams.forward():
             self.restore(cache_inputs)
             self.embed_images(inputs)
@@ -299,17 +306,35 @@ class ModelAgent:
     @torch.inference_mode()
     def draft(self, fixups: CacheCheckpointInputs | None, plan: HeadPlan, hidden: torch.Tensor,
               chains: list[ModelInputs], params: list[SampleParams | None],
-              cache_inputs: CacheCheckpointInputs | None, verified: CacheCheckpointInputs | None = None
-              ) -> tuple[list[list[int]], list]:
+              cache_inputs: CacheCheckpointInputs | None, verified: CacheCheckpointInputs | None = None,
+              greedy_chain: bool = False) -> tuple[list[list[int]], list]:
         """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies and those
-        of the checkpoints at committed steps (`verified`), drafts."""
-        fixups, verified, head_inputs, *chains = self.streams.to_device(fixups, verified, plan.inputs, *chains)
+        of the checkpoints at committed steps (`verified`), drafts. `greedy_chain`: the whole greedy chain replays
+        at once (`greedy_chain_fits` held; `chains` holds chained step 1 only)."""
+        fixups, verified, head_inputs, *chains = self._upload(fixups, verified, plan.inputs, *chains)
         plan = plan._replace(inputs=head_inputs)
         with self.streams.forward():
             if fixups is not None:
                 self.cache_engine.copy_state_slots(fixups.state_restore_plan)
             return self.spec.draft(self._head_hidden, plan, hidden, lambda step: chains[step - 1],
-                                   params, lambda: (self.save(cache_inputs), self.save(verified)))
+                                   params, lambda: (self.save(cache_inputs), self.save(verified)),
+                                   chain=self.chain_graphs.run if greedy_chain else None)
+
+    def _upload(self, *payloads):
+        """A speculative step's inputs on the device: every payload `packed_upload` can move in one pinned copy on
+        the forward stream, the others through `streams.to_device`."""
+        flat = [p is not None and packable(p) for p in payloads]
+        rest = [None if f else p for f, p in zip(flat, payloads)]
+        moved = self.streams.to_device(*rest) if any(p is not None for p in rest) else rest
+        with self.streams.forward():
+            packed = upload_packed([p if f else None for f, p in zip(flat, payloads)], self.device)
+        return tuple(q if f else m for f, m, q in zip(flat, moved, packed))
+
+    def greedy_chain_fits(self, first: ModelInputs) -> bool:
+        """Whether the greedy chain of the drafting sequences whose chained step 1 is `first` (host inputs) replays
+        as one graph (`spec_chain.DraftChainGraphs`)."""
+        return self.chain_graphs is not None and \
+            self.chain_graphs.size_of(first.batch_size, first.block_tables.size(1)) is not None
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> ForwardOutput:

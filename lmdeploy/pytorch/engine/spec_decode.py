@@ -12,7 +12,10 @@ Owns no persistent state beyond the model and the pools it is given. Order, all 
 3. `draft`: fix-up copies (spare row -> runtime row) -> the head's catch-up over the committed positions -> save
    copies (checkpoints; after the catch-up, so a frozen partial block holds the head's KV too) -> the first draft
    from the catch-up's last row, then K - 1 chained head steps (each reads the previous step's head output and
-   draft) -> the drafts, on the host.
+   draft; all greedy: one replay of the whole chain, `spec_chain`) -> the drafts, on the host.
+
+Host reads: the verify reads its results in one pinned copy (greedy rows; a sampled row's rejection sampling reads
+its own), the draft its drafts in one; the plans' index tensors go up in one non-blocking copy each.
 
 A draft override (`set_draft_override`, for forced-acceptance tests and benchmarks) replaces the head's proposals
 after the head ran, so the cost and every write of the head stay as they are. For a sampled request the overridden
@@ -27,12 +30,16 @@ import torch
 
 from ..backends.default.sampling import _filter_min_p, _filter_top_k_top_p, _top_logprobs
 from ..messages import SchedulerSequence
-from ..model_inputs import ModelInputs, SamplingInputs
+from ..model_inputs import ModelInputs, SamplingInputs, upload_index_tensors
+from .async_scheduling import DeviceTokens
 from .spec_acceptance import greedy_accept, rejection_sample
 from .spec_inputs import HeadPlan, VerifyPlan
 
 # (sequence, the head's greedy drafts) -> the drafts to propose instead
 DraftOverride = Callable[[SchedulerSequence, list[int]], list[int]]
+# (the head's hidden at each drafting sequence's last catch-up row [D, H], chained step 1's inputs) -> the greedy
+# drafts [D, K] on the device, or None where it cannot run them (`spec_chain.DraftChainGraphs.run`)
+GreedyChain = Callable[[torch.Tensor, ModelInputs], 'torch.Tensor | None']
 
 
 class VerifyOutput(NamedTuple):
@@ -87,24 +94,28 @@ class SpeculativeDecoder:
     def verify(self, inputs: ModelInputs, target_hidden: Callable[[ModelInputs], torch.Tensor], plan: VerifyPlan,
                sampling: SamplingInputs, params: list[SampleParams | None], collect: bool) -> VerifyOutput:
         """`inputs` on the device (restores already queued); `target_hidden(inputs)` runs the target forward and
-        gives its pre-norm hidden states (graph or eager); `params[i]` is None for greedy rows."""
+        gives its pre-norm hidden states (graph or eager); `params[i]` is None for greedy rows. The plan's index
+        tensors travel in one non-blocking copy; without sampled drafts the step reads the host once (the runs)."""
         dev = self.cache.device
-        hidden_cache = self.cache.mtp_hidden
-        overlap = hidden_cache[torch.tensor(plan.overlap_slots, dtype=torch.int64, device=dev)].clone() \
-            if plan.overlap_slots else hidden_cache[:0]
-        pre = target_hidden(inputs)
-        normed = self.model.final_norm(pre)
-        hidden_cache.index_copy_(0, inputs.state_ids, pre[plan.hidden_rows.to(dev)].to(hidden_cache.dtype))
-        if plan.cut_slots.numel():
-            hidden_cache.index_copy_(0, plan.cut_slots.to(dev), pre[plan.cut_rows.to(dev)].to(hidden_cache.dtype))
-        all_logits = self.model.compute_logits(normed) if collect else None
-        rows = plan.logits_rows.to(dev)
-        logits = all_logits[rows] if all_logits is not None else self.model.compute_logits(normed[rows])
         counts = [d + 1 for d in plan.num_drafts]
         starts = [0]
         for c in counts[:-1]:
             starts.append(starts[-1] + c)
-        first_logits = logits[torch.tensor(starts, dtype=torch.int64, device=dev)] if counts else logits[:0]
+        index = upload_index_tensors(dict(
+            overlap=torch.tensor(plan.overlap_slots, dtype=torch.int64), hidden=plan.hidden_rows,
+            cut_rows=plan.cut_rows, cut_slots=plan.cut_slots, logits=plan.logits_rows,
+            first=torch.tensor(starts if counts else [], dtype=torch.int64)), dev)
+        hidden_cache = self.cache.mtp_hidden
+        overlap = hidden_cache[index['overlap']].clone() if plan.overlap_slots else hidden_cache[:0]
+        pre = target_hidden(inputs)
+        normed = self.model.final_norm(pre)
+        hidden_cache.index_copy_(0, inputs.state_ids, pre[index['hidden']].to(hidden_cache.dtype))
+        if plan.cut_slots.numel():
+            hidden_cache.index_copy_(0, index['cut_slots'], pre[index['cut_rows']].to(hidden_cache.dtype))
+        all_logits = self.model.compute_logits(normed) if collect else None
+        logits = all_logits[index['logits']] if all_logits is not None else self.model.compute_logits(
+            normed[index['logits']])
+        first_logits = logits[index['first']]
         runs, accepted, logprobs = self._accept(logits, first_logits, plan, counts, sampling, params)
         return VerifyOutput(runs, accepted, torch.cat([pre, overlap.to(pre.dtype)]),
                             all_logits.cpu() if all_logits is not None else None, first_logits, logprobs,
@@ -136,8 +147,8 @@ class SpeculativeDecoder:
             return [], [], None
         # Rows without drafts sample their one position exactly as plain decoding does (every sampling option).
         plain_ids, logprobs = self._sample(first_logits, sampling)
-        plain_ids = plain_ids.tolist()
-        greedy = self._greedy_runs(logits, plan, counts, params)
+        greedy = self._greedy_runs(logits, plan, counts, params, plain_ids)
+        plain_ids = greedy.pop('plain')
         runs, accepted = [], []
         for i, chunk in enumerate(logits.split(counts)):
             d = plan.num_drafts[i]
@@ -155,37 +166,62 @@ class SpeculativeDecoder:
         return runs, accepted, logprobs
 
     @staticmethod
-    def _greedy_runs(logits: torch.Tensor, plan: VerifyPlan, counts: list[int], params: list[SampleParams | None]
-                     ) -> dict[int, list[int]]:
-        """The emitted runs of every greedy row with drafts, by sampled index: one batched `greedy_accept` over
-        rows padded to the longest draft (a padded draft is -1, never an argmax), one copy to the host."""
+    def _greedy_runs(logits: torch.Tensor, plan: VerifyPlan, counts: list[int], params: list[SampleParams | None],
+                     plain_ids: torch.Tensor) -> dict:
+        """The emitted runs of every greedy row with drafts, by sampled index, and under 'plain' the plain samples
+        of every row: one batched `greedy_accept` over rows padded to the longest draft (a padded draft is -1, never
+        an argmax), the indices uploaded in one non-blocking copy, the results read back in one pinned copy."""
         rows = [i for i, d in enumerate(plan.num_drafts) if d and params[i] is None]
         if not rows:
-            return {}
+            return {'plain': DeviceTokens(plain_ids).tolist()}
         width = max(plan.num_drafts[i] for i in rows)
         starts = [sum(counts[:i]) for i in rows]
-        index = torch.tensor([[s + min(c, plan.num_drafts[i]) for c in range(width + 1)] for s, i in zip(starts, rows)],
-                             dtype=torch.int64, device=logits.device)
-        drafts = torch.tensor([plan.draft_ids[i] + [-1] * (width - plan.num_drafts[i]) for i in rows],
-                              dtype=torch.int64, device=logits.device)
-        result = greedy_accept(drafts, logits[index])
-        num, tokens = result.num_accepted.tolist(), result.tokens.tolist()
-        return {i: tokens[r][:num[r] + 1] for r, i in enumerate(rows)}
+        host = dict(index=torch.tensor([[s + min(c, plan.num_drafts[i]) for c in range(width + 1)]
+                                        for s, i in zip(starts, rows)], dtype=torch.int64),
+                    drafts=torch.tensor([plan.draft_ids[i] + [-1] * (width - plan.num_drafts[i]) for i in rows],
+                                        dtype=torch.int64))
+        dev = upload_index_tensors(host, logits.device)
+        result = greedy_accept(dev['drafts'], logits[dev['index']])
+        n, s = len(rows), plain_ids.numel()
+        packed = DeviceTokens(torch.cat([plain_ids.to(torch.int64), result.num_accepted,
+                                         result.tokens.reshape(-1)])).tolist()
+        num, tokens = packed[s:s + n], packed[s + n:]
+        runs: dict = {i: tokens[r * (width + 1):r * (width + 1) + num[r] + 1] for r, i in enumerate(rows)}
+        runs['plain'] = packed[:s]
+        return runs
 
     # ---- draft --------------------------------------------------------------------------------------------------
     def draft(self, head_hidden: Callable[[torch.Tensor, ModelInputs], torch.Tensor], plan: HeadPlan,
               hidden: torch.Tensor, chain_inputs: Callable[[int], ModelInputs], params: list[SampleParams | None],
-              save: Callable[[], None]) -> tuple[list[list[int]], list]:
+              save: Callable[[], None], chain: GreedyChain | None = None) -> tuple[list[list[int]], list]:
         """Catch-up, then `save()`, then the drafts of `plan.drafting` (greedy where `params[i]` is None, else drawn
         from the head's processed distribution, which is returned for rejection sampling). `head_hidden(prev,
-        inputs)` runs the head (graph or eager)."""
+        inputs)` runs the head (graph or eager); `chain(prev, chain_inputs(1))`, when given and every drafting
+        sequence is greedy, runs the whole greedy chain at once (`spec_chain`; None: it does not fit). One host read:
+        the drafts."""
+        index = upload_index_tensors({'hidden': plan.hidden_index, 'last': plan.last_rows}, hidden.device)
         out_hidden = None
         if plan.inputs is not None:
-            out_hidden = head_hidden(hidden[plan.hidden_index.to(hidden.device)], plan.inputs)
+            out_hidden = head_hidden(hidden[index['hidden']], plan.inputs)
         save()
         if not plan.drafting:
             return [], []
-        prev = out_hidden[plan.last_rows.to(out_hidden.device)]
+        prev = out_hidden[index['last']]
+        drafted = chain(prev, chain_inputs(1)) if chain is not None and all(p is None for p in params) else None
+        if drafted is not None:
+            ids, dists = DeviceTokens(drafted).tolist(), [None] * len(params)
+        else:
+            ids, dists = self._chain_steps(head_hidden, prev, chain_inputs, params)
+        if self.draft_override is not None:
+            ids = [list(self.draft_override(plan.seqs[i], row)) for i, row in zip(plan.drafting, ids)]
+            # a fixed proposal is a draw from a point mass: rejection sampling stays exact with q = one-hot
+            dists = [None if d is None else torch.nn.functional.one_hot(
+                torch.tensor(row, device=d.device), d.size(-1)).to(d.dtype) for d, row in zip(dists, ids)]
+        return ids, dists
+
+    def _chain_steps(self, head_hidden, prev: torch.Tensor, chain_inputs: Callable[[int], ModelInputs],
+                     params: list[SampleParams | None]) -> tuple[list[list[int]], list]:
+        """The chain step by step: draw (eager lm_head), then one head step per further draft."""
         drafts, probs = [], []
         for step in range(self.k):
             if step:
@@ -195,14 +231,9 @@ class SpeculativeDecoder:
             token, prob = self._draw(self.model.compute_logits(prev), params)
             drafts.append(token)
             probs.append(prob)
-        ids = torch.stack(drafts, dim=1).tolist()
+        ids = DeviceTokens(torch.stack(drafts, dim=1)).tolist()
         dists = [None if p is None else torch.stack([probs[s][i] for s in range(self.k)])
                  for i, p in enumerate(params)]
-        if self.draft_override is not None:
-            ids = [list(self.draft_override(plan.seqs[i], row)) for i, row in zip(plan.drafting, ids)]
-            # a fixed proposal is a draw from a point mass: rejection sampling stays exact with q = one-hot
-            dists = [None if d is None else torch.nn.functional.one_hot(
-                torch.tensor(row, device=d.device), d.size(-1)).to(d.dtype) for d, row in zip(dists, ids)]
         return ids, dists
 
     @staticmethod

@@ -91,16 +91,27 @@ class SpeculativeStep:
         for seq in head.seqs:
             seq.needs_draft_overlap = False
         drafting = [head.seqs[i] for i in head.drafting]
-        chains = [plan_chain(drafting, step, maker.page_table, maker.kernel_block_size)
-                  for step in range(1, self.k)] if drafting else []
         params = [None if seq.sampling.is_greedy else sample_params(seq, generators) for seq in drafting]
+        chains, whole = self._chains(drafting, params)
         fixups = CacheCheckpointInputs(state_restore_plan=torch.tensor(sched.draft_fixups, dtype=torch.int64).T
                                        .contiguous()) if sched.draft_fixups else None
         verified = maker.make_cache_inputs(sched.verified)  # decode-interval checkpoints at committed steps
         ids, probs = self.agent.draft(fixups, head, result.verify.hidden, chains, params, result.cache_inputs,
-                                      verified)
+                                      verified, greedy_chain=whole)
         for seq, row, prob in zip(drafting, ids, probs):
             seq.draft_ids, seq.draft_probs = list(row), prob
+
+    def _chains(self, drafting: list[SchedulerSequence], params: list) -> tuple[list[ModelInputs], bool]:
+        """The chained steps' inputs, and whether the whole greedy chain replays at once (`spec_chain`): then only
+        chained step 1's rows are planned (the graph derives the later ones on the device)."""
+        if not drafting or self.k < 2:
+            return [], False
+        maker = self.inputs_maker
+        first = plan_chain(drafting, 1, maker.page_table, maker.kernel_block_size)
+        if all(p is None for p in params) and self.agent.greedy_chain_fits(first):
+            return [first], True
+        return [first] + [plan_chain(drafting, step, maker.page_table, maker.kernel_block_size)
+                          for step in range(2, self.k)], False
 
     @staticmethod
     def _collect(sched: SchedulerOutput, plan: VerifyPlan, logits: torch.Tensor,

@@ -1,0 +1,104 @@
+"""The kernel tables of the profile scripts (`profile_prefill.py`, `profile_decode.py`): device kernels from a
+`torch.profiler` run, by name and by category, and the device's busy and idle time from the same records.
+
+Categories are patterns over the lower-cased kernel name, first match wins ('other' when none does). On the CPU (the
+smoke runs) the CPU ops stand in for kernels, by self time: the logic is checked, the figures mean nothing.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+
+# (category, pattern over the lower-cased kernel name), first match wins
+CATEGORIES = [
+    ('attention', r'prefill_kernel|merge_kernel|decode_split|decode_merge|flash|fmha|attention'),
+    ('gated delta rule', r'chunk_|gated_delta|delta_rule|recurrent|solve_tril|wy_fast|w_u|cumsum|kkt|l2norm'),
+    ('conv', r'conv'),
+    ('moe', r'moe|expert|topk|align'),
+    ('gemm', r'gemm|nvjet|xmma|cutlass|sm90|sm80|ampere|matmul|wgmma|cublas'),
+    ('activation', r'silu_and_mul|sigmoid_gate'),
+    ('norm / rotary / fill', r'norm|rotary|rope|fill_kv|gating'),
+    ('copy', r'copy|memcpy|memset|cat|index'),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, low)), 'other')
+
+
+def device_time_us(evt) -> float:
+    for attr in ('self_device_time_total', 'self_cuda_time_total'):
+        if hasattr(evt, attr):
+            return float(getattr(evt, attr))
+    return 0.0
+
+
+def kernel_events(prof, on_cuda: bool) -> list[tuple[str, int, float]]:
+    """(name, calls, total us) of every device kernel (CPU ops by self time in a CPU run), longest first."""
+    rows = []
+    for evt in prof.key_averages():
+        if on_cuda:
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = device_time_us(evt)
+        else:
+            us = float(evt.self_cpu_time_total)
+        if us > 0:
+            rows.append((evt.key, evt.count, us))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def by_category(rows: list[tuple[str, int, float]]) -> dict[str, float]:
+    """Total us per category, longest first."""
+    out: dict[str, float] = defaultdict(float)
+    for name, _, us in rows:
+        out[category(name)] += us
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def print_breakdown(rows: list[tuple[str, int, float]], wall_ms: float, top: int, steps: int = 1) -> None:
+    """The top kernels and the categories against `wall_ms`; `steps` > 1 adds each one's ms per step."""
+    per = f' {"ms/step":>8s}' if steps > 1 else ''
+
+    def col(us: float) -> str:
+        return f' {us / 1e3 / steps:8.3f}' if steps > 1 else ''
+    busy_ms = sum(us for _, _, us in rows) / 1e3
+    print(f'\nprofiled wall {wall_ms:.1f} ms, device kernels {busy_ms:.1f} ms ({100 * busy_ms / wall_ms:.1f}% busy)')
+    print(f'\n{"kernel":80s} {"calls":>6s} {"total ms":>9s}{per} {"% wall":>7s}  category')
+    for name, calls, us in rows[:top]:
+        print(f'{name[:80]:80s} {calls:6d} {us / 1e3:9.2f}{col(us)} {100 * us / 1e3 / wall_ms:6.1f}%  {category(name)}')
+    print(f'\n{"category":24s} {"total ms":>9s}{per} {"% wall":>7s}')
+    for cat, us in by_category(rows).items():
+        print(f'{cat:24s} {us / 1e3:9.2f}{col(us)} {100 * us / 1e3 / wall_ms:6.1f}%')
+
+
+def device_intervals(prof, on_cuda: bool) -> list[tuple[float, float]]:
+    """(start, end) us of every device activity record (kernels, memcpy, memset; CPU ops in a CPU run)."""
+    out = []
+    for evt in prof.events():
+        is_device = evt.device_type == torch.autograd.DeviceType.CUDA
+        if is_device == on_cuda and evt.time_range.end > evt.time_range.start:
+            out.append((float(evt.time_range.start), float(evt.time_range.end)))
+    return out
+
+
+def idle_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
+    """(span, busy, gaps) in us: the span from the first start to the last end, the time covered by at least one
+    interval (overlaps counted once), and the idle gaps between the merged intervals, in timeline order."""
+    if not intervals:
+        return 0.0, 0.0, []
+    gaps, busy = [], 0.0
+    ordered = sorted(intervals)
+    cur_start, cur_end = ordered[0]
+    for start, end in ordered[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append(start - cur_end)
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return cur_end - ordered[0][0], busy, gaps

@@ -1,0 +1,62 @@
+"""`benchmark/profile_decode.py --smoke` (tiny float32 shape on the CPU; no speed asserted) and the kernel tables it
+shares with `profile_prefill.py` (`kernel_profile.py`): categories of real kernel names, the busy / idle arithmetic
+against a hand-worked timeline, the rooflines against `real_depth_floors` computed here."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+from bench_scripts import bench_script
+
+pytest.importorskip('transformers')
+
+
+@pytest.fixture(scope='module')
+def profile():
+    with bench_script('profile_decode') as module:
+        yield module
+
+
+def test_kernel_names_fall_in_their_categories(profile):
+    category = sys.modules['kernel_profile'].category
+    assert category('_decode_split_kernel') == 'attention'
+    assert category('fused_recurrent_gated_delta_rule_fwd_kernel') == 'gated delta rule'
+    assert category('_conv_sequence_kernel') == 'conv'
+    assert category('nvjet_tst_128x64_64x8_1x1_v_bz_coopB_TNN') == 'gemm'
+    assert category('_rms_norm_kernel') == 'norm / rotary / fill'
+    assert category('Memcpy HtoD (Pinned -> Device)') == 'copy'
+    assert category('void at::native::reduce_kernel<argmax>') == 'other'
+
+
+def test_idle_gaps_union_overlaps_and_measure_the_holes(profile):
+    idle_gaps = sys.modules['kernel_profile'].idle_gaps
+    span, busy, gaps = idle_gaps([(10, 20), (15, 30), (40, 45), (41, 42), (60, 70)])
+    assert (span, busy, gaps) == (60, 35, [10, 15])
+    assert idle_gaps([]) == (0.0, 0.0, [])
+
+
+def test_smoke_profiles_full_decode_batches_against_the_weight_roofline(profile):
+    summary = profile.main(['--smoke', '--async-scheduling', '--batches', '1', '8', '--steps', '4'])
+    floors = sys.modules['real_depth_floors']
+    args = profile.parse_args(['--smoke'])
+    config, _, _ = sys.modules['bench_real_depth'].make_config(args)
+    cost = floors.model_cost(config, weight_bytes=4)
+    copy_bytes_per_s = summary['copy_gb_s'] * 1e9
+    assert [r['batch'] for r in summary['results']] == [1, 8] and summary['async_scheduling'] is True
+    for res in summary['results']:
+        batch = res['batch']
+        assert res['overlapped_steps'] == 4  # every timed step launched while the one before was in flight
+        weights = cost.decode_bytes(batch, 32 + 2 + 2, weights_only=True)
+        assert res['roofline_weights_ms'] == pytest.approx(weights / copy_bytes_per_s * 1e3)
+        assert res['share_of_weight_roofline'] == pytest.approx(res['roofline_weights_ms'] / res['step_ms'])
+        assert res['roofline_all_ms'] > res['roofline_weights_ms']
+        assert res['kernels_per_step'] > 0 and res['busy_ms_per_step'] > 0
+        assert res['categories_ms_per_step'] and len(res['longest_gaps_us']) <= 4
+        assert res['decode_tok_s'] == pytest.approx(batch * 1e3 / res['step_ms'])
+
+
+def test_profile_prefill_smoke_still_prints_its_tables(capsys):
+    with bench_script('profile_prefill') as module:
+        module.main(['--smoke'])
+    out = capsys.readouterr().out
+    assert 'category' in out and '% wall' in out and 'profiled wall' in out
