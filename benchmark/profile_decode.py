@@ -132,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--context', type=int, default=None, help='prompt tokens of every request')
     p.add_argument('--steps', type=int, default=None, help='decode steps per window')
     p.add_argument('--top', type=int, default=20)
+    p.add_argument('--session-len', type=int, default=None, help="default: bench_real_depth's 34000 (smoke: small)")
     p.add_argument('--eager', action='store_true', help='no CUDA graphs (eager_mode=True)')
     p.add_argument('--cuda-only', action='store_true', help='profile CUDA activity only (no CPU-op records)')
     p.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
@@ -147,8 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.session_len = args.context + 2 * -(-max(args.batches) * args.context // args.max_prefill_token_num) + \
-        args.steps + 64
+    if args.session_len is None:  # the GPU default is bench_real_depth's (the width of the graphs' block tables)
+        args.session_len = 34000 if not args.smoke else args.context + args.steps + 64 + \
+            2 * -(-max(args.batches) * args.context // args.max_prefill_token_num)
     args.out, args.time_budget, args.request_timeout = None, 0.0, 300.0
     return args
 

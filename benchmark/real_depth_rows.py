@@ -60,7 +60,7 @@ def decode_window(bench: Bench, engine, batch: int, prompt_len: int, steps: int,
     a = bench.args
     # more than the window needs: the prefills (at most 2 x batch x prompt / budget steps) stagger the first tokens
     stagger = 2 * -(-batch * prompt_len // a.max_prefill_token_num) + 2
-    new = min(a.session_len - prompt_len, SETTLE + steps + stagger + 2)
+    new = min(engine.session_len - prompt_len, SETTLE + steps + stagger + 2)
     params = SamplingParams(max_new_tokens=new, min_new_tokens=new, temperature=0.0, stop_token_ids=())
     recs = [Rec() for _ in range(batch)]
     ids = [engine.add_request(make_prompt(prompt_len, seed * 1000 + i, vocab), params, record_into(rec))
