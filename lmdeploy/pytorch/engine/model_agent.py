@@ -26,6 +26,7 @@ from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
+from .packed_upload import packable, upload_packed
 from .spec_chain import DraftChainGraphs, build_chain_graphs
 from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
@@ -295,7 +296,7 @@ class ModelAgent:
         states; graphs where they fit, `_target_hidden`), acceptance. Save copies wait for `draft`. Returns the
         verify output, the device copy plans (for `draft`) and the logits at each sampled sequence's last real
         token."""
-        inputs, sampling, cache_inputs = self.streams.to_device(inputs, sampling, cache_inputs)
+        inputs, sampling, cache_inputs = self._upload(inputs, sampling, cache_inputs)
         with self.streams.forward():
             self.restore(cache_inputs)
             self.embed_images(inputs)
@@ -310,7 +311,7 @@ class ModelAgent:
         """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies and those
         of the checkpoints at committed steps (`verified`), drafts. `greedy_chain`: the whole greedy chain replays
         at once (`greedy_chain_fits` held; `chains` holds chained step 1 only)."""
-        fixups, verified, head_inputs, *chains = self.streams.to_device(fixups, verified, plan.inputs, *chains)
+        fixups, verified, head_inputs, *chains = self._upload(fixups, verified, plan.inputs, *chains)
         plan = plan._replace(inputs=head_inputs)
         with self.streams.forward():
             if fixups is not None:
@@ -318,6 +319,16 @@ class ModelAgent:
             return self.spec.draft(self._head_hidden, plan, hidden, lambda step: chains[step - 1],
                                    params, lambda: (self.save(cache_inputs), self.save(verified)),
                                    chain=self.chain_graphs.run if greedy_chain else None)
+
+    def _upload(self, *payloads):
+        """A speculative step's inputs on the device: every payload `packed_upload` can move in one pinned copy on
+        the forward stream, the others through `streams.to_device`."""
+        flat = [p is not None and packable(p) for p in payloads]
+        rest = [None if f else p for f, p in zip(flat, payloads)]
+        moved = self.streams.to_device(*rest) if any(p is not None for p in rest) else rest
+        with self.streams.forward():
+            packed = upload_packed([p if f else None for f, p in zip(flat, payloads)], self.device)
+        return tuple(q if f else m for f, m, q in zip(flat, moved, packed))
 
     def greedy_chain_fits(self, first: ModelInputs) -> bool:
         """Whether the greedy chain of the drafting sequences whose chained step 1 is `first` (host inputs) replays

@@ -1,0 +1,55 @@
+"""Host inputs of a forward in one pinned non-blocking copy (speculative steps: `ModelAgent.forward_verify` and
+`ModelAgent.draft`).
+
+`DeviceStreams.to_device` copies every tensor of a payload on its own, from pageable memory: a dozen copies per
+`ModelInputs`, each one a round trip the host waits for before it can queue the forward. Here the top-level host
+tensors of several dataclass payloads (`ModelInputs`, `CacheCheckpointInputs`: every tensor they hold is a direct
+field) travel as the bytes of one pinned buffer, each piece padded to 16 bytes so that every piece's view keeps its
+dtype's alignment, copied non-blocking on the current stream (the forward stream: the payloads are allocated there
+and need no `record_stream`). Every other field is kept as it is (`dataclasses.replace`, so per-forward memos start
+empty). Off CUDA: plain `.to(device)`. Values and dtypes come back exactly (a byte copy).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+_ALIGN = 16
+
+
+def _host_tensors(payload) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)
+            if f.init and isinstance(getattr(payload, f.name), torch.Tensor) and not getattr(payload, f.name).is_cuda}
+
+
+def upload_packed(payloads: list, device: torch.device, pack: bool | None = None) -> list:
+    """The payloads (dataclasses with tensor fields, or None) with their host tensors on `device`. `pack`: through
+    one packed buffer (default: on CUDA only; the CPU tests pack to check the byte layout)."""
+    if not (device.type == 'cuda' if pack is None else pack):
+        return [None if p is None else p.to(device) for p in payloads]
+    fields = [(i, name, t.contiguous()) for i, p in enumerate(payloads) if p is not None
+              for name, t in _host_tensors(p).items()]
+    if not fields:
+        return list(payloads)
+    pieces, spans, at = [], [], 0
+    for _, _, t in fields:
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+        pad = -raw.numel() % _ALIGN
+        pieces.append(raw if not pad else torch.cat([raw, torch.zeros(pad, dtype=torch.uint8)]))
+        spans.append((at, raw.numel()))
+        at += raw.numel() + pad
+    packed = torch.cat(pieces)
+    if device.type == 'cuda':
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    moved: list[dict[str, torch.Tensor]] = [{} for _ in payloads]
+    for (i, name, t), (start, size) in zip(fields, spans):
+        moved[i][name] = packed[start:start + size].view(t.dtype).view(t.shape)
+    return [None if p is None else dataclasses.replace(p, **moved[i]) for i, p in enumerate(payloads)]
+
+
+def packable(payload) -> bool:
+    """Whether `upload_packed` moves every tensor of `payload` (a dataclass whose `tensors()` are all direct fields;
+    e.g. `SamplingInputs` with penalty or bias lists is not)."""
+    return dataclasses.is_dataclass(payload) and len(payload.tensors()) == len(_host_tensors(payload))
