@@ -18,6 +18,7 @@ CATEGORIES = [
     ('conv', r'conv'),
     ('moe', r'moe|expert|topk|align'),
     ('gemm', r'gemm|nvjet|xmma|cutlass|sm90|sm80|ampere|matmul|wgmma|cublas'),
+    ('activation', r'silu_and_mul|sigmoid_gate'),
     ('norm / rotary / fill', r'norm|rotary|rope|fill_kv|gating'),
     ('copy', r'copy|memcpy|memset|cat|index'),
 ]

@@ -70,6 +70,47 @@ def check_gated_rms_norm(shape, dtype, strided: bool, device: str) -> None:
     assert_close(out, ref, what='gated_rms_norm', **tol(dtype))
 
 
+def head_slice_copy(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """Same values [..., H, D], as the heads of a channel slice of a wider NaN-padded projection [..., pad + H * D +
+    pad] (gated DeltaNet's z): the rows of D are not evenly spaced, so they are not a [rows, D] view."""
+    width = x.shape[-2] * x.shape[-1]
+    wide = torch.full((*x.shape[:-2], width + 2 * pad), float('nan'), dtype=x.dtype, device=x.device)
+    wide[..., pad:pad + width] = x.flatten(-2)
+    return wide[..., pad:pad + width].unflatten(-1, x.shape[-2:])
+
+
+HEAD_SHAPES = [(3, 4, 128), (2, 3, 4096), (5, 2, 3, 16), (4, 1, 16), (37, 4, 128)]  # 148 rows: 10 programs of 16
+
+
+def check_gated_rms_norm_head_slices(shape, dtype, device: str) -> None:
+    """x and gate as head slices of wider projections are read in place ([outer, inner, D], no copy)."""
+    gen = torch.Generator().manual_seed(2)
+    x, gate = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
+    weight = randn(shape[-1], gen=gen, dtype=dtype)
+    ref = ref_elementwise.gated_rms_norm(x, gate, weight, 1e-6)
+    x_dev, gate_dev = head_slice_copy(x.to(device), pad=5), head_slice_copy(gate.to(device))
+    if shape[-2] > 1:
+        rows, _, _, inner = cuda_norm._row_layout(gate_dev)
+        assert rows.data_ptr() == gate_dev.data_ptr() and inner == shape[-2], 'the gate was copied'
+    out = cuda_norm.gated_rms_norm(x_dev, gate_dev, weight.to(device), 1e-6)
+    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, ref, what='gated_rms_norm of head slices', **tol(dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('shape', HEAD_SHAPES, ids=norm_id)
+def test_gated_rms_norm_reads_head_slices_in_place_gpu(shape, dtype):
+    check_gated_rms_norm_head_slices(shape, dtype, 'cuda')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('shape', [HEAD_SHAPES[i] for i in (0, 2, 3, 4)], ids=norm_id)
+def test_cpu_gated_rms_norm_head_slices(shape, dtype):
+    check_gated_rms_norm_head_slices(shape, dtype, 'cpu')
+
+
 @pytest.mark.gpu
 @DTYPES
 @pytest.mark.parametrize('zero_centered', [False, True], ids=['plain', 'zero_centered'])
@@ -201,6 +242,7 @@ def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
     ref_pool = ref_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
     ref = ref_conv.causal_conv1d(x, weight, bias, ref_pool, state_ids, is_fresh, cu_seqlens, activation)
 
+    start_backing = backing.clone()  # on the CPU `.to(device)` is the same tensor, which the call updates
     dev_backing = backing.to(device)
     dev_pool = dev_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
     def to(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -212,6 +254,26 @@ def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
     assert torch.isfinite(out).all()
     assert_close(out, ref, what='conv out', **tol(dtype, fp32=1e-5))
     compare_pools(dev_backing, ref_backing, pool, slots, atol=0, rtol=0)  # states are copies of inputs
+    check_conv_planes(case, x, weight, bias, start_backing, pool, state_ids, is_fresh, cu_seqlens, activation, out,
+                      dev_backing, device)
+
+
+def check_conv_planes(case: ConvCase, x, weight, bias, backing, pool, state_ids, is_fresh, cu_seqlens, activation,
+                      out, want_backing, device: str) -> None:
+    """With `out_splits` (three groups whose bounds fall inside the kernel's channel blocks), each group is a
+    contiguous tensor holding exactly the plain output's columns, and the pool ends as after the plain call."""
+    third = case.channels // 3
+    splits = (third, third, case.channels - 2 * third)
+    plane_backing = backing.to(device)
+    plane_pool = plane_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
+    planes = cuda_conv.causal_conv1d(x.to(device), weight.to(device), None if bias is None else bias.to(device),
+                                     plane_pool, state_ids.to(device), is_fresh.to(device), cu_seqlens.to(device),
+                                     activation, out_splits=splits)
+    assert len(planes) == 3
+    for plane, want in zip(planes, out.split(splits, dim=-1)):
+        assert plane.is_contiguous() and plane.shape == want.shape
+        torch.testing.assert_close(plane, want, rtol=0, atol=0)
+    torch.testing.assert_close(plane_backing, want_backing, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu

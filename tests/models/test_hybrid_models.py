@@ -157,6 +157,31 @@ def test_teacher_forced_logits_match_transformers(checkpoints, name):
         assert_matches_reference(model, result, len(p))
 
 
+def _per_layer_hidden_states(self, ctx):
+    """`HybridModel.hidden_states` with every residual add done by its own layer (`HybridDecoderLayer.forward`)."""
+    inputs = ctx.inputs
+    x = self.embed_tokens(inputs.input_ids)
+    cos_sin = self.rotary_emb.cos_sin(inputs.position_ids)
+    for layer in self.layers:
+        x = layer(x, self.rotary_emb, cos_sin, ctx)
+    return x
+
+
+@pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next'])
+def test_residual_adds_fused_into_the_next_norm_are_bit_identical(checkpoints, name, monkeypatch):
+    """In bf16 the model forward (each layer's residual add inside the next layer's input norm) gives the logits
+    of adding the residual inside each layer, bit for bit: the same sums in the same dtype."""
+    from lmdeploy.pytorch.models.qwen3_next import HybridModel
+    path, _ = checkpoints(name)
+    prompts = [prompt(23, seed=1), prompt(6, seed=2)]
+    fused = generate(make_engine(path, dtype='bfloat16'), prompts, max_new_tokens=3)
+    monkeypatch.setattr(HybridModel, 'hidden_states', _per_layer_hidden_states)
+    per_layer = generate(make_engine(path, dtype='bfloat16'), prompts, max_new_tokens=3)
+    for a, b in zip(fused, per_layer):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+
+
 def test_model_config_lays_out_kv_and_state(checkpoints):
     path, _ = checkpoints('qwen3_5')
     config = make_engine(path).model_config

@@ -20,6 +20,7 @@ class OpType(enum.Enum):
     GatedRMSNorm = enum.auto()
     ApplyRotary = enum.auto()
     SiluAndMul = enum.auto()
+    SigmoidGateMul = enum.auto()
     PagedAttention = enum.auto()
     VisionAttention = enum.auto()
     GatedDeltaGating = enum.auto()

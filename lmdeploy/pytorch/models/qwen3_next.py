@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ModelConfig, StateSpec
 from ..model_inputs import StepContext
-from ..nn.activation import GatedMLP
+from ..nn.activation import GatedMLP, SigmoidGate
 from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
 from ..nn.linear import Embedding, Linear, MergedLinear
@@ -69,6 +69,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index)
+        self.output_gate = SigmoidGate()
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
         q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
@@ -77,7 +78,7 @@ class GatedAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         # q/k norm and rotary inside the attention op (the cuda backend fuses them with the KV fill)
         out = self.attn(q, k, v, ctx, cos_sin=cos_sin, qk_norm=qk_norm_of(self.q_norm, self.k_norm))
-        out = out * torch.sigmoid(gate)
+        out = self.output_gate(out, gate)
         return self.o_proj(out.flatten(-2))
 
 
@@ -115,8 +116,7 @@ class GatedDeltaNet(nn.Module):
         states = ctx.state_caches[self.state_index]
         mixed_qkv, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.shard_sizes, dim=-1)
         b, a = self.in_proj_ba(x).split(self.in_proj_ba.shard_sizes, dim=-1)
-        mixed_qkv = self.conv1d(mixed_qkv, states['conv'], ctx.inputs)
-        q, k, v = mixed_qkv.split(self.qkv_sizes, dim=-1)
+        q, k, v = self.conv1d(mixed_qkv, states['conv'], ctx.inputs, out_splits=self.qkv_sizes)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
@@ -145,15 +145,27 @@ class HybridDecoderLayer(nn.Module):
         self.mlp_reduce = AllReduce()
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        """The residual stream after this layer, from the one before it."""
+        out, residual = self.forward_residual(x, None, rotary, cos_sin, ctx)
+        return out + residual
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding, cos_sin,
+                         ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before the MLP): their sum is the stream after this layer. The stream
+        before the layer is `x`, or `x + residual` when a residual is given (the previous layer's pair), an add
+        that fuses into the input norm. The sums are those `forward` takes, in the same dtype: bit-identical."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual=residual)
         if self.layer_type == LINEAR_ATTENTION:
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, rotary, cos_sin, ctx)
-        h, x = self.post_attention_layernorm(self.mixer_reduce(h), residual=x)
+        h, residual = self.post_attention_layernorm(self.mixer_reduce(h), residual=residual)
         if self.moe_index is None:
-            return x + self.mlp_reduce(self.mlp(h))
-        return x + self.mlp_reduce(self.mlp(h, ctx.routes_of(self.moe_index)))
+            return self.mlp_reduce(self.mlp(h)), residual
+        return self.mlp_reduce(self.mlp(h, ctx.routes_of(self.moe_index))), residual
 
 
 class HybridModel(nn.Module):
@@ -187,9 +199,10 @@ class HybridModel(nn.Module):
             x = x.index_copy(0, inputs.mm_token_rows, inputs.mm_embeds.to(x.dtype))
         positions = inputs.position_ids if inputs.mrope_position_ids is None else inputs.mrope_position_ids
         cos_sin = self.rotary_emb.cos_sin(positions)
-        for layer in self.layers:
-            x = layer(x, self.rotary_emb, cos_sin, ctx)
-        return x
+        residual = None
+        for layer in self.layers:  # each layer's residual add runs inside the next layer's input norm
+            x, residual = layer.forward_residual(x, residual, self.rotary_emb, cos_sin, ctx)
+        return x if residual is None else x + residual
 
 
 class HybridForCausalLM(CausalLM):

@@ -16,6 +16,7 @@ the same cuts in a shape-only form that CUDA graphs replay (`ModelInputs.draft_s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -41,13 +42,17 @@ class CausalConv1d(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
         self._impl = current_backend().build(OpType.CausalConv1d)
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-        """x [T, C], conv_state pool [num_slots, C, K-1] -> [T, C]."""
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, inputs: ModelInputs,
+                out_splits: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """x [T, C], conv_state pool [num_slots, C, K-1] -> [T, C]; with `out_splits` (at most three channel group
+        widths summing to C) the groups `out.split(out_splits, -1)`, which the `cuda` backend writes as
+        contiguous tensors."""
         if inputs.state_cuts is not None:
             save_conv_cuts(x, conv_state, inputs)  # before the kernel overwrites the old histories
         elif inputs.draft_state_slots is not None:
             save_conv_draft_cuts(x, conv_state, inputs)
-        return self._impl(x, self.weight.squeeze(1), self.bias, conv_state, inputs, self.activation)
+        splits = None if out_splits is None else tuple(out_splits)
+        return self._impl(x, self.weight.squeeze(1), self.bias, conv_state, inputs, self.activation, splits)
 
 
 def _row_starts(cuts: StateCuts) -> list[int]:

@@ -1,10 +1,11 @@
 """The `cuda` backend: Triton kernels (and fla-core for the gated delta rule); anything missing falls back to the
 `default` backend op by op.
 
-Fused small ops (one launch each): residual add + RMSNorm, the MoE router's softmax + top-k + renormalisation, the
-attention layers' rotary + KV fill, and the gated DeltaNet gating (g, beta). `LMDEPLOY_FUSED_OPS=0` (read at
-import) builds the unfused sequences instead (same kernels one by one, torch for the adds, the router and the
-gating), for before/after measurements.
+Fused small ops (one launch each): residual add + RMSNorm, the MLPs' SiLU-and-mul, gated attention's sigmoid output
+gate, the MoE router's softmax + top-k + renormalisation, the attention layers' rotary + KV fill, and the gated
+DeltaNet gating (g, beta). `LMDEPLOY_FUSED_OPS=0` (read at import) builds the unfused sequences instead (same
+kernels one by one, torch for the adds, the activations, the router and the gating), for before/after
+measurements.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from ...kernels.cuda import blocked_fp8 as _fp8
 from ...kernels.cuda import causal_conv1d as _conv
 from ...kernels.cuda import gated_delta_rule as _gdr
+from ...kernels.cuda.activation import sigmoid_gate_mul, silu_and_mul
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
@@ -33,6 +35,8 @@ from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
 from ..default import blocked_fp8_builder, gated_delta_rule_builder
 from ..default.elementwise import gated_delta_gating as default_gated_delta_gating
+from ..default.elementwise import sigmoid_gate_mul as default_sigmoid_gate_mul
+from ..default.elementwise import silu_and_mul as default_silu_and_mul
 from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
@@ -162,9 +166,11 @@ def _conv_index(inputs, x: torch.Tensor) -> dict:
 
 
 def _build_causal_conv1d(**_kwargs):
-    def forward(x, weight, bias, conv_state, inputs, activation='silu'):
+    def forward(x, weight, bias, conv_state, inputs, activation='silu', out_splits=None):
+        # out_splits: each channel group written as its own contiguous plane (no copy before fla's kernels)
         return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
-                                   inputs.cu_seqlens_q, activation=activation, **_conv_index(inputs, x))
+                                   inputs.cu_seqlens_q, activation=activation, out_splits=out_splits,
+                                   **_conv_index(inputs, x))
     return forward
 
 
@@ -201,6 +207,8 @@ _BUILDERS = {
     OpType.GatedRMSNorm: _const(gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
     OpType.CausalConv1d: _build_causal_conv1d,
+    OpType.SiluAndMul: _const(silu_and_mul if _FUSED_OPS else default_silu_and_mul),
+    OpType.SigmoidGateMul: _const(sigmoid_gate_mul if _FUSED_OPS else default_sigmoid_gate_mul),
     OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),

@@ -60,11 +60,13 @@ def gated_delta_rule_builder(chunk_fn, recurrent_fn, chunk_kwargs=None):
 
 
 def causal_conv1d_builder(conv_fn):
-    """A builder over a causal conv1d kernel with the default kernel's signature."""
+    """A builder over a causal conv1d kernel with the default kernel's signature; `out_splits` hands back the
+    channel groups of the output (here views of one [T, C] tensor)."""
     def build(**_kwargs):
-        def forward(x, weight, bias, conv_state, inputs, activation='silu'):
-            return conv_fn(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh, inputs.cu_seqlens_q,
-                           activation=activation)
+        def forward(x, weight, bias, conv_state, inputs, activation='silu', out_splits=None):
+            out = conv_fn(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh, inputs.cu_seqlens_q,
+                          activation=activation)
+            return out if out_splits is None else out.split(list(out_splits), dim=-1)
         return forward
     return build
 
@@ -112,6 +114,7 @@ _BUILDERS = {
     OpType.GatedRMSNorm: _const(elementwise.gated_rms_norm),
     OpType.ApplyRotary: _const(elementwise.apply_rotary),
     OpType.SiluAndMul: _const(elementwise.silu_and_mul),
+    OpType.SigmoidGateMul: _const(elementwise.sigmoid_gate_mul),
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
     OpType.GatedDeltaGating: _const(elementwise.gated_delta_gating),

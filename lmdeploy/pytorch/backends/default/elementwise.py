@@ -58,8 +58,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:], each op rounded to x's dtype (transformers' MLP)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate), each op rounded to x's dtype (transformers' gated attention output)."""
+    return x * torch.sigmoid(gate)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
