@@ -1,5 +1,6 @@
 """Host inputs of a forward in one pinned non-blocking copy (speculative steps: `ModelAgent.forward_verify` and
-`ModelAgent.draft`).
+`ModelAgent.draft`, only with `LMDEPLOY_SPEC_CHAIN_GRAPH=1`: opt-in until an H200 run verifies it, see
+`spec_chain`; the byte layout is tested on the CPU, the CUDA copy by a gpu test no run has executed yet).
 
 `DeviceStreams.to_device` copies every tensor of a payload on its own, from pageable memory: a dozen copies per
 `ModelInputs`, each one a round trip the host waits for before it can queue the forward. Here the top-level host
