@@ -36,6 +36,7 @@ from mtp_runs import (
     run_to_idle,
 )
 
+from lmdeploy.pytorch.engine.spec_decode import PendingDrafts
 from lmdeploy.pytorch.messages import SamplingParams
 
 pytest.importorskip('transformers')
@@ -187,6 +188,32 @@ def test_failed_verify_forward_and_aborts_leak_nothing(mtp_model):
     engine.run_until_idle()
     engine.check_integrity()
     assert_pools_returned(engine, free)
+
+
+def test_drafts_are_read_after_the_bookkeeping_and_a_failed_read_only_costs_the_drafts(mtp_model, monkeypatch):
+    """The engine reads a step's drafts after delivering and committing it (`PendingDrafts`); when that read fails
+    the sequences decode their next step without drafts, and the tokens stay plain decoding's."""
+    path = mtp_model()
+    prompts = [random_prompt(20, 30), random_prompt(13, 31)]
+    want = run_to_idle(make_engine(path), prompts, greedy(12))
+    engine = make_engine(path, speculative_config=mtp_spec())
+    order, failures = [], iter([False, False, True])
+    resolve = PendingDrafts.resolve
+
+    def logged(self):
+        order.append('drafts')
+        if next(failures, False):
+            raise RuntimeError('injected draft read failure')
+        return resolve(self)
+    monkeypatch.setattr(PendingDrafts, 'resolve', logged)
+    deliver = engine._deliver_all
+    engine._deliver_all = lambda outs: (order.append('deliver') if outs else None, deliver(outs))[1]
+    drafted = []
+    got = run_to_idle(engine, prompts, greedy(12),
+               after_step=lambda e: drafted.append([bool(s.draft_ids) for s, _ in e._seqs.values()]))
+    assert got == want
+    assert order[:2] == ['deliver', 'drafts']
+    assert drafted[2] == [False, False] and all(drafted[3]) and all(drafted[1])
 
 
 @pytest.mark.parametrize('drafts', ['forced', 'head'])

@@ -139,7 +139,8 @@ def test_greedy_chain_derives_the_rows_plan_chain_builds_on_the_host(mtp_model):
         return chains_of(drafting, params)
 
     def check(*args, greedy_chain=False, **kw):
-        ids, probs = draft(*args, greedy_chain=greedy_chain, **kw)
+        pending = draft(*args, greedy_chain=greedy_chain, **kw)
+        ids, _ = pending.resolve()
         if greedy_chain:
             seqs, size = planned[-1], agent.chain_graphs.size_of(len(planned[-1]), 1)
             for step in range(1, K):
@@ -151,7 +152,7 @@ def test_greedy_chain_derives_the_rows_plan_chain_builds_on_the_host(mtp_model):
                 assert got['kv_lens'] == want.kv_lens.tolist() + [0] * pad
                 assert got['input_ids'] == [row[step - 1] for row in ids] + [0] * pad
             checked.append(len(seqs))
-        return ids, probs
+        return pending
     spec._chains, agent.draft = record, check
     prompts = [random_prompt(21, 0), random_prompt(30, 3), random_prompt(12, 4)]
     run_to_idle(engine, prompts, greedy(10))  # 3 drafting rows pad to 4
