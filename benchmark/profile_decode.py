@@ -105,23 +105,29 @@ def profile_batch(bench: Bench, engine, batch: int, cost, rates, vocab: int) -> 
         'busy_ms_per_step': busy_us / 1e3 / steps, 'host_gap_ms_per_step': timed['step_ms'] - busy_us / 1e3 / steps,
         'profiled_idle_ms_per_step': (span_us - busy_us) / 1e3 / steps,
         'longest_gaps_us': sorted(gaps, reverse=True)[:steps],
-        'kernels_per_step': kernels_per_step,
+        'kernels_per_step': kernels_per_step, 'context_tokens': context,
         'categories_ms_per_step': {cat: us / 1e3 / steps for cat, us in by_category(rows).items()},
     }
-    gap_median = statistics.median(res['longest_gaps_us']) if gaps else 0.0
-    print(f'\n=== batch {batch}: step {res["step_ms"]:.3f} ms ({res["decode_tok_s"]:.1f} tok/s; profiled '
-          f'{res["profiled_step_ms"]:.3f} ms), {timed["overlapped_steps"]} of {steps} steps overlapped')
-    print(f'weight roofline {res["roofline_weights_ms"]:.3f} ms ({res["weights_gb_per_step"]:.2f} GB / '
-          f'{rates.copy_bytes_per_s / 1e9:.0f} GB/s): {res["share_of_weight_roofline"]:.2f} of it; with KV and state '
-          f'({context} tokens) {res["roofline_all_ms"]:.3f} ms: {res["share_of_all_roofline"]:.2f}')
-    print(f'device busy {res["busy_ms_per_step"]:.3f} ms/step; host gap {res["host_gap_ms_per_step"]:.3f} ms/step '
-          f'(unprofiled step - busy); profiled window idle {res["profiled_idle_ms_per_step"]:.3f} ms/step, its '
-          f'{len(res["longest_gaps_us"])} longest gaps median {gap_median:.1f} us; {kernels_per_step:.0f} kernels/step')
-    if on_cuda and not a.eager and kernels_per_step < GRAPH_KERNELS_MIN:
-        print(f'WARNING: {kernels_per_step:.0f} kernels per step with CUDA graphs on: the profiler did not report '
-              'the kernels inside the replayed graphs')
+    print_batch(res, rates.copy_bytes_per_s / 1e9, steps, check_graphs=on_cuda and not a.eager)
     print_breakdown(rows, prof_res['step_ms'] * steps, a.top, steps=steps)
     return res
+
+
+def print_batch(res: dict, copy_gb_s: float, steps: int, check_graphs: bool) -> None:
+    """The summary lines of one batch (`profile_batch`'s figures)."""
+    gaps = res['longest_gaps_us']
+    print(f'\n=== batch {res["batch"]}: step {res["step_ms"]:.3f} ms ({res["decode_tok_s"]:.1f} tok/s; profiled '
+          f'{res["profiled_step_ms"]:.3f} ms), {res["overlapped_steps"]} of {steps} steps overlapped')
+    print(f'weight roofline {res["roofline_weights_ms"]:.3f} ms ({res["weights_gb_per_step"]:.2f} GB / '
+          f'{copy_gb_s:.0f} GB/s): {res["share_of_weight_roofline"]:.2f} of it; with KV and state '
+          f'({res["context_tokens"]} tokens) {res["roofline_all_ms"]:.3f} ms: {res["share_of_all_roofline"]:.2f}')
+    print(f'device busy {res["busy_ms_per_step"]:.3f} ms/step; host gap {res["host_gap_ms_per_step"]:.3f} ms/step '
+          f'(unprofiled step - busy); profiled window idle {res["profiled_idle_ms_per_step"]:.3f} ms/step, its '
+          f'{len(gaps)} longest gaps median {statistics.median(gaps) if gaps else 0.0:.1f} us; '
+          f'{res["kernels_per_step"]:.0f} kernels/step')
+    if check_graphs and res['kernels_per_step'] < GRAPH_KERNELS_MIN:
+        print(f'WARNING: {res["kernels_per_step"]:.0f} kernels per step with CUDA graphs on: the profiler did not '
+              'report the kernels inside the replayed graphs')
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

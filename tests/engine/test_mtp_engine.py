@@ -16,24 +16,30 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines import engine_factory
 from mtp_reference import mtp_checkpoint_builder
+from mtp_runs import (
+    ATOL,
+    MODELS,
+    DraftRecorder,
+    K,
+    assert_pools_returned,
+    check_resume_at_reply_checkpoint,
+    drafts_wrong_at,
+    forced_acceptance_states,
+    greedy,
+    make_engine,
+    mtp_spec,
+    num_free,
+    on_device,
+    random_prompt,
+    record_hits,
+    run_to_idle,
+)
 
-from lmdeploy import SpeculativeConfig
+from lmdeploy.pytorch.engine.spec_decode import PendingDrafts
 from lmdeploy.pytorch.messages import SamplingParams
 
 pytest.importorskip('transformers')
-
-LIN, FULL = 'linear_attention', 'full_attention'
-K = 3
-BLOCK = 16
-ATOL = 2e-4
-make_engine = engine_factory(block_size=BLOCK, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=4,
-                             max_prefill_token_num=256)
-MODELS = {
-    'qwen3_5': ('qwen3_5', dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN])),
-    'qwen3_next': ('qwen3_next', dict(num_hidden_layers=2, layer_types=[LIN, FULL], mlp_only_layers=[1])),
-}
 
 
 @pytest.fixture(scope='module')
@@ -41,52 +47,17 @@ def mtp_model(tiny_model_factory, tmp_path_factory):
     return mtp_checkpoint_builder(tiny_model_factory, tmp_path_factory, MODELS, default='qwen3_5')
 
 
-def _spec(k: int = K) -> SpeculativeConfig:
-    return SpeculativeConfig(method='mtp', num_speculative_tokens=k)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0)
-
-
-def _run(engine, prompts, sampling, collect=False, after_step=None):
-    """Drive the engine to idle (integrity after every step); returns each request's tokens (and logits)."""
-    tokens = {}
-    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    ids = [engine.add_request(p, s, collect_logits=collect,
-                              callback=lambda o: tokens.setdefault(o.seq_id, []).extend(o.new_token_ids))
-           for p, s in zip(prompts, samplings)]
-    while engine.has_work:
-        engine.step()
-        engine.check_integrity()
-        if after_step is not None:
-            after_step(engine)
-    out = [tokens.get(i, []) for i in ids]
-    if collect:
-        return out, [engine.pop_collected_logits(i) for i in ids]
-    return out
-
-
 DEVICES = ['cpu', pytest.param('cuda', marks=pytest.mark.gpu)]
-
-
-def _on(device: str) -> dict:
-    """Engine overrides for `device` (float32 everywhere, so plain and speculative argmaxes never part on a tie)."""
-    return {'device_type': device, 'dtype': 'float32'}
 
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next'])
 def test_greedy_speculative_matches_plain_decoding(mtp_model, name, device):
     path = mtp_model(name)
-    prompts = [_prompt(21, 0), _prompt(35, 1), _prompt(9, 2)]  # concurrent, uneven lengths
-    plain, plain_logits = _run(make_engine(path, **_on(device)), prompts, _greedy(14), collect=True)
-    engine = make_engine(path, speculative_config=_spec(), **_on(device))
-    spec, spec_logits = _run(engine, prompts, _greedy(14), collect=True)
+    prompts = [random_prompt(21, 0), random_prompt(35, 1), random_prompt(9, 2)]  # concurrent, uneven lengths
+    plain, plain_logits = run_to_idle(make_engine(path, **on_device(device)), prompts, greedy(14), collect=True)
+    engine = make_engine(path, speculative_config=mtp_spec(), **on_device(device))
+    spec, spec_logits = run_to_idle(engine, prompts, greedy(14), collect=True)
     assert spec == plain
     for got, want in zip(spec_logits, plain_logits):
         assert got.shape == want.shape
@@ -98,9 +69,9 @@ def test_greedy_speculative_matches_plain_decoding(mtp_model, name, device):
 
 def test_chunked_prefill_speculative_matches_plain(mtp_model):
     path = mtp_model()
-    prompts = [_prompt(50, 3), _prompt(41, 4)]
-    plain = _run(make_engine(path, max_prefill_token_num=16), prompts, _greedy(10))
-    spec = _run(make_engine(path, max_prefill_token_num=16, speculative_config=_spec()), prompts, _greedy(10))
+    prompts = [random_prompt(50, 3), random_prompt(41, 4)]
+    plain = run_to_idle(make_engine(path, max_prefill_token_num=16), prompts, greedy(10))
+    spec = run_to_idle(make_engine(path, max_prefill_token_num=16, speculative_config=mtp_spec()), prompts, greedy(10))
     assert spec == plain
 
 
@@ -108,73 +79,21 @@ def test_stop_token_inside_an_accepted_run_ends_like_plain_decoding(mtp_model):
     """Forced full acceptance: a stop id or a stop sequence deep inside an accepted run ends the request exactly where
     plain decoding ends it (same tokens, nothing after the stop)."""
     path = mtp_model()
-    prompt = _prompt(19, 5)
-    (cont,) = _run(make_engine(path), [prompt], _greedy(16))
+    prompt = random_prompt(19, 5)
+    (cont,) = run_to_idle(make_engine(path), [prompt], greedy(16))
     full = prompt + cont
     for sampling in (SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[cont[6]]),
                      SamplingParams(max_new_tokens=16, temperature=0.0, stop_sequences=(tuple(cont[4:6]),)),
                      SamplingParams(max_new_tokens=5, temperature=0.0)):
-        plain = _run(make_engine(path), [prompt], sampling)
-        engine = make_engine(path, speculative_config=_spec())
+        plain = run_to_idle(make_engine(path), [prompt], sampling)
+        engine = make_engine(path, speculative_config=mtp_spec())
         engine.speculative.set_draft_override(lambda seq, _: (full + [0] * K)[seq.num_tokens:seq.num_tokens + K])
-        assert _run(engine, [prompt], sampling) == plain
-
-
-def _states(engine, slot: int) -> list[torch.Tensor]:
-    return [view[slot].clone() for layer in engine.cache_engine.state_caches for view in layer.values()]
+        assert run_to_idle(engine, [prompt], sampling) == plain
 
 
 def test_forced_acceptance_every_count_leaves_the_plain_decode_state(mtp_model):
-    path = mtp_model()
-    prompt, steps = _prompt(23, 6), 24
-    plain_states = {}
-
-    def keep_plain(engine):
-        for seq, _ in engine._seqs.values():
-            if seq.state_slot is not None:
-                plain_states[seq.num_computed] = _states(engine, seq.state_slot)
-
-    (cont,) = _run(make_engine(path), [prompt], _greedy(steps), after_step=keep_plain)
-    full = prompt + cont + [0] * (2 * K)
-    schedule = iter([0, 1, 2, 3, 3, 2, 1, 0] * 4)  # accepted drafts per step: every count 0 .. K
-
-    def replay(seq, _):
-        t, j = seq.num_tokens, next(schedule)
-        drafts = full[t:t + K]
-        if j < K:
-            drafts[j] = (drafts[j] + 1) % 500
-        return drafts
-
-    engine = make_engine(path, speculative_config=_spec())
-    engine.speculative.set_draft_override(replay)
-    advances, checked = [], 0
-
-    def check_state(engine):
-        nonlocal checked
-        for seq, _ in engine._seqs.values():
-            if seq.state_slot is None or seq.num_computed not in plain_states:
-                continue
-            for got, want in zip(_states(engine, seq.state_slot), plain_states[seq.num_computed]):
-                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            checked += 1
-            advances.append(seq.num_computed)
-
-    (spec,) = _run(engine, [prompt], _greedy(steps), after_step=check_state)
-    assert spec == cont
-    accepted = {b - a - 1 for a, b in zip(advances, advances[1:]) if a >= len(prompt)}
-    assert accepted == set(range(K + 1)), accepted
+    checked, _ = forced_acceptance_states(mtp_model())
     assert checked >= 8
-
-
-class _Recorder:
-    """A draft override that keeps the head's proposals unchanged and records them by (sequence length)."""
-
-    def __init__(self):
-        self.proposals: dict[int, list[int]] = {}
-
-    def __call__(self, seq, drafts):
-        self.proposals[seq.num_tokens] = list(drafts)
-        return drafts
 
 
 def _trie_blocks(engine) -> dict[int, torch.Tensor]:
@@ -198,60 +117,53 @@ def test_prefix_cache_hits_are_lossless_and_drafts_match_a_cold_run(mtp_model, p
     request 2 extends request 1's prompt and resumes at its checkpoint. Tokens equal plain decoding without a cache,
     and the head's drafts after the hit equal those of a cold speculative run of request 2."""
     path = mtp_model()
-    first = _prompt(prompt_len, 7)
-    second = first + _prompt(6, 8)
-    plain, plain_logits = zip(*[_run(make_engine(path, **_on(device)), [p], _greedy(10), collect=True)
+    first = random_prompt(prompt_len, 7)
+    second = first + random_prompt(6, 8)
+    plain, plain_logits = zip(*[run_to_idle(make_engine(path, **on_device(device)), [p], greedy(10), collect=True)
                                 for p in (first, second)])
     plain = [tokens for (tokens,) in plain]
     tol = ATOL if device == 'cpu' else 10 * ATOL
-    cold = _Recorder()
-    engine = make_engine(path, speculative_config=_spec(), **_on(device))
+    cold = DraftRecorder()
+    engine = make_engine(path, speculative_config=mtp_spec(), **on_device(device))
     engine.speculative.set_draft_override(cold)
-    assert _run(engine, [second], _greedy(10)) == [plain[1]]
-    warm = _Recorder()
-    engine = make_engine(path, cache=True, speculative_config=_spec(), **_on(device))
-    assert _run(engine, [first], _greedy(10)) == [plain[0]]
+    assert run_to_idle(engine, [second], greedy(10)) == [plain[1]]
+    warm = DraftRecorder()
+    engine = make_engine(path, cache=True, speculative_config=mtp_spec(), **on_device(device))
+    assert run_to_idle(engine, [first], greedy(10)) == [plain[0]]
     engine.speculative.set_draft_override(warm)
     hits, cached = [], _trie_blocks(engine)
 
     def after_step(e):
-        hits.extend(seq.num_cached for seq, _ in e._seqs.values())
+        record_hits(hits)(e)
         now = _trie_blocks(e)
         for block, data in cached.items():  # no forward writes a block the trie owns (the head's overlap row too)
             if block in now:
                 assert torch.equal(now[block], data), f'trie block {block} was rewritten'
-    out, (logits,) = _run(engine, [second], _greedy(10), collect=True, after_step=after_step)
+    out, (logits,) = run_to_idle(engine, [second], greedy(10), collect=True, after_step=after_step)
     assert out == [plain[1]]
     assert hits and hits[0] == prompt_len  # resumed at request 1's prompt-end checkpoint
     torch.testing.assert_close(logits, plain_logits[1][0][prompt_len:], atol=tol, rtol=tol)
     assert warm.proposals == cold.proposals
     # a third request resumes from request 1's reply checkpoint (unaligned): still exact
-    third = first + plain[0][:-1] + _prompt(3, 9)
-    want, (want_logits,) = _run(make_engine(path, **_on(device)), [third], _greedy(6), collect=True)
-    hits.clear()
-    got, (got_logits,) = _run(engine, [third], _greedy(6), collect=True, after_step=lambda e: hits.extend(
-        seq.num_cached for seq, _ in e._seqs.values()))
-    assert got == want and hits and hits[0] > prompt_len
-    torch.testing.assert_close(got_logits, want_logits[hits[0]:], atol=tol, rtol=tol)
+    check_resume_at_reply_checkpoint(engine, make_engine(path, **on_device(device)), first, plain[0], tol)
 
 
 def test_concurrent_requests_with_prefix_cache_and_chunks(mtp_model):
     path = mtp_model()
-    shared = _prompt(40, 10)
-    prompts = [shared + _prompt(5 + i, 11 + i) for i in range(4)]
-    plain = _run(make_engine(path), prompts, _greedy(12))
-    engine = make_engine(path, cache=True, max_prefill_token_num=32, speculative_config=_spec(2))
-    assert _run(engine, prompts, _greedy(12)) == plain
-    assert _run(engine, prompts, _greedy(12)) == plain  # the second round hits the cache
+    shared = random_prompt(40, 10)
+    prompts = [shared + random_prompt(5 + i, 11 + i) for i in range(4)]
+    plain = run_to_idle(make_engine(path), prompts, greedy(12))
+    engine = make_engine(path, cache=True, max_prefill_token_num=32, speculative_config=mtp_spec(2))
+    assert run_to_idle(engine, prompts, greedy(12)) == plain
+    assert run_to_idle(engine, prompts, greedy(12)) == plain  # the second round hits the cache
     assert engine.stats['hit_tokens'] > 0
 
 
 def test_failed_verify_forward_and_aborts_leak_nothing(mtp_model):
     path = mtp_model()
-    engine = make_engine(path, cache=True, speculative_config=_spec())
-    free_blocks = engine.scheduler.block_manager.num_free
-    free_slots = engine.scheduler.state_manager.num_free
-    ids = [engine.add_request(_prompt(20, 12 + i), _greedy(30)) for i in range(3)]
+    engine = make_engine(path, cache=True, speculative_config=mtp_spec())
+    free = num_free(engine)
+    ids = [engine.add_request(random_prompt(20, 12 + i), greedy(30)) for i in range(3)]
     for _ in range(3):
         engine.step()
         engine.check_integrity()
@@ -268,16 +180,40 @@ def test_failed_verify_forward_and_aborts_leak_nothing(mtp_model):
     assert {o.seq_id for o in outputs if o.error} == set(ids)
     engine.check_integrity()
     # aborts while drafts are pending
-    ids = [engine.add_request(_prompt(20, 20 + i), _greedy(30)) for i in range(3)]
+    ids = [engine.add_request(random_prompt(20, 20 + i), greedy(30)) for i in range(3)]
     for _ in range(3):
         engine.step()
     for i in ids:
         engine.abort_request(i)
     engine.run_until_idle()
     engine.check_integrity()
-    trie_blocks, trie_slots = engine.scheduler.prefix_cache.owners()
-    assert engine.scheduler.block_manager.num_free + sum(1 for _ in trie_blocks) == free_blocks
-    assert engine.scheduler.state_manager.num_free + len(trie_slots) == free_slots
+    assert_pools_returned(engine, free)
+
+
+def test_drafts_are_read_after_the_bookkeeping_and_a_failed_read_only_costs_the_drafts(mtp_model, monkeypatch):
+    """The engine reads a step's drafts after delivering and committing it (`PendingDrafts`); when that read fails
+    the sequences decode their next step without drafts, and the tokens stay plain decoding's."""
+    path = mtp_model()
+    prompts = [random_prompt(20, 30), random_prompt(13, 31)]
+    want = run_to_idle(make_engine(path), prompts, greedy(12))
+    engine = make_engine(path, speculative_config=mtp_spec())
+    order, failures = [], iter([False, False, True])
+    resolve = PendingDrafts.resolve
+
+    def logged(self):
+        order.append('drafts')
+        if next(failures, False):
+            raise RuntimeError('injected draft read failure')
+        return resolve(self)
+    monkeypatch.setattr(PendingDrafts, 'resolve', logged)
+    deliver = engine._deliver_all
+    engine._deliver_all = lambda outs: (order.append('deliver') if outs else None, deliver(outs))[1]
+    drafted = []
+    got = run_to_idle(engine, prompts, greedy(12),
+               after_step=lambda e: drafted.append([bool(s.draft_ids) for s, _ in e._seqs.values()]))
+    assert got == want
+    assert order[:2] == ['deliver', 'drafts']
+    assert drafted[2] == [False, False] and all(drafted[3]) and all(drafted[1])
 
 
 @pytest.mark.parametrize('drafts', ['forced', 'head'])
@@ -288,20 +224,20 @@ def test_rejection_sampling_through_the_engine_samples_the_target_distribution(m
     acceptance and the residual draw happen often."""
     from lmdeploy.pytorch.engine.spec_decode import SampleParams, processed_probs
     path = mtp_model()
-    prompt, top_k, n = _prompt(12, 30), 4, 480
+    prompt, top_k, n = random_prompt(12, 30), 4, 480
     params = SampleParams(1.0, top_k, 1.0, 0.0, None)
     plain = make_engine(path)
-    _, (logits,) = _run(plain, [prompt], _greedy(1), collect=True)
+    _, (logits,) = run_to_idle(plain, [prompt], greedy(1), collect=True)
     first = processed_probs(logits[-1:], params)[0]
     support = first.nonzero()[:, 0].tolist()
     target = {}
     for t1 in support:
-        _, (logits,) = _run(plain, [prompt + [t1]], _greedy(1), collect=True)
+        _, (logits,) = run_to_idle(plain, [prompt + [t1]], greedy(1), collect=True)
         target[t1] = processed_probs(logits[-1:], params)[0]
-    engine = make_engine(path, max_batch_size=16, speculative_config=_spec(2))
+    engine = make_engine(path, max_batch_size=16, speculative_config=mtp_spec(2))
     if drafts == 'forced':
         engine.speculative.set_draft_override(lambda seq, _: [int(target[seq.token_ids[len(prompt)]].argmax())] * 2)
-    runs = _run(engine, [prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=top_k,
+    runs = run_to_idle(engine, [prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=top_k,
                                                       random_seed=i) for i in range(n)])
     counts = {t1: torch.zeros_like(p) for t1, p in target.items()}
     for run in runs:
@@ -325,18 +261,17 @@ def test_decode_interval_checkpoints_come_from_committed_steps_inside_accepted_r
     """Forced full acceptance: the decode-interval steps 16, 32, 48 fall inside accepted runs, so each checkpoint is
     saved from the spare row cut at that draft position. A later request resuming at step 32 is exact."""
     path = mtp_model()
-    prompt = _prompt(10, 40)
-    (cont,) = _run(make_engine(path), [prompt], _greedy(44))
+    prompt = random_prompt(10, 40)
+    (cont,) = run_to_idle(make_engine(path), [prompt], greedy(44))
     full = prompt + cont + [0] * (2 * K)
-    engine = make_engine(path, cache=True, prefix_cache_decode_state_interval=16, speculative_config=_spec())
+    engine = make_engine(path, cache=True, prefix_cache_decode_state_interval=16, speculative_config=mtp_spec())
     engine.speculative.set_draft_override(lambda seq, _: full[seq.num_tokens:seq.num_tokens + K])
-    assert _run(engine, [prompt], _greedy(44)) == [cont]
-    later = full[:35] + _prompt(3, 41)
-    want, (want_logits,) = _run(make_engine(path), [later], _greedy(8), collect=True)
+    assert run_to_idle(engine, [prompt], greedy(44)) == [cont]
+    later = full[:35] + random_prompt(3, 41)
+    want, (want_logits,) = run_to_idle(make_engine(path), [later], greedy(8), collect=True)
     engine.speculative.set_draft_override(None)
     hits = []
-    got, (got_logits,) = _run(engine, [later], _greedy(8), collect=True, after_step=lambda e: hits.extend(
-        seq.num_cached for seq, _ in e._seqs.values()))
+    got, (got_logits,) = run_to_idle(engine, [later], greedy(8), collect=True, after_step=record_hits(hits))
     assert got == want and hits[0] == 32
     # the warm run feeds from step 32: its logits are the cold run's from there on
     torch.testing.assert_close(got_logits, want_logits[32:], atol=ATOL, rtol=ATOL)
@@ -361,20 +296,13 @@ def test_requests_with_logprobs_speculate_and_get_plain_decodings_logprobs(mtp_m
     included), the top logprobs plain decoding reports for it. Forced acceptance (plain greedy's continuation,
     wrong at a varying draft) makes runs of every length 1 .. K + 1."""
     path = mtp_model()
-    prompts = [_prompt(21, 30), _prompt(14, 31)]
+    prompts = [random_prompt(21, 30), random_prompt(14, 31)]
     sampling = SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=3)
     plain, plain_lp = _with_logprobs(make_engine(path), prompts, sampling)
     full = {tuple(p[:4]): p + t + [0] * (2 * K) for p, t in zip(prompts, plain)}
-    schedule = iter([3, 0, 2, 1] * 20)
-
-    def replay(seq, _):
-        t, j = seq.num_tokens, next(schedule)
-        drafts = full[tuple(seq.token_ids[:4])][t:t + K]
-        if j < K:
-            drafts[j] = (drafts[j] + 1) % 500
-        return drafts
-    engine = make_engine(path, speculative_config=_spec())
-    engine.speculative.set_draft_override(replay)
+    engine = make_engine(path, speculative_config=mtp_spec())
+    engine.speculative.set_draft_override(drafts_wrong_at(lambda seq: full[tuple(seq.token_ids[:4])],
+                                                          iter([3, 0, 2, 1] * 20)))
     spec, spec_lp = _with_logprobs(engine, prompts, sampling)
     assert spec == plain
     assert engine.stats['spec_accepted_tokens'] > 0

@@ -12,14 +12,27 @@ decoding of the same checkpoint (plain decoding is itself tested against transfo
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from engines import engine_factory
-from mtp_reference import add_random_mtp_weights
+from mtp_reference import mtp_checkpoint_builder
+from mtp_runs import (
+    ATOL,
+    MODELS,
+    DraftRecorder,
+    K,
+    assert_pools_returned,
+    check_resume_at_reply_checkpoint,
+    forced_acceptance_states,
+    greedy,
+    make_engine,
+    mtp_spec,
+    num_free,
+    on_device,
+    random_prompt,
+    record_hits,
+    run_to_idle,
+)
 
-from lmdeploy import SpeculativeConfig
 from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
 from lmdeploy.pytorch.engine.spec_chain import DraftChainGraphs, build_chain_graphs
 from lmdeploy.pytorch.engine.spec_graphs import HeadGraphs, VerifyGraphRunner
@@ -28,58 +41,10 @@ from lmdeploy.pytorch.messages import SamplingParams
 
 pytest.importorskip('transformers')
 
-LIN, FULL = 'linear_attention', 'full_attention'
-K = 3
-ATOL = 2e-4
-make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=4,
-                             max_prefill_token_num=256, dtype='float32')
-MODELS = {
-    'qwen3_5': ('qwen3_5', dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN])),
-    'qwen3_next': ('qwen3_next', dict(num_hidden_layers=2, layer_types=[LIN, FULL], mlp_only_layers=[1])),
-}
-
 
 @pytest.fixture(scope='module')
 def mtp_model(tiny_model_factory, tmp_path_factory):
-    built = {}
-
-    def get(name: str = 'qwen3_5') -> str:
-        if name not in built:
-            arch, overrides = MODELS[name]
-            path = shutil.copytree(tiny_model_factory(arch, **overrides), tmp_path_factory.mktemp(f'{name}-graphs'),
-                                   dirs_exist_ok=True)
-            built[name] = add_random_mtp_weights(str(path), seed=1)
-        return built[name]
-    return get
-
-
-def _spec(k: int = K) -> SpeculativeConfig:
-    return SpeculativeConfig(method='mtp', num_speculative_tokens=k)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0)
-
-
-def _run(engine, prompts, sampling, collect=False, after_step=None):
-    """Drive the engine to idle (integrity after every step); returns each request's tokens (and logits)."""
-    tokens = {}
-    ids = [engine.add_request(p, sampling, collect_logits=collect,
-                              callback=lambda o: tokens.setdefault(o.seq_id, []).extend(o.new_token_ids))
-           for p in prompts]
-    while engine.has_work:
-        engine.step()
-        engine.check_integrity()
-        if after_step is not None:
-            after_step(engine)
-    out = [tokens.get(i, []) for i in ids]
-    if collect:
-        return out, [engine.pop_collected_logits(i) for i in ids]
-    return out
+    return mtp_checkpoint_builder(tiny_model_factory, tmp_path_factory, MODELS, default='qwen3_5')
 
 
 class _Counted:
@@ -113,17 +78,6 @@ def _eager_on_static_buffers(runner: CUDAGraphRunner) -> None:
     runner.run = run
 
 
-class _Recorder:
-    """A draft override that keeps the head's proposals and records them by (prompt start, sequence length)."""
-
-    def __init__(self):
-        self.proposals: dict[tuple, list[int]] = {}
-
-    def __call__(self, seq, drafts):
-        self.proposals[(tuple(seq.token_ids[:4]), seq.num_tokens)] = list(drafts)
-        return drafts
-
-
 def _through_static_buffers(engine, chain: bool = True):
     """Give a CPU speculative engine the graph runners of a CUDA one, never capturing: every forward they support
     runs eagerly on their padded static buffers (`chain=False`: no greedy-chain graph, as with
@@ -150,16 +104,16 @@ def _through_static_buffers(engine, chain: bool = True):
 @pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next'])
 def test_padded_static_buffers_give_plain_greedy_tokens_and_logits(mtp_model, name):
     path = mtp_model(name)
-    prompts = [_prompt(21, 0), _prompt(35, 1), _prompt(9, 2)]  # 3 rows pad to a verify graph of 4
-    plain, plain_logits = _run(make_engine(path), prompts, _greedy(14), collect=True)
-    eager = make_engine(path, speculative_config=_spec())
-    eager.speculative.set_draft_override(eager_drafts := _Recorder())
-    assert _run(eager, prompts, _greedy(14)) == plain
+    prompts = [random_prompt(21, 0), random_prompt(35, 1), random_prompt(9, 2)]  # 3 rows pad to a verify graph of 4
+    plain, plain_logits = run_to_idle(make_engine(path), prompts, greedy(14), collect=True)
+    eager = make_engine(path, speculative_config=mtp_spec())
+    eager.speculative.set_draft_override(eager_drafts := DraftRecorder())
+    assert run_to_idle(eager, prompts, greedy(14)) == plain
     for chain in (True, False):  # the greedy chain in one graph, and step by step through the head's graphs
-        engine = make_engine(path, speculative_config=_spec())
+        engine = make_engine(path, speculative_config=mtp_spec())
         verify, head, chained = _through_static_buffers(engine, chain=chain)
-        engine.speculative.set_draft_override(drafts := _Recorder())
-        spec, spec_logits = _run(engine, prompts, _greedy(14), collect=True)
+        engine.speculative.set_draft_override(drafts := DraftRecorder())
+        spec, spec_logits = run_to_idle(engine, prompts, greedy(14), collect=True)
         assert spec == plain
         for got, want in zip(spec_logits, plain_logits):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
@@ -174,7 +128,7 @@ def test_greedy_chain_derives_the_rows_plan_chain_builds_on_the_host(mtp_model):
     """The chain graph gets chained step 1's rows only; every later step's positions, KV slots and lengths (derived
     on the device) equal `plan_chain`'s for that step, its tokens are the previous round's drafts, and padding rows
     write no KV and read none."""
-    engine = make_engine(mtp_model(), speculative_config=_spec())
+    engine = make_engine(mtp_model(), speculative_config=mtp_spec())
     _through_static_buffers(engine)
     spec, agent, maker = engine.speculative, engine.agent, engine.inputs_maker
     planned, checked = [], []
@@ -185,7 +139,8 @@ def test_greedy_chain_derives_the_rows_plan_chain_builds_on_the_host(mtp_model):
         return chains_of(drafting, params)
 
     def check(*args, greedy_chain=False, **kw):
-        ids, probs = draft(*args, greedy_chain=greedy_chain, **kw)
+        pending = draft(*args, greedy_chain=greedy_chain, **kw)
+        ids, _ = pending.resolve()
         if greedy_chain:
             seqs, size = planned[-1], agent.chain_graphs.size_of(len(planned[-1]), 1)
             for step in range(1, K):
@@ -197,9 +152,10 @@ def test_greedy_chain_derives_the_rows_plan_chain_builds_on_the_host(mtp_model):
                 assert got['kv_lens'] == want.kv_lens.tolist() + [0] * pad
                 assert got['input_ids'] == [row[step - 1] for row in ids] + [0] * pad
             checked.append(len(seqs))
-        return ids, probs
+        return pending
     spec._chains, agent.draft = record, check
-    _run(engine, [_prompt(21, 0), _prompt(30, 3), _prompt(12, 4)], _greedy(10))  # 3 drafting rows pad to 4
+    prompts = [random_prompt(21, 0), random_prompt(30, 3), random_prompt(12, 4)]
+    run_to_idle(engine, prompts, greedy(10))  # 3 drafting rows pad to 4
     assert 3 in checked
 
 
@@ -210,13 +166,13 @@ def test_chain_graph_switch_and_sampled_drafts_take_the_step_by_step_chain(mtp_m
     assert build_chain_graphs(None, None, None, 4, 8, K, torch.device('cpu')) is None
     monkeypatch.delenv('LMDEPLOY_SPEC_CHAIN_GRAPH')
     path = mtp_model()
-    prompts = [_prompt(21, 0), _prompt(17, 5)]
-    (want,) = _run(make_engine(path), prompts[:1], _greedy(12))
-    engine = make_engine(path, speculative_config=_spec())
+    prompts = [random_prompt(21, 0), random_prompt(17, 5)]
+    (want,) = run_to_idle(make_engine(path), prompts[:1], greedy(12))
+    engine = make_engine(path, speculative_config=mtp_spec())
     _, head, chained = _through_static_buffers(engine)
     tokens = {}
     ids = [engine.add_request(p, s, callback=lambda o: tokens.setdefault(o.seq_id, []).extend(o.new_token_ids))
-           for p, s in zip(prompts, (_greedy(12), SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20)))]
+           for p, s in zip(prompts, (greedy(12), SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20)))]
     calls = []
     while engine.has_work:
         engine.step()
@@ -226,73 +182,30 @@ def test_chain_graph_switch_and_sampled_drafts_take_the_step_by_step_chain(mtp_m
     assert calls[2] == 0 and calls[-1] > 0  # mixed steps: step by step; once the sampled request ends: the graph
 
 
-def _states(engine, slot: int) -> list[torch.Tensor]:
-    return [view[slot].clone() for layer in engine.cache_engine.state_caches for view in layer.values()]
-
-
 def test_padded_verify_leaves_the_plain_decode_state_for_every_acceptance_count(mtp_model):
-    path = mtp_model()
-    prompt, steps = _prompt(23, 6), 24
-    plain_states = {}
-
-    def keep_plain(engine):
-        for seq, _ in engine._seqs.values():
-            if seq.state_slot is not None:
-                plain_states[seq.num_computed] = _states(engine, seq.state_slot)
-    (cont,) = _run(make_engine(path), [prompt], _greedy(steps), after_step=keep_plain)
-    full = prompt + cont + [0] * (2 * K)
-    schedule = iter([0, 1, 2, 3, 3, 2, 1, 0] * 4)  # accepted drafts per step: every count 0 .. K
-
-    def replay(seq, _):
-        t, j = seq.num_tokens, next(schedule)
-        drafts = full[t:t + K]
-        if j < K:
-            drafts[j] = (drafts[j] + 1) % 500
-        return drafts
-    engine = make_engine(path, speculative_config=_spec())
-    verify, _, _ = _through_static_buffers(engine)
-    engine.speculative.set_draft_override(replay)
-    advances = []
-
-    def check_state(engine):
-        for seq, _ in engine._seqs.values():
-            if seq.state_slot is not None and seq.num_computed in plain_states:
-                for got, want in zip(_states(engine, seq.state_slot), plain_states[seq.num_computed]):
-                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-                advances.append(seq.num_computed)
-    (spec,) = _run(engine, [prompt], _greedy(steps), after_step=check_state)
-    assert spec == cont
-    accepted = {b - a - 1 for a, b in zip(advances, advances[1:]) if a >= len(prompt)}
-    assert accepted == set(range(K + 1)), accepted
+    _, (verify, _, _) = forced_acceptance_states(mtp_model(), prepare=_through_static_buffers)
     assert verify.calls >= 8
 
 
 def _unaligned_hits(engine_of, path: str) -> None:
     """Request 2 extends request 1's prompt (37 tokens: an unaligned prompt-end checkpoint) and resumes there; a
     third resumes at request 1's reply checkpoint. Tokens and logits equal plain decoding without a cache."""
-    first = _prompt(37, 7)
-    second = first + _prompt(6, 8)
-    plain = [_run(engine_of(path), [p], _greedy(10), collect=True) for p in (first, second)]
-    engine = engine_of(path, cache=True, speculative_config=_spec())
-    assert _run(engine, [first], _greedy(10)) == plain[0][0]
+    first = random_prompt(37, 7)
+    second = first + random_prompt(6, 8)
+    plain = [run_to_idle(engine_of(path), [p], greedy(10), collect=True) for p in (first, second)]
+    engine = engine_of(path, cache=True, speculative_config=mtp_spec())
+    assert run_to_idle(engine, [first], greedy(10)) == plain[0][0]
     hits = []
-    record = lambda e: hits.extend(seq.num_cached for seq, _ in e._seqs.values())  # noqa: E731
-    out, (logits,) = _run(engine, [second], _greedy(10), collect=True, after_step=record)
+    out, (logits,) = run_to_idle(engine, [second], greedy(10), collect=True, after_step=record_hits(hits))
     assert out == plain[1][0] and hits and hits[0] == len(first)
     tol = ATOL if engine.device.type == 'cpu' else 10 * ATOL
     torch.testing.assert_close(logits, plain[1][1][0][len(first):], atol=tol, rtol=tol)
-    third = first + plain[0][0][0][:-1] + _prompt(3, 9)
-    want, (want_logits,) = _run(engine_of(path), [third], _greedy(6), collect=True)
-    hits.clear()
-    got, (got_logits,) = _run(engine, [third], _greedy(6), collect=True, after_step=record)
-    assert got == want and hits and hits[0] > len(first)
-    torch.testing.assert_close(got_logits, want_logits[hits[0]:], atol=tol, rtol=tol)
+    check_resume_at_reply_checkpoint(engine, engine_of(path), first, plain[0][0][0], tol)
 
 
 def _aborts_mid_verify_leak_nothing(engine) -> None:
-    free_blocks = engine.scheduler.block_manager.num_free
-    free_slots = engine.scheduler.state_manager.num_free
-    ids = [engine.add_request(_prompt(20, 12 + i), _greedy(30)) for i in range(3)]
+    free = num_free(engine)
+    ids = [engine.add_request(random_prompt(20, 12 + i), greedy(30)) for i in range(3)]
     for _ in range(3):
         engine.step()
         engine.check_integrity()
@@ -304,9 +217,7 @@ def _aborts_mid_verify_leak_nothing(engine) -> None:
         engine.abort_request(i)
     engine.run_until_idle()
     engine.check_integrity()
-    trie_blocks, trie_slots = engine.scheduler.prefix_cache.owners()
-    assert engine.scheduler.block_manager.num_free + sum(1 for _ in trie_blocks) == free_blocks
-    assert engine.scheduler.state_manager.num_free + len(trie_slots) == free_slots
+    assert_pools_returned(engine, free)
 
 
 def test_padded_static_buffers_are_exact_on_unaligned_prefix_cache_hits(mtp_model):
@@ -319,26 +230,22 @@ def test_padded_static_buffers_are_exact_on_unaligned_prefix_cache_hits(mtp_mode
 
 
 def test_aborts_mid_verify_through_static_buffers_leak_nothing(mtp_model):
-    engine = make_engine(mtp_model(), cache=True, speculative_config=_spec())
+    engine = make_engine(mtp_model(), cache=True, speculative_config=mtp_spec())
     _through_static_buffers(engine)
     _aborts_mid_verify_leak_nothing(engine)
 
 
 # ---- on the GPU: real graphs ---------------------------------------------------------------------------------------
-def _cuda(**overrides):
-    return dict(device_type='cuda', **overrides)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize('name', ['qwen3_5', 'qwen3_next'])
 def test_graph_replay_of_speculative_steps_equals_eager_and_plain(mtp_model, name):
     path = mtp_model(name)
-    prompts = [_prompt(21, 0), _prompt(35, 1), _prompt(9, 2)]
-    plain, plain_logits = _run(make_engine(path, **_cuda()), prompts, _greedy(14), collect=True)
-    eager, eager_logits = _run(make_engine(path, speculative_config=_spec(), **_cuda(eager_mode=True)), prompts,
-                               _greedy(14), collect=True)
-    engine = make_engine(path, speculative_config=_spec(), **_cuda())
-    graphs, graph_logits = _run(engine, prompts, _greedy(14), collect=True)
+    prompts = [random_prompt(21, 0), random_prompt(35, 1), random_prompt(9, 2)]
+    plain, plain_logits = run_to_idle(make_engine(path, **on_device('cuda')), prompts, greedy(14), collect=True)
+    eager_engine = make_engine(path, speculative_config=mtp_spec(), **on_device('cuda', eager_mode=True))
+    eager, eager_logits = run_to_idle(eager_engine, prompts, greedy(14), collect=True)
+    engine = make_engine(path, speculative_config=mtp_spec(), **on_device('cuda'))
+    graphs, graph_logits = run_to_idle(engine, prompts, greedy(14), collect=True)
     assert graphs == eager == plain
     for got, eager_row, want in zip(graph_logits, eager_logits, plain_logits):
         # CUDA: the padded graph's GEMMs see other row counts than eager's, and a K + 1 token verify runs other
@@ -355,14 +262,14 @@ def test_greedy_chain_graph_drafts_as_the_step_by_step_chain(mtp_model, monkeypa
     """The greedy chain in one replay proposes exactly the drafts of the step-by-step chain through the head's
     graphs (LMDEPLOY_SPEC_CHAIN_GRAPH=0), at every step of every request, and both decode as plain decoding."""
     path = mtp_model()
-    prompts = [_prompt(21, 0), _prompt(35, 1), _prompt(9, 2)]
-    plain = _run(make_engine(path, **_cuda()), prompts, _greedy(14))
+    prompts = [random_prompt(21, 0), random_prompt(35, 1), random_prompt(9, 2)]
+    plain = run_to_idle(make_engine(path, **on_device('cuda')), prompts, greedy(14))
     runs = {}
     for switch in ('0', '1'):
         monkeypatch.setenv('LMDEPLOY_SPEC_CHAIN_GRAPH', switch)
-        engine = make_engine(path, speculative_config=_spec(), **_cuda())
-        engine.speculative.set_draft_override(drafts := _Recorder())
-        runs[switch] = (_run(engine, prompts, _greedy(14)), drafts.proposals, engine.agent.chain_graphs)
+        engine = make_engine(path, speculative_config=mtp_spec(), **on_device('cuda'))
+        engine.speculative.set_draft_override(drafts := DraftRecorder())
+        runs[switch] = (run_to_idle(engine, prompts, greedy(14)), drafts.proposals, engine.agent.chain_graphs)
     (off, off_drafts, off_graphs), (on, on_drafts, on_graphs) = runs['0'], runs['1']
     assert off_graphs is None and on_graphs.num_replays > 0
     assert on == off == plain
@@ -372,12 +279,12 @@ def test_greedy_chain_graph_drafts_as_the_step_by_step_chain(mtp_model, monkeypa
 @pytest.mark.gpu
 def test_graph_replay_is_exact_on_unaligned_prefix_cache_hits(mtp_model):
     def engine_of(path, **kw):
-        return make_engine(path, **_cuda(), **kw)
+        return make_engine(path, **on_device('cuda'), **kw)
     _unaligned_hits(engine_of, mtp_model())
 
 
 @pytest.mark.gpu
 def test_aborts_mid_verify_with_graphs_leak_nothing(mtp_model):
-    engine = make_engine(mtp_model(), cache=True, speculative_config=_spec(), **_cuda())
+    engine = make_engine(mtp_model(), cache=True, speculative_config=mtp_spec(), **on_device('cuda'))
     _aborts_mid_verify_leak_nothing(engine)
     assert engine.agent.verify_graphs.num_replays > 0

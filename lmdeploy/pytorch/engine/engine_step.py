@@ -91,9 +91,11 @@ class EngineStep:
         if result is not None:
             self.routes.store(sched.seqs, sched.num_new_tokens, result.routed_experts)
         updates = self.scheduler.update(sched, rows)
+        settle_drafts = None
         if self.speculative is not None:
-            try:  # fix-ups, the head's catch-up, save copies, the next drafts
-                self.speculative.draft(sched, result, updates, self._generators, self._collected_logits)
+            try:  # fix-ups, the head's catch-up, save copies, the next drafts (launched; read back below)
+                settle_drafts = self.speculative.draft(sched, result, updates, self._generators,
+                                                       self._collected_logits)
             except Exception as exc:
                 logger.exception('drafting failed')
                 return self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
@@ -103,7 +105,18 @@ class EngineStep:
         self.scheduler.release(plan, copied=self._copy(plan))
         for seq, _ in plan.finishing:
             self._forget(seq.seq_id)
+        if settle_drafts is not None:
+            self._settle_drafts(settle_drafts)
         return outputs + self._deliver_all([self._reject(seq, error) for seq, error in rejected])
+
+    @staticmethod
+    def _settle_drafts(settle) -> None:
+        """The drafts' host read, after the bookkeeping above ran while the device drafted. A failure here leaves
+        the sequences without drafts: every draft is verified, so the output stays exact (only slower)."""
+        try:
+            settle()
+        except Exception:  # noqa: BLE001 - drafts are an optimisation; the next forward surfaces a device fault
+            logger.exception('reading the drafts failed; the sequences decode without drafts')
 
     # ---- async scheduling ---------------------------------------------------------------------------------------
     def _take_inflight(self) -> LaunchedStep:

@@ -28,7 +28,7 @@ from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
 from .packed_upload import packable, upload_packed
 from .spec_chain import DraftChainGraphs, build_chain_graphs
-from .spec_decode import SampleParams, SpeculativeDecoder, VerifyOutput
+from .spec_decode import PendingDrafts, SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
 from .vision_cache import VisionEncoderCache
@@ -307,10 +307,11 @@ class ModelAgent:
     def draft(self, fixups: CacheCheckpointInputs | None, plan: HeadPlan, hidden: torch.Tensor,
               chains: list[ModelInputs], params: list[SampleParams | None],
               cache_inputs: CacheCheckpointInputs | None, verified: CacheCheckpointInputs | None = None,
-              greedy_chain: bool = False) -> tuple[list[list[int]], list]:
+              greedy_chain: bool = False) -> PendingDrafts:
         """Speculative step, part 2: state fix-ups, the head's catch-up, the verify forward's save copies and those
         of the checkpoints at committed steps (`verified`), drafts. `greedy_chain`: the whole greedy chain replays
-        at once (`greedy_chain_fits` held; `chains` holds chained step 1 only)."""
+        at once (`greedy_chain_fits` held; `chains` holds chained step 1 only). The drafts' host copy is left
+        pending (`PendingDrafts.resolve`)."""
         fixups, verified, head_inputs, *chains = self._upload(fixups, verified, plan.inputs, *chains)
         plan = plan._replace(inputs=head_inputs)
         with self.streams.forward():

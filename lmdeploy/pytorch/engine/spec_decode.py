@@ -54,6 +54,28 @@ class VerifyOutput(NamedTuple):
     run_logprobs: list[list[dict[int, float]] | None] | None = None
 
 
+class PendingDrafts:
+    """The drafts of one draft step with their host copy pending (`DeviceTokens`): `resolve()` waits for that copy
+    only, then applies the draft override. The engine resolves after its bookkeeping (deliver, commit, release),
+    which so runs while the device drafts."""
+
+    def __init__(self, tokens: DeviceTokens | None, dists: list, seqs: list[SchedulerSequence],
+                 override: DraftOverride | None):
+        self.tokens, self.dists, self.seqs, self.override = tokens, dists, seqs, override
+
+    def resolve(self) -> tuple[list[list[int]], list]:
+        """(drafts per drafting sequence, their draft distributions or None) on the host."""
+        if self.tokens is None:
+            return [], []
+        ids, dists = self.tokens.tolist(), self.dists
+        if self.override is not None:
+            ids = [list(self.override(seq, row)) for seq, row in zip(self.seqs, ids)]
+            # a fixed proposal is a draw from a point mass: rejection sampling stays exact with q = one-hot
+            dists = [None if d is None else torch.nn.functional.one_hot(
+                torch.tensor(row, device=d.device), d.size(-1)).to(d.dtype) for d, row in zip(dists, ids)]
+        return ids, dists
+
+
 class SampleParams(NamedTuple):
     """One sampled sequence's draw parameters (speculative rows only take these)."""
     temperature: float
@@ -193,35 +215,31 @@ class SpeculativeDecoder:
     # ---- draft --------------------------------------------------------------------------------------------------
     def draft(self, head_hidden: Callable[[torch.Tensor, ModelInputs], torch.Tensor], plan: HeadPlan,
               hidden: torch.Tensor, chain_inputs: Callable[[int], ModelInputs], params: list[SampleParams | None],
-              save: Callable[[], None], chain: GreedyChain | None = None) -> tuple[list[list[int]], list]:
+              save: Callable[[], None], chain: GreedyChain | None = None) -> PendingDrafts:
         """Catch-up, then `save()`, then the drafts of `plan.drafting` (greedy where `params[i]` is None, else drawn
         from the head's processed distribution, which is returned for rejection sampling). `head_hidden(prev,
         inputs)` runs the head (graph or eager); `chain(prev, chain_inputs(1))`, when given and every drafting
-        sequence is greedy, runs the whole greedy chain at once (`spec_chain`; None: it does not fit). One host read:
-        the drafts."""
+        sequence is greedy, runs the whole greedy chain at once (`spec_chain`; None: it does not fit). The drafts'
+        one host read is left pending (`PendingDrafts.resolve`)."""
         index = upload_index_tensors({'hidden': plan.hidden_index, 'last': plan.last_rows}, hidden.device)
         out_hidden = None
         if plan.inputs is not None:
             out_hidden = head_hidden(hidden[index['hidden']], plan.inputs)
         save()
         if not plan.drafting:
-            return [], []
+            return PendingDrafts(None, [], [], None)
         prev = out_hidden[index['last']]
         drafted = chain(prev, chain_inputs(1)) if chain is not None and all(p is None for p in params) else None
         if drafted is not None:
-            ids, dists = DeviceTokens(drafted).tolist(), [None] * len(params)
+            tokens, dists = drafted, [None] * len(params)
         else:
-            ids, dists = self._chain_steps(head_hidden, prev, chain_inputs, params)
-        if self.draft_override is not None:
-            ids = [list(self.draft_override(plan.seqs[i], row)) for i, row in zip(plan.drafting, ids)]
-            # a fixed proposal is a draw from a point mass: rejection sampling stays exact with q = one-hot
-            dists = [None if d is None else torch.nn.functional.one_hot(
-                torch.tensor(row, device=d.device), d.size(-1)).to(d.dtype) for d, row in zip(dists, ids)]
-        return ids, dists
+            tokens, dists = self._chain_steps(head_hidden, prev, chain_inputs, params)
+        return PendingDrafts(DeviceTokens(tokens), dists, [plan.seqs[i] for i in plan.drafting], self.draft_override)
 
     def _chain_steps(self, head_hidden, prev: torch.Tensor, chain_inputs: Callable[[int], ModelInputs],
-                     params: list[SampleParams | None]) -> tuple[list[list[int]], list]:
-        """The chain step by step: draw (eager lm_head), then one head step per further draft."""
+                     params: list[SampleParams | None]) -> tuple[torch.Tensor, list]:
+        """The chain step by step: draw (eager lm_head), then one head step per further draft. Returns the drafts
+        [D, K] on the device and each sampled row's draft distributions [K, V] (None for greedy rows)."""
         drafts, probs = [], []
         for step in range(self.k):
             if step:
@@ -231,10 +249,9 @@ class SpeculativeDecoder:
             token, prob = self._draw(self.model.compute_logits(prev), params)
             drafts.append(token)
             probs.append(prob)
-        ids = DeviceTokens(torch.stack(drafts, dim=1)).tolist()
         dists = [None if p is None else torch.stack([probs[s][i] for s in range(self.k)])
                  for i, p in enumerate(params)]
-        return ids, dists
+        return torch.stack(drafts, dim=1), dists
 
     @staticmethod
     def _draw(logits: torch.Tensor, params: list[SampleParams | None]) -> tuple[torch.Tensor, list]:

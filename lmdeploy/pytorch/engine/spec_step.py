@@ -1,11 +1,14 @@
 """The engine's speculative (MTP) step: glue between the scheduler's records and the device work of `spec_decode`.
 
-Owns the acceptance counters (`SpecDecodeStats`). Order inside `Engine._run_forward`, with speculation on:
+Owns the acceptance counters (`SpecDecodeStats`). Order inside `EngineStep._run_forward`, with speculation on:
 `forward` (verify forward: restores, target, hidden rows, acceptance) -> `Scheduler.update` (verified runs appended,
-state fix-ups planned) -> `draft` (fix-ups, the head's catch-up, save copies, drafts onto the sequences) -> deliver
--> `Scheduler.commit` ... as in plain decoding. A failure in either call fails the batch (`Scheduler.cancel`).
+state fix-ups planned) -> `draft` (fix-ups, the head's catch-up, save copies, drafts: launched) -> deliver ->
+`Scheduler.commit` ... as in plain decoding -> `settle()` (the drafts' host read, onto the sequences). A failure in
+either call fails the batch (`Scheduler.cancel`); a failed `settle()` only leaves the sequences without drafts.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -71,10 +74,13 @@ class SpeculativeStep:
         return SpecForwardResult(verify, plan, device_cache_inputs, logits)
 
     def draft(self, sched: SchedulerOutput, result: SpecForwardResult | None, updates: list[SequenceUpdate],
-              generators: dict[int, torch.Generator], collected: dict[int, list[torch.Tensor]]) -> None:
-        """After `Scheduler.update`: fix-ups, catch-up, saves, and the next drafts onto the sequences."""
+              generators: dict[int, torch.Generator], collected: dict[int, list[torch.Tensor]]
+              ) -> Callable[[], None] | None:
+        """After `Scheduler.update`: fix-ups, catch-up, saves and drafts, launched. Returns `settle()`, which puts
+        the next drafts onto the sequences (their host read); the engine calls it after its bookkeeping and before
+        the next schedule. None: nothing to settle."""
         if result is None:
-            return
+            return None
         stopped = {u.seq.seq_id for u in updates if u.finish_reason is not None}
         sampled_ids = {u.seq.seq_id for u in updates}
         plan = result.plan
@@ -96,10 +102,15 @@ class SpeculativeStep:
         fixups = CacheCheckpointInputs(state_restore_plan=torch.tensor(sched.draft_fixups, dtype=torch.int64).T
                                        .contiguous()) if sched.draft_fixups else None
         verified = maker.make_cache_inputs(sched.verified)  # decode-interval checkpoints at committed steps
-        ids, probs = self.agent.draft(fixups, head, result.verify.hidden, chains, params, result.cache_inputs,
-                                      verified, greedy_chain=whole)
-        for seq, row, prob in zip(drafting, ids, probs):
-            seq.draft_ids, seq.draft_probs = list(row), prob
+        pending = self.agent.draft(fixups, head, result.verify.hidden, chains, params, result.cache_inputs,
+                                   verified, greedy_chain=whole)
+
+        def settle() -> None:
+            ids, probs = pending.resolve()
+            for seq, row, prob in zip(drafting, ids, probs):
+                if not seq.is_finished:  # aborted or failed since the launch: no drafts
+                    seq.draft_ids, seq.draft_probs = list(row), prob
+        return settle
 
     def _chains(self, drafting: list[SchedulerSequence], params: list) -> tuple[list[ModelInputs], bool]:
         """The chained steps' inputs, and whether the whole greedy chain replays at once (`spec_chain`): then only
