@@ -1,196 +1,34 @@
-"""Triton cache-copy, KV-fill and paged-attention kernels against their pure-torch references.
+"""Triton paged-attention kernels (prefill, split-KV prefill, decode, gathered prefill) against the pure-torch
+reference; the cache-copy and KV-fill kernels are `test_kv_cache_kernels.py`.
 
 The same case checkers run twice:
 - on the CPU under the Triton interpreter (tiny shapes), in a subprocess started with TRITON_INTERPRET=1, because
   Triton decides at `@triton.jit` time whether a kernel is interpreted;
 - on the GPU (`@pytest.mark.gpu`, odd shapes), in this process.
 
-Attention caches are strided K/V views of a packed page pool, as `CacheEngine` builds them; every token slot that no
-sequence owns holds NaN, so a kernel that reads past `kv_len` or through a padded block-table entry fails loudly.
+Attention caches are strided K/V views of a packed page pool, as `CacheEngine` builds them (`paged_kv_pool.py`);
+every token slot that no sequence owns holds NaN, so a kernel that reads past `kv_len` or through a padded
+block-table entry fails loudly.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import check_cases_interpreted, run_checks_interpreted
 from numeric import assert_close
+from paged_kv_pool import DTYPES, assign_pages, fill_history, make_kv_pool
 
 from lmdeploy.pytorch.kernels.cuda import paged_prefill_attention as prefill_mod
-from lmdeploy.pytorch.kernels.cuda.copy_packed_cache import copy_packed_cache
-from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
 from lmdeploy.pytorch.kernels.cuda.paged_attention import paged_decode_attention
 from lmdeploy.pytorch.kernels.cuda.paged_prefill_attention import paged_prefill_attention, prefill_num_splits
-from lmdeploy.pytorch.kernels.default import cache_copy as ref_copy
 from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
 
-DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
 # (atol, rtol) of the attention output against an fp32 reference computed from the same (rounded) inputs.
 TOLERANCE = {'bf16': (2e-2, 2e-2), 'fp16': (4e-3, 4e-3), 'fp32': (1e-4, 1e-4)}
-
-
-# --------------------------------------------------------------------------------------------- copy_packed_cache
-
-
-@dataclass(frozen=True)
-class CopyCase:
-    lead: tuple[int, ...]      # leading (layer) dims
-    pages_per_block: int
-    page_bytes: int
-    num_blocks: int
-    pairs: tuple[tuple[int, int], ...]
-    byte_offset: int = 0       # storage offset of the pool inside its buffer (alignment fallback)
-
-    @property
-    def id(self) -> str:
-        lead = 'x'.join(map(str, self.lead))
-        return f'L{lead}-ppb{self.pages_per_block}-PB{self.page_bytes}-N{len(self.pairs)}-off{self.byte_offset}'
-
-
-def check_copy(case: CopyCase, device: str) -> None:
-    gen = torch.Generator().manual_seed(len(case.pairs) * 131 + case.page_bytes)
-    num_pages = case.num_blocks * case.pages_per_block
-    numel = torch.Size([*case.lead, num_pages, case.page_bytes]).numel()
-    buffer = torch.randint(0, 256, (numel + case.byte_offset,), dtype=torch.uint8, generator=gen).to(device)
-    pool = buffer[case.byte_offset:].view(*case.lead, num_pages, case.page_bytes)
-    expected = pool.clone()
-    head = buffer[:case.byte_offset].clone()
-    src = torch.tensor([s for s, _ in case.pairs], dtype=torch.int64, device=device)
-    dst = torch.tensor([d for _, d in case.pairs], dtype=torch.int64, device=device)
-    ref_copy.copy_packed_cache(expected, src, dst, case.pages_per_block)
-    copy_packed_cache(pool, src, dst, case.pages_per_block, debug=True)
-    assert torch.equal(pool, expected), case.id
-    assert torch.equal(buffer[:case.byte_offset], head), case.id
-
-
-COPY_CASES_CPU = [
-    CopyCase((2,), 1, 48, 6, ((0, 3), (5, 1), (2, 4))),
-    CopyCase((2,), 2, 48, 5, ((4, 0), (1, 2))),
-    CopyCase((2,), 4, 96, 4, ((3, 1), (0, 2))),
-    CopyCase((2,), 1, 7, 6, ((1, 4), (0, 3), (2, 5))),           # odd bytes: uint8 words
-    CopyCase((2,), 2, 6, 5, ((1, 4),)),                           # 12-byte blocks: int32 words
-    CopyCase((2,), 4, 96, 3, ()),                                 # empty plan: no launch
-    CopyCase((2, 3), 2, 48, 4, ((0, 3), (2, 1))),                 # several leading dims
-    CopyCase((2,), 2, 48, 4, ((3, 0),), byte_offset=4),           # 4-byte-aligned pool: int32 words
-]
-
-COPY_CASES_GPU = [
-    CopyCase((48,), 1, 2 * 64 * 2 * 256 * 2, 24, tuple((i, 12 + i) for i in range(8))),
-    CopyCase((48,), 4, 2 * 16 * 2 * 256 * 2, 20, tuple((2 * i + 1, 2 * i + 10) for i in range(5))),
-    CopyCase((3,), 2, 48, 9, ((8, 0), (1, 7), (2, 6), (3, 5))),
-    CopyCase((3,), 4, 13, 7, ((6, 0), (1, 5))),
-    CopyCase((5,), 1, 2 * 16 * 2 * 80 * 2, 9, ()),
-    CopyCase((2,), 2, 48, 4, ((3, 0), (1, 2)), byte_offset=2),
-]
-
-
-# --------------------------------------------------------------------------------------------- paged KV pool
-
-
-def make_kv_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A NaN-filled packed pool `[P, page_bytes]` and its strided K and V views `[P, kbs, H, D]`."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    pool = torch.empty(num_pages, 2 * page_size * num_kv_heads * head_dim * elem, dtype=torch.uint8, device=device)
-    pages = pool.view(dtype).view(num_pages, 2, page_size, num_kv_heads, head_dim)
-    pages.fill_(float('nan'))
-    return pool, pages[:, 0], pages[:, 1]
-
-
-def assign_pages(kv_lens: list[int], page_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
-    """Block tables `[B, max_pages]` of shuffled distinct pages (padded with 0) and the pool size they need."""
-    counts = [-(-n // page_size) for n in kv_lens]
-    num_pages = sum(counts) + 3  # spare pages stay NaN
-    order = torch.randperm(num_pages, generator=gen)
-    tables = torch.zeros(len(kv_lens), max([*counts, 1]), dtype=torch.int64)
-    start = 0
-    for b, count in enumerate(counts):
-        tables[b, :count] = order[start:start + count]
-        start += count
-    return tables, num_pages
-
-
-def fill_history(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, kv_lens: list[int],
-                 gen: torch.Generator) -> None:
-    """Random K/V for every owned token slot (positions < kv_len); everything else stays NaN."""
-    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    for b, kv_len in enumerate(kv_lens):
-        pos = torch.arange(kv_len)
-        pages, offsets = tables[b, pos // page_size].to(k_cache.device), (pos % page_size).to(k_cache.device)
-        for cache in (k_cache, v_cache):
-            cache[pages, offsets] = torch.randn(kv_len, num_kv_heads, head_dim, generator=gen).to(cache)
-
-
-# --------------------------------------------------------------------------------------------- fill_kv_cache
-
-
-@dataclass(frozen=True)
-class FillCase:
-    num_tokens: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: str
-    src_dtype: str = ''       # K/V dtype when it differs from the cache's
-    num_padding: int = 0      # extra rows with slot -1 (CUDA-graph padding): write nothing
-
-    @property
-    def id(self) -> str:
-        src = f'-from{self.src_dtype}' if self.src_dtype else ''
-        pad = f'-pad{self.num_padding}' if self.num_padding else ''
-        return f'T{self.num_tokens}-H{self.num_kv_heads}-D{self.head_dim}-kbs{self.page_size}-{self.dtype}{src}{pad}'
-
-
-def check_fill(case: FillCase, device: str) -> None:
-    gen = torch.Generator().manual_seed(case.num_tokens * 7 + case.head_dim)
-    dtype, src_dtype = DTYPES[case.dtype], DTYPES[case.src_dtype or case.dtype]
-    num_pages = case.num_tokens // case.page_size + 3
-    pool, k_cache, v_cache = make_kv_pool(num_pages, case.page_size, case.num_kv_heads, case.head_dim, dtype, device)
-    expected_pool = pool.clone()
-    exp_k, exp_v = (expected_pool.view(dtype).view(num_pages, 2, case.page_size, case.num_kv_heads,
-                                                   case.head_dim)[:, i] for i in (0, 1))
-    total = case.num_tokens + case.num_padding
-    shape = (total, case.num_kv_heads, case.head_dim)
-    k = torch.randn(shape, generator=gen).to(device=device, dtype=src_dtype)
-    v = torch.randn(shape, generator=gen).to(device=device, dtype=src_dtype)
-    slots = torch.randperm(num_pages * case.page_size, generator=gen)[:case.num_tokens]
-    slots = torch.cat([slots, torch.full((case.num_padding,), -1, dtype=torch.int64)])
-    order = torch.randperm(total, generator=gen)
-    k, v, slots = k[order], v[order], slots[order].to(device)
-    real = slots >= 0
-    ref_attn.fill_kv_cache(k[real], v[real], exp_k, exp_v, slots[real])
-    fill_kv_cache(k, v, k_cache, v_cache, slots)
-    if case.src_dtype and device == 'cpu':
-        # The interpreter rounds float downcasts toward zero; the GPU rounds to nearest even, like torch.
-        torch.testing.assert_close(k_cache, exp_k, rtol=2 ** -7, atol=0, equal_nan=True, msg=case.id)
-        torch.testing.assert_close(v_cache, exp_v, rtol=2 ** -7, atol=0, equal_nan=True, msg=case.id)
-    else:
-        assert torch.equal(pool, expected_pool), case.id
-
-
-FILL_CASES_CPU = [
-    FillCase(0, 2, 16, 4, 'fp32'),
-    FillCase(1, 2, 16, 4, 'fp32'),
-    FillCase(7, 2, 80, 4, 'fp32', num_padding=2),
-    FillCase(13, 3, 16, 16, 'bf16'),
-    FillCase(9, 2, 16, 4, 'bf16', src_dtype='fp32'),
-]
-
-FILL_CASES_GPU = [
-    FillCase(t, 2, d, kbs, dtype)
-    for t in (0, 1, 7, 130) for d in (64, 128, 256) for kbs in (16, 64) for dtype in ('bf16', 'fp32')
-] + [
-    FillCase(130, 2, 80, 16, 'bf16'),
-    FillCase(64, 8, 128, 64, 'bf16', src_dtype='fp32'),
-    FillCase(7, 2, 128, 16, 'bf16', num_padding=5),
-    FillCase(300, 16, 128, 16, 'fp16'),
-]
-
 
 # --------------------------------------------------------------------------------------------- attention
 
@@ -210,6 +48,13 @@ class AttnCase:
     @property
     def kv_lens(self) -> list[int]:
         return [q + h for q, h in zip(self.q_lens, self.history, strict=True)]
+
+    def prefill_lens(self, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(cu_seqlens_q, q_lens, kv_lens)` (int64, on `device`), in `paged_prefill_attention`'s argument order."""
+        q_lens = torch.tensor(self.q_lens, dtype=torch.int64)
+        cu_seqlens_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
+        kv_lens = torch.tensor(self.kv_lens, dtype=torch.int64)
+        return cu_seqlens_q.to(device), q_lens.to(device), kv_lens.to(device)
 
     @property
     def id(self) -> str:
@@ -238,15 +83,11 @@ def reference_attention(case: AttnCase, q, k_cache, v_cache, tables) -> torch.Te
 
 def check_prefill(case: AttnCase, device: str) -> None:
     q, k_cache, v_cache, tables = attn_inputs(case, device)
-    q_lens = torch.tensor(case.q_lens, dtype=torch.int64)
-    cu_seqlens_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
-    kv_lens = torch.tensor(case.kv_lens, dtype=torch.int64)
     split_args = {'num_splits': case.num_splits} if case.num_splits else {}
     if case.min_split:
         split_args['min_split_keys'] = case.min_split
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu_seqlens_q.to(device), q_lens.to(device),
-                                  kv_lens.to(device), max(case.q_lens, default=0), case.head_dim ** -0.5,
-                                  **split_args)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, *case.prefill_lens(device),
+                                  max(case.q_lens, default=0), case.head_dim ** -0.5, **split_args)
     assert out.dtype == q.dtype and out.shape == q.shape
     atol, rtol = TOLERANCE[case.dtype]
     assert_close(out, reference_attention(case, q, k_cache, v_cache, tables), atol=atol, rtol=rtol, what=case.id)
@@ -340,12 +181,11 @@ DECODE_CASES_GPU = [
 ]
 
 
+
 # --------------------------------------------------------------------------------------------- CPU (interpreter)
 
 
 _CHECKS = {
-    'copy_packed_cache': (check_copy, COPY_CASES_CPU),
-    'fill_kv_cache': (check_fill, FILL_CASES_CPU),
     'paged_prefill_attention': (check_prefill, PREFILL_CASES_CPU),
     'paged_decode_attention': (check_decode, DECODE_CASES_CPU),
 }
@@ -353,37 +193,15 @@ _CHECKS = {
 
 def run_interpreted(kernel: str) -> None:
     """Entry point of the interpreter subprocess: every CPU case of one kernel."""
-    assert os.environ.get('TRITON_INTERPRET') == '1'
-    check, cases = _CHECKS[kernel]
-    for case in cases:
-        check(case, 'cpu')
-        print(f'ok {case.id}')
+    check_cases_interpreted(*_CHECKS[kernel])
 
 
 @pytest.mark.parametrize('kernel', list(_CHECKS))
 def test_kernel_under_triton_interpreter(kernel):
-    here = Path(__file__).resolve().parent
-    code = f'import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import {Path(__file__).stem} as t; ' \
-           f't.run_interpreted({kernel!r})'
-    env = {**os.environ, 'TRITON_INTERPRET': '1'}
-    result = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count('ok ') == len(_CHECKS[kernel][1])
+    run_checks_interpreted(__file__, kernel, len(_CHECKS[kernel][1]))
 
 
 # --------------------------------------------------------------------------------------------- GPU
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize('case', COPY_CASES_GPU, ids=lambda c: c.id)
-def test_copy_packed_cache_matches_reference(case):
-    check_copy(case, 'cuda')
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize('case', FILL_CASES_GPU, ids=lambda c: c.id)
-def test_fill_kv_cache_matches_reference(case):
-    check_fill(case, 'cuda')
 
 
 @pytest.mark.gpu
@@ -450,6 +268,15 @@ def test_prefill_split_rule_fills_the_gpu_only_for_short_queries():
     assert prefill_num_splits(4096, 2, 256, 128, 132) == 7
 
 
+def capture(launch: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`launch()` once eagerly (compiles, warms up), then captured: the graph and its static output."""
+    launch()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch()
+    return graph, out
+
+
 @pytest.mark.gpu
 def test_paged_prefill_attention_replays_in_cuda_graph_with_new_lengths():
     """Split-KV prefill captured at one set of lengths, replayed after q_lens / kv_lens / tables change in place:
@@ -458,24 +285,15 @@ def test_paged_prefill_attention_replays_in_cuda_graph_with_new_lengths():
     second = AttnCase((60, 68, 0, 0), (30_000, 5, 0, 0), 16, 4, 256, 64, 'bf16')
     q, k_cache, v_cache, tables = attn_inputs(second, 'cuda')
     scale = second.head_dim ** -0.5
-
-    def lens(case):
-        q_lens = torch.tensor(case.q_lens, device='cuda')
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64, device='cuda'), q_lens.cumsum(0)])
-        return q_lens, torch.tensor(case.kv_lens, device='cuda'), cu
-    static_q_lens, static_kv_lens, static_cu = lens(first)
+    static_lens = first.prefill_lens('cuda')
     static_tables = torch.zeros_like(tables)
-    args = (q, k_cache, v_cache, static_tables, static_cu, static_q_lens, static_kv_lens, 128, scale)
-    paged_prefill_attention(*args)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = paged_prefill_attention(*args)
-    for static, new in zip((static_q_lens, static_kv_lens, static_cu), lens(second)):
+    graph, static_out = capture(lambda: paged_prefill_attention(q, k_cache, v_cache, static_tables, *static_lens, 128,
+                                                                scale))
+    for static, new in zip(static_lens, second.prefill_lens('cuda')):
         static.copy_(new)
     static_tables.copy_(tables)
     graph.replay()
-    q_lens, kv_lens, cu = lens(second)
-    expected = paged_prefill_attention(q, k_cache, v_cache, tables, cu, q_lens, kv_lens, 128, scale)
+    expected = paged_prefill_attention(q, k_cache, v_cache, tables, *second.prefill_lens('cuda'), 128, scale)
     assert torch.equal(static_out, expected)
     assert_close(static_out, reference_attention(second, q, k_cache, v_cache, tables), atol=2e-2, rtol=2e-2)
 
@@ -490,11 +308,8 @@ def test_paged_decode_attention_replays_in_cuda_graph_with_new_lengths():
     static_tables = tables.clone()
     static_kv_lens = torch.tensor(first.kv_lens, dtype=torch.int64, device='cuda')
     scale = first.head_dim ** -0.5
-    paged_decode_attention(static_q, k_cache, v_cache, static_tables, static_kv_lens, scale, max_num_splits=8)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = paged_decode_attention(static_q, k_cache, v_cache, static_tables, static_kv_lens, scale,
-                                            max_num_splits=8)
+    graph, static_out = capture(lambda: paged_decode_attention(static_q, k_cache, v_cache, static_tables,
+                                                               static_kv_lens, scale, max_num_splits=8))
     static_kv_lens.copy_(torch.tensor(second.kv_lens, device='cuda'))
     graph.replay()
     expected = paged_decode_attention(q, k_cache, v_cache, tables, static_kv_lens.clone(), scale, max_num_splits=8)

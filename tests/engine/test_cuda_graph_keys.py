@@ -1,0 +1,123 @@
+"""CUDA-graph keys and policy (CPU): which batch sizes are captured, which prefills replay a graph (token and
+sequence buckets, the smallest key that fits), the prefill-graph limit and its environment switches."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from graph_inputs import decode_inputs, prefill_inputs
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.cuda_graph import GraphKey, capture_sizes
+from lmdeploy.pytorch.engine.engine import Engine
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(16) == [1, 2, 4, 8, 16]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(128)[-3:] == [96, 112, 128]
+
+
+def test_cpu_agent_has_no_graphs(tiny_model_factory):
+    engine = Engine(tiny_model_factory('qwen3_5'), PytorchEngineConfig(device_type='cpu', num_gpu_blocks=32))
+    assert engine.agent.graph_runner is None
+
+
+def test_prefill_graph_policy():
+    """Prefill graphs for dense models, and for hybrids whose token-by-token gated delta rule is one fused fla
+    launch (bf16 / fp16 with fla-core installed); not for the torch kernels' per-token loop (float32)."""
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    assert cuda_backend.prefill_graphs_supported(torch.float32, is_hybrid=False)
+    assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=False)
+    assert not cuda_backend.prefill_graphs_supported(torch.float32, is_hybrid=True)
+    assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=True) == cuda_backend._fla_available()
+
+
+def test_graph_keys():
+    from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
+    runner = CUDAGraphRunner(None, None, max_batch_size=40, max_pages=6, device=torch.device('cpu'),
+                             max_prefill_tokens=300)
+    assert runner.token_buckets == (16, 32, 64, 128, 256, 384)
+    assert runner.key_of(decode_inputs(3, 2)) == GraphKey(4, 4, True)
+    assert runner.key_of(decode_inputs(33, 2)) == GraphKey(40, 40, True)
+    assert runner.key_of(decode_inputs(3, 7)) is None            # wider block table than the buffers
+    prefill = dataclasses.replace(decode_inputs(3, 2), input_ids=torch.zeros(70, dtype=torch.int64),
+                                  max_seqlen_q=60)
+    assert runner.key_of(prefill) == GraphKey(128, 8, False)       # 3 sequences + pad + one empty
+    assert runner.key_of(dataclasses.replace(prefill, input_ids=torch.zeros(300, dtype=torch.int64))) == \
+        GraphKey(384, 8, False)
+    assert runner.key_of(dataclasses.replace(prefill, input_ids=torch.zeros(385, dtype=torch.int64))) is None
+    mixed = dataclasses.replace(decode_inputs(39, 2), input_ids=torch.zeros(60, dtype=torch.int64), max_seqlen_q=9)
+    assert runner.key_of(mixed) == GraphKey(64, 42, False)         # a full batch: sequence bucket 40 + 2
+    small = dataclasses.replace(decode_inputs(20, 2), input_ids=torch.zeros(30, dtype=torch.int64), max_seqlen_q=9)
+    assert runner.key_of(small) == GraphKey(64, 32, False)         # more tokens than sequences: not 32
+
+
+def _reference_prefill_key(tokens, seqs, token_buckets, seq_buckets):
+    fits = [(s, t) for s in seq_buckets for t in token_buckets if s >= seqs + 2 and t >= tokens and t > s]
+    return GraphKey(*min(fits)[::-1], False) if fits else None
+
+
+def test_prefill_buckets_and_keys():
+    """Token buckets cover the largest forward (capped at 4096); sequence buckets 4, 8, ... then a full batch plus
+    two; every key is the smallest (sequences, then tokens) that fits, as a brute-force search finds it."""
+    from lmdeploy.pytorch.engine.cuda_graph import (
+        PREFILL_TOKEN_BUCKETS,
+        prefill_key,
+        prefill_seq_buckets,
+        prefill_token_buckets,
+    )
+    assert prefill_token_buckets(0) == ()
+    assert prefill_token_buckets(56) == (16, 32, 64)
+    assert prefill_token_buckets(4096) == PREFILL_TOKEN_BUCKETS
+    assert prefill_token_buckets(1100)[-3:] == (768, 1024, 1280)
+    for small, large in zip(PREFILL_TOKEN_BUCKETS[4:], PREFILL_TOKEN_BUCKETS[5:]):   # bounded padding past 256
+        assert large <= 1.5 * small and (small < 1024 or large <= 1.25 * small)
+    assert prefill_token_buckets(9000)[-1] == 4096
+    assert prefill_seq_buckets(1) == (3,) and prefill_seq_buckets(8) == (4, 8, 10)
+    assert prefill_seq_buckets(64) == (4, 8, 16, 32, 64, 66)
+    for max_batch, max_tokens in ((1, 64), (8, 300), (64, 4096)):
+        tb, sb = prefill_token_buckets(max_tokens), prefill_seq_buckets(max_batch)
+        for seqs in range(1, max_batch + 1):
+            for tokens in sorted({seqs, seqs + 1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097}):
+                if tokens >= seqs:
+                    assert prefill_key(tokens, seqs, tb, sb) == _reference_prefill_key(tokens, seqs, tb, sb)
+
+
+def test_prefill_graph_tokens_env(monkeypatch):
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    from lmdeploy.pytorch.engine.cuda_graph import DEFAULT_PREFILL_GRAPH_TOKENS, prefill_graph_tokens, prefill_warm_keys
+    monkeypatch.delenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', raising=False)
+    assert prefill_graph_tokens(8192 + 64) == DEFAULT_PREFILL_GRAPH_TOKENS and prefill_graph_tokens(56) == 56
+    monkeypatch.setenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', '4096')
+    assert prefill_graph_tokens(8192 + 64) == 4096
+    monkeypatch.setenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', '256')
+    assert prefill_graph_tokens(8192) == 256
+    monkeypatch.setenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', '0')
+    assert prefill_graph_tokens(8192) == 0
+    assert prefill_warm_keys((16, 32, 64), (4, 8, 10)) == [GraphKey(64, 4, False), GraphKey(32, 4, False),
+                                                          GraphKey(16, 4, False)]
+    monkeypatch.setenv('LMDEPLOY_GRAPH_GDR', 'chunked')
+    assert cuda_backend.graph_gdr_chunked()
+    monkeypatch.setenv('LMDEPLOY_GRAPH_GDR', 'recurrent')
+    assert not cuda_backend.graph_gdr_chunked()
+    monkeypatch.setenv('LMDEPLOY_GRAPH_GDR', 'fast')
+    with pytest.raises(ValueError, match='LMDEPLOY_GRAPH_GDR'):
+        cuda_backend.graph_gdr_chunked()
+
+
+def test_prefill_graph_limit_and_failed_keys_run_eagerly():
+    from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
+    runner = CUDAGraphRunner(None, None, max_batch_size=8, max_pages=6, device=torch.device('cpu'),
+                             max_prefill_tokens=256, max_prefill_graphs=1)
+    one, two = prefill_inputs([20]), prefill_inputs([100])
+    assert runner.key_of(one) == GraphKey(32, 4, False)
+    runner.failed.add(GraphKey(32, 4, False))
+    assert runner.key_of(one) is None
+    runner.graphs[GraphKey(128, 4, False)] = (None, None)          # one prefill graph: the limit
+    assert runner.key_of(two) == GraphKey(128, 4, False)           # captured keys still replay
+    assert runner.key_of(prefill_inputs([40])) is None            # new ones run eagerly
+    assert runner.key_of(decode_inputs(3, 2)) == GraphKey(4, 4, True)
