@@ -123,7 +123,7 @@ def bench_batch(path, device, dtype, batch, context, new_tokens, k, vocab, eager
         agent = spec.agent
         row['verify_graph_replays'] = agent.verify_graphs.num_replays
         row['head_graph_replays'] = agent.head_graphs.runner.num_replays
-        # the greedy chain in one graph (LMDEPLOY_SPEC_CHAIN_GRAPH, default on): one replay per drafting step
+        # the greedy chain in one graph (LMDEPLOY_SPEC_CHAIN_GRAPH=1, opt-in): one replay per drafting step
         row['chain_graph_replays'] = agent.chain_graphs.num_replays if agent.chain_graphs is not None else 0
     del spec
     if eager and graphs:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     k = args.draft_tokens
     began = time.perf_counter()
     print(f'bench_mtp_engine: commit={commit()} device={device} dtype={dtype} shape={"smoke" if smoke else args.shape} '
-          f'layers={layers} K={k} LMDEPLOY_SPEC_CHAIN_GRAPH={os.environ.get("LMDEPLOY_SPEC_CHAIN_GRAPH", "1")}',
+          f'layers={layers} K={k} LMDEPLOY_SPEC_CHAIN_GRAPH={os.environ.get("LMDEPLOY_SPEC_CHAIN_GRAPH", "0")}',
           flush=True)
     with tempfile.TemporaryDirectory() as path:
         write_config(path, layers, shape)

@@ -9,9 +9,12 @@ kernel against the torch sequence it replaces, in ms per call and in GB/s of the
 - `add_rms_norm` [T, 4096] against torch's add + the Triton `rms_norm`;
 - `causal_conv1d` over the 8192 conv channels, writing q / k / v planes against plain [T, C] + three
   `.contiguous()` of its channel slices (what fla's input guard made of them).
-Each op is checked against its reference (max abs error) before timing.
+Each op is checked against its reference (max abs error) before timing. `--sweep-conv` then times the conv's token
+kernel over (BLOCK_T, BLOCK_C, num_warps) candidates (`kernels/cuda/causal_conv1d.token_blocks`), each checked
+bit-identical to the default configuration, and prints the best.
 
     python benchmark/bench_prefill_small_ops.py                 # 8192 tokens, ~10 s on an H200
+    python benchmark/bench_prefill_small_ops.py --sweep-conv    # + 18 conv configurations, ~30 s
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--tokens', type=int, default=8192)
     parser.add_argument('--iters', type=int, default=20)
+    parser.add_argument('--sweep-conv', action='store_true', help='time the conv token kernel\'s block sizes')
     args = parser.parse_args()
     from lmdeploy.pytorch.kernels.cuda import activation, causal_conv1d, rms_norm
     T, it, dt, dev = args.tokens, args.iters, torch.bfloat16, 'cuda'
@@ -89,6 +93,29 @@ def main() -> None:
         out = causal_conv1d.causal_conv1d(conv_in, cw, None, pool, ids, fresh, cu, 'silu')
         return [p.contiguous() for p in out.split(splits, -1)]
     report('conv1d q/k/v', planes, plain_then_copies, 2 * T * 8192 * 2, it, peak)
+    if args.sweep_conv:
+        sweep_conv(causal_conv1d, planes, 2 * T * 8192 * 2, it, peak)
+
+
+def sweep_conv(causal_conv1d, planes, num_bytes: int, iters: int, peak: float) -> None:
+    default = causal_conv1d.token_blocks
+    want = [p.clone() for p in planes()]
+    results = []
+    try:
+        for block_t in (16, 32, 64):
+            for block_c in (64, 128, 256):
+                for num_warps in (4, 8):
+                    causal_conv1d.token_blocks = lambda _c, cfg=(block_t, block_c, num_warps): cfg
+                    same = all(torch.equal(a, b) for a, b in zip(planes(), want))
+                    ms = timed_ms(planes, iters)
+                    results.append((ms, block_t, block_c, num_warps))
+                    print(f'  conv BLOCK_T {block_t:3d} BLOCK_C {block_c:3d} warps {num_warps}: {ms * 1e3:7.1f} us '
+                          f'{num_bytes / ms / 1e6 / peak:4.0%} of copy{"" if same else "  MISMATCH"}')
+    finally:
+        causal_conv1d.token_blocks = default
+    ms, block_t, block_c, num_warps = min(results)
+    print(f'best conv config: BLOCK_T {block_t}, BLOCK_C {block_c}, num_warps {num_warps} ({ms * 1e3:.1f} us; '
+          f'default {default(8192)})')
 
 
 if __name__ == '__main__':

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lmdeploy.pytorch.engine.cache_inputs import CacheCheckpointInputs
-from lmdeploy.pytorch.engine.packed_upload import upload_packed
-from lmdeploy.pytorch.model_inputs import ModelInputs
+from lmdeploy.pytorch.engine.packed_upload import packable, upload_packed
+from lmdeploy.pytorch.model_inputs import ModelInputs, SamplingInputs
 
 
 def _inputs(seed: int, batch: int) -> ModelInputs:
@@ -23,7 +23,8 @@ def _inputs(seed: int, batch: int) -> ModelInputs:
         logits_indices=torch.zeros(0, dtype=torch.int64), state_ids=torch.arange(batch),
         is_fresh=torch.rand(batch, generator=gen) > 0.5, q_lens_list=lens.tolist(), kv_lens_list=(lens + 5).tolist(),
         max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()) + 5,
-        draft_state_slots=torch.randint(0, 7, (batch, 3), generator=gen))
+        draft_state_slots=torch.randint(0, 7, (batch, 3), generator=gen),
+        mm_embeds=torch.randn(batch, 5, generator=gen).to(torch.bfloat16))  # a dtype numpy has not
 
 
 def _same(got, want, device) -> None:
@@ -36,9 +37,21 @@ def _same(got, want, device) -> None:
             assert a == b, f.name
 
 
+def _sampling(penalty: bool) -> SamplingInputs:
+    return SamplingInputs(temperature=torch.tensor([0.0, 0.7]), top_k=torch.tensor([0, 20]),
+                          top_p=torch.tensor([1.0, 0.9]), repetition_penalty=torch.tensor([1.0, 1.1]),
+                          penalty_ids=[None, torch.tensor([3, 4])] if penalty else [None, None],
+                          banned_ids=[None, None], generators=[None, None], all_greedy=False)
+
+
 def _payloads():
     plan = CacheCheckpointInputs(state_restore_plan=torch.tensor([[1, 2, 3], [4, 5, 6]]))
-    return [_inputs(0, 3), None, plan, _inputs(1, 1), CacheCheckpointInputs()]
+    return [_inputs(0, 3), None, plan, _inputs(1, 1), CacheCheckpointInputs(), _sampling(penalty=False)]
+
+
+def test_only_payloads_whose_tensors_are_all_fields_are_packable():
+    assert all(packable(p) for p in _payloads() if p is not None)
+    assert not packable(_sampling(penalty=True))  # its penalty ids sit in a list
 
 
 def _check(device: torch.device, pack: bool | None) -> None:

@@ -27,7 +27,7 @@ from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
 from .packed_upload import packable, upload_packed
-from .spec_chain import DraftChainGraphs, build_chain_graphs
+from .spec_chain import DraftChainGraphs, build_chain_graphs, chain_graph_enabled
 from .spec_decode import PendingDrafts, SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
@@ -95,6 +95,7 @@ class ModelAgent:
         self.verify_graphs: VerifyGraphRunner | None = None
         self.head_graphs: HeadGraphs | None = None
         self.chain_graphs: DraftChainGraphs | None = None
+        self._packed_uploads = chain_graph_enabled()
         if num_draft_tokens:
             self.enable_speculative(num_draft_tokens)
         # with speculation the target's graphs end before the final norm (`spec.verify` / `run_model` apply it)
@@ -322,8 +323,11 @@ class ModelAgent:
                                    chain=self.chain_graphs.run if greedy_chain else None)
 
     def _upload(self, *payloads):
-        """A speculative step's inputs on the device: every payload `packed_upload` can move in one pinned copy on
-        the forward stream, the others through `streams.to_device`."""
+        """A speculative step's inputs on the device: with `LMDEPLOY_SPEC_CHAIN_GRAPH=1` (opt-in, see `spec_chain`)
+        every payload `packed_upload` can move in one pinned copy on the forward stream and the others through
+        `streams.to_device`; by default all through `streams.to_device`."""
+        if not self._packed_uploads:
+            return self.streams.to_device(*payloads)
         flat = [p is not None and packable(p) for p in payloads]
         rest = [None if f else p for f, p in zip(flat, payloads)]
         moved = self.streams.to_device(*rest) if any(p is not None for p in rest) else rest

@@ -1,5 +1,6 @@
 """Host inputs of a forward in one pinned non-blocking copy (speculative steps: `ModelAgent.forward_verify` and
-`ModelAgent.draft`).
+`ModelAgent.draft`, only with `LMDEPLOY_SPEC_CHAIN_GRAPH=1`: opt-in until an H200 run verifies it, see
+`spec_chain`; the byte layout is tested on the CPU, the CUDA copy by a gpu test no run has executed yet).
 
 `DeviceStreams.to_device` copies every tensor of a payload on its own, from pageable memory: a dozen copies per
 `ModelInputs`, each one a round trip the host waits for before it can queue the forward. Here the top-level host
@@ -13,14 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 _ALIGN = 16
 
 
 def _host_tensors(payload) -> dict[str, torch.Tensor]:
-    return {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)
-            if f.init and isinstance(getattr(payload, f.name), torch.Tensor) and not getattr(payload, f.name).is_cuda}
+    out = {}
+    for f in dataclasses.fields(payload):
+        value = getattr(payload, f.name)
+        if f.init and isinstance(value, torch.Tensor) and not value.is_cuda:
+            out[f.name] = value
+    return out
 
 
 def upload_packed(payloads: list, device: torch.device, pack: bool | None = None) -> list:
@@ -28,18 +34,19 @@ def upload_packed(payloads: list, device: torch.device, pack: bool | None = None
     one packed buffer (default: on CUDA only; the CPU tests pack to check the byte layout)."""
     if not (device.type == 'cuda' if pack is None else pack):
         return [None if p is None else p.to(device) for p in payloads]
-    fields = [(i, name, t.contiguous()) for i, p in enumerate(payloads) if p is not None
-              for name, t in _host_tensors(p).items()]
+    fields = [(i, name, t) for i, p in enumerate(payloads) if p is not None for name, t in _host_tensors(p).items()]
     if not fields:
         return list(payloads)
     pieces, spans, at = [], [], 0
-    for _, _, t in fields:
-        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-        pad = -raw.numel() % _ALIGN
-        pieces.append(raw if not pad else torch.cat([raw, torch.zeros(pad, dtype=torch.uint8)]))
-        spans.append((at, raw.numel()))
-        at += raw.numel() + pad
-    packed = torch.cat(pieces)
+    for _, _, t in fields:  # numpy views: a few microseconds a tensor on the host
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        pad = -raw.nbytes % _ALIGN
+        pieces.append(raw)
+        if pad:
+            pieces.append(np.zeros(pad, dtype=np.uint8))
+        spans.append((at, raw.nbytes))
+        at += raw.nbytes + pad
+    packed = torch.from_numpy(np.concatenate(pieces))
     if device.type == 'cuda':
         packed = packed.pin_memory()
     packed = packed.to(device, non_blocking=True)

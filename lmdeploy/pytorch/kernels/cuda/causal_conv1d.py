@@ -135,6 +135,12 @@ def seq_of_token_of(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
                               torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype), right=True)
 
 
+def token_blocks(channels: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, num_warps) of `_conv_tokens_kernel` (`benchmark/bench_prefill_small_ops.py` sweeps
+    them)."""
+    return 16, min(triton.next_power_of_2(channels), 128), 4
+
+
 def _planar_output(x: torch.Tensor, out_splits: tuple[int, ...] | None) -> tuple[torch.Tensor, list[torch.Tensor],
                                                                                   int, int]:
     """(buffer the kernels write, the tensors handed back, split1, split2) for `_plane_offsets`."""
@@ -198,12 +204,12 @@ def causal_conv1d(
     bias_arg = bias if bias is not None else weight
     is_decode = num_tokens == num_seqs
     if not is_decode and num_tokens > 0:
-        block_t, block_c = 16, min(triton.next_power_of_2(channels), 128)
+        block_t, block_c, num_warps = token_blocks(channels)
         if seq_of_token is None:
             seq_of_token = seq_of_token_of(cu_seqlens, num_tokens)
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
         _conv_tokens_kernel[grid](x, weight, bias_arg, conv_state, out, seq_of_token, cu_seqlens, state_ids, fresh,
-                                  BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4, **common)
+                                  BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **common)
     block_c = min(triton.next_power_of_2(channels), 256)
     block_h = max(triton.next_power_of_2(kernel - 1), 2)
     _conv_sequence_kernel[(num_seqs, triton.cdiv(channels, block_c))](
