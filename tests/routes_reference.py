@@ -2,7 +2,8 @@
 
 transformers' forward with `output_router_logits=True` returns `[tokens, num_experts]` router logits per MoE layer;
 their top-k is the set of experts a token was routed to. Sets are compared per token and layer, except where the
-k-th and (k+1)-th logits are a near-tie (float32 rounding may then pick either expert).
+k-th and (k+1)-th logits are a near-tie (float32 rounding may then pick either expert). `Finished` collects one
+engine request's tokens and its final output (which carries the routes).
 """
 from __future__ import annotations
 
@@ -14,6 +15,19 @@ from lmdeploy import demo_model
 
 LIN, FULL = 'linear_attention', 'full_attention'
 TIE = 1e-4  # router logits closer than this at the top-k boundary are a near-tie: not compared
+
+
+class Finished:
+    """Collects one request's tokens and its finished output (an engine output callback)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.final = None
+
+    def __call__(self, out):
+        self.tokens += out.new_token_ids
+        if out.finished:
+            self.final = out
 
 
 def prompt(length: int, seed: int, vocab: int = 1000) -> list[int]:

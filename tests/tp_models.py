@@ -1,9 +1,11 @@
 """Tiny model shapes for the tensor-parallel tests (CPU/gloo and CUDA/NCCL): head counts that make the section
-split matter (gated DeltaNet n_v / n_k = 3; grouped and replicated KV heads); and one rank's slice of a TP=1 state
-row, written out independently of the shard plan."""
+split matter (gated DeltaNet n_v / n_k = 3; grouped and replicated KV heads); one rank's slice of a TP=1 state
+row, written out independently of the shard plan; the prompts and the batched greedy run both modules compare."""
 from __future__ import annotations
 
 import torch
+
+from lmdeploy.pytorch.messages import SamplingParams
 
 HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=6, num_attention_heads=4, num_key_value_heads=2)
 MODELS = {
@@ -29,3 +31,21 @@ def rank_slice_of_state(full: dict[str, torch.Tensor], text, rank: int, tp: int)
     heads = text.linear_num_value_heads // tp
     recurrent = full['recurrent'][:, rank * heads:(rank + 1) * heads]
     return {'conv': torch.cat(parts, dim=1), 'recurrent': recurrent}
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_batched(engine, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy tokens and the float32 logits of every fed token, per prompt (all submitted at once: one batch)."""
+    results = []
+    for prompt in prompts:
+        tokens: list[int] = []
+        seq_id = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens),
+                                    callback=lambda out, tokens=tokens: tokens.extend(out.new_token_ids),
+                                    collect_logits=True)
+        results.append((seq_id, tokens))
+    engine.run_until_idle()
+    return [(tokens, engine.pop_collected_logits(seq_id).float()) for seq_id, tokens in results]

@@ -3,15 +3,12 @@ block / state-slot accounting checked after every step, and warm runs compared w
 
 Geometry: block_size B = 16, kernel pages of 8 tokens (2 pages per block). A warm run's logits cover the tokens it
 actually feeds (`prompt[cached:]` plus the generated ones but the last); the control's cover the whole prompt.
-Test modules import the fixtures `model_path_fixture` and `single_thread_fixture` (autouse) from here.
+The `model_path` fixture is in tests/engine/conftest.py.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import pytest
 import torch
 from engines import engine_factory
 from numeric import assert_close
@@ -30,27 +27,6 @@ ARCHS = DENSE + HYBRID
 NO_REPLY = dict(prefix_cache_reply_checkpoints=False)
 BASE = dict(prefix_cache_reply_checkpoints=False, prefix_cache_prompt_logits=False,
             prefix_cache_branch_checkpoints=False, prefix_cache_value_eviction=False)
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and spinning OpenMP workers slow the run ~10x on a shared
-    CPU (the autouse fixture `single_thread` holds it for a whole test module)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope='module', autouse=True, name='single_thread')
-def single_thread_fixture():
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope='module', name='model_path')
-def model_path_fixture(tiny_model_factory):
-    return lambda arch: tiny_model_factory(arch)
 
 
 make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=8,

@@ -22,11 +22,6 @@ make_engine = engine_factory(block_size=B, kernel_block_size=8, num_gpu_blocks=9
 ARCHS = ('qwen3', 'qwen3_5')
 
 
-@pytest.fixture(scope='module')
-def model_path(tiny_model_factory):
-    return lambda arch: tiny_model_factory(arch)
-
-
 def prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 400, (n,), generator=g).tolist()

@@ -4,7 +4,7 @@ in-prefill checkpoints (cuts inside a prefill chunk, on free state rows only); e
 from __future__ import annotations
 
 import pytest
-from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
+from prefix_cache_runs import (
     BASE,
     HYBRID,
     NO_REPLY,
@@ -15,9 +15,7 @@ from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
     ids,
     live_steps,
     make_engine,
-    model_path_fixture,
     one,
-    single_thread_fixture,
 )
 
 from lmdeploy.pytorch.engine.engine import Engine

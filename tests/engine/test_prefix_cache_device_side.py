@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
+from prefix_cache_runs import (
     HYBRID,
     B,
     check_against_cold,
     generate,
     ids,
     make_engine,
-    model_path_fixture,
     one,
-    single_thread_fixture,
 )
 
 from lmdeploy.pytorch.kernels.default import paged_attention

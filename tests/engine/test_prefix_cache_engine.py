@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 from numeric import assert_close
-from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
+from prefix_cache_runs import (
     ARCHS,
     ATOL,
     BASE,
@@ -33,9 +33,7 @@ from prefix_cache_runs import (  # noqa: F401 (the *_fixture names are fixtures)
     ids,
     live_steps,
     make_engine,
-    model_path_fixture,
     one,
-    single_thread_fixture,
 )
 
 import lmdeploy

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engines import engine_factory
-from routes_reference import assert_routes_match, build_qwen3_next, prompt, reference_routes
+from routes_reference import Finished, assert_routes_match, build_qwen3_next, prompt, reference_routes
 
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
@@ -26,20 +26,8 @@ def moe(tiny_model_factory):
     return build_qwen3_next(tiny_model_factory)
 
 
-class Done:
-
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.final = None
-
-    def __call__(self, out):
-        self.tokens += out.new_token_ids
-        if out.finished:
-            self.final = out
-
-
-def run(engine: Engine, token_ids: list[int], n: int = 4, routed: bool = True) -> Done:
-    done = Done()
+def run(engine: Engine, token_ids: list[int], n: int = 4, routed: bool = True) -> Finished:
+    done = Finished()
     engine.add_request(token_ids, SamplingParams(max_new_tokens=n, return_routed_experts=routed), callback=done)
     while engine.has_work:
         engine.step()
@@ -47,7 +35,7 @@ def run(engine: Engine, token_ids: list[int], n: int = 4, routed: bool = True) -
     return done
 
 
-def assert_warm_equals_cold(path: str, warm: Engine, token_ids: list[int], cached: int, **overrides) -> Done:
+def assert_warm_equals_cold(path: str, warm: Engine, token_ids: list[int], cached: int, **overrides) -> Finished:
     hot = run(warm, token_ids)
     cold = run(make_engine(path, cache=False, **overrides), token_ids)
     assert hot.final.num_cached == cached

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from routes_reference import assert_routes_match, build_qwen3_5_moe, build_qwen3_next, prompt, reference_routes
+from routes_reference import (
+    Finished,
+    assert_routes_match,
+    build_qwen3_5_moe,
+    build_qwen3_next,
+    prompt,
+    reference_routes,
+)
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -28,19 +35,6 @@ def qwen3_next(tiny_model_factory):
 @pytest.fixture(scope='module')
 def qwen3_5_moe(tmp_path_factory):
     return build_qwen3_5_moe(str(tmp_path_factory.mktemp('qwen3_5_moe')))
-
-
-class Finished:
-    """Collects one request's tokens and its finished output."""
-
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.final = None
-
-    def __call__(self, out):
-        self.tokens += out.new_token_ids
-        if out.finished:
-            self.final = out
 
 
 def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[Finished]:

@@ -6,6 +6,7 @@ rows, and Qwen3 runs with grouped KV heads (2 over 2 ranks) and with one KV head
 TP=2 engine costs a worker start (a few seconds): the module keeps them few and closes every one."""
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -14,7 +15,7 @@ import time
 
 import pytest
 import torch
-from tp_models import BLOCK, HYBRID, MODELS, rank_slice_of_state
+from tp_models import BLOCK, HYBRID, MODELS, random_prompts, rank_slice_of_state, run_batched
 
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -30,22 +31,8 @@ def make(path: str, tp: int, **overrides) -> Engine:
     return Engine(path, PytorchEngineConfig(**{**config, **overrides}))
 
 
-def run(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 4) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy tokens and the logits of every fed token, per prompt (all submitted at once: one batch)."""
-    results = []
-    for prompt in prompts:
-        tokens: list[int] = []
-        seq_id = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens),
-                                    callback=lambda out, tokens=tokens: tokens.extend(out.new_token_ids),
-                                    collect_logits=True)
-        results.append((seq_id, tokens))
-    engine.run_until_idle()
-    return [(tokens, engine.pop_collected_logits(seq_id)) for seq_id, tokens in results]
-
-
-def prompts_of(seed: int, lengths=(45, 21)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+run = functools.partial(run_batched, max_new_tokens=4)
+prompts_of = functools.partial(random_prompts, lengths=(45, 21))
 
 
 @pytest.fixture

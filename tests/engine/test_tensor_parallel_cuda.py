@@ -8,6 +8,7 @@ every worker runs with NVLink multicast off; a killed worker fails the request w
 (NCCL: the monitor aborts the group), which leaves the process group (it runs last: a later TP engine needs that)."""
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -15,7 +16,7 @@ import time
 
 import pytest
 import torch
-from tp_models import BLOCK, HYBRID, MODELS, rank_slice_of_state
+from tp_models import BLOCK, HYBRID, MODELS, random_prompts, rank_slice_of_state, run_batched
 
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -34,21 +35,8 @@ def make(path: str, tp: int, dtype: str = 'float32', **overrides) -> Engine:
     return Engine(path, PytorchEngineConfig(**{**config, **overrides}))
 
 
-def run(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 6):
-    results = []
-    for prompt in prompts:
-        tokens: list[int] = []
-        seq_id = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens),
-                                    callback=lambda out, tokens=tokens: tokens.extend(out.new_token_ids),
-                                    collect_logits=True)
-        results.append((seq_id, tokens))
-    engine.run_until_idle()
-    return [(tokens, engine.pop_collected_logits(seq_id).float()) for seq_id, tokens in results]
-
-
-def prompts_of(seed: int, lengths=(90, 21)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+run = functools.partial(run_batched, max_new_tokens=6)
+prompts_of = functools.partial(random_prompts, lengths=(90, 21))
 
 
 def closed(engine: Engine):

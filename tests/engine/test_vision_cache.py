@@ -3,21 +3,16 @@ repeated image in a new prompt prefix skips the vision tower, and a prefix-cache
 encodes it at all. Counted by wrapping the model's `encode_images`."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from engines import engine_factory
+from vl_helpers import draw_image, user_message
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'models'))
-from vl_helpers import draw_image, user_message  # noqa: E402
-
-from lmdeploy.pytorch.engine.engine import Engine  # noqa: E402
-from lmdeploy.pytorch.engine.vision_cache import VisionEncoderCache  # noqa: E402
-from lmdeploy.pytorch.messages import SamplingParams  # noqa: E402
-from lmdeploy.serve.tokenizer import Tokenizer  # noqa: E402
-from lmdeploy.serve.vision.processor import ImageProcessor  # noqa: E402
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.vision_cache import VisionEncoderCache
+from lmdeploy.pytorch.messages import SamplingParams
+from lmdeploy.serve.tokenizer import Tokenizer
+from lmdeploy.serve.vision.processor import ImageProcessor
 
 
 def test_lru_keeps_recent_entries_within_the_byte_budget():

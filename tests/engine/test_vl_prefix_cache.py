@@ -3,21 +3,14 @@ checkpoint or chunk end inside an image, a checkpoint at the end of the prompt's
 offset, and warm runs equal to cold ones (and to transformers) after hits at, just after and well after an image."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'models'))
 from engines import engine_factory
-from numeric import assert_close  # noqa: E402
-from vl_helpers import draw_image, reference_logits, user_message  # noqa: E402
+from numeric import assert_close
+from vl_helpers import draw_image, encode, load_vl, reference_logits
 
-from lmdeploy.pytorch.engine.engine import Engine  # noqa: E402
-from lmdeploy.pytorch.messages import SamplingParams  # noqa: E402
-from lmdeploy.serve.tokenizer import Tokenizer  # noqa: E402
-from lmdeploy.serve.vision.processor import ImageProcessor  # noqa: E402
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.messages import SamplingParams
 
 transformers = pytest.importorskip('transformers')
 ATOL = 2e-4
@@ -25,15 +18,7 @@ ATOL = 2e-4
 
 @pytest.fixture(scope='module')
 def vl(tiny_model_factory):
-    path = tiny_model_factory('qwen3_5_vl')
-    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return path, model, Tokenizer(path), ImageProcessor(path, model.config.image_token_id)
-
-
-def encode(vl, *parts):
-    _, _, tokenizer, processor = vl
-    ids = tokenizer.encode(tokenizer.apply_chat_template(user_message(*parts)), add_special_tokens=False)
-    return processor.expand(ids, [p for p in parts if not isinstance(p, str)])
+    return load_vl(tiny_model_factory('qwen3_5_vl'))
 
 
 make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=96, max_batch_size=4,

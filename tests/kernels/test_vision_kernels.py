@@ -8,7 +8,6 @@ the vision-language model on CUDA against the CPU path.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -65,7 +64,6 @@ def test_gpu_varlen_attention_matches_reference(lengths, heads, dim, dtype, atol
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype,atol', [('float32', 1e-4), ('bfloat16', 5e-2)])
 def test_gpu_vision_tower_and_mrope_prompt_match_the_cpu_path(tiny_model_factory, dtype, atol):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'models'))
     from vl_helpers import draw_image, user_message
 
     from lmdeploy.messages import PytorchEngineConfig

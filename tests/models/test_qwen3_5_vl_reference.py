@@ -8,12 +8,10 @@ import pytest
 import torch
 from engines import engine_factory
 from numeric import assert_close
-from vl_helpers import draw_image, reference_logits, user_message
+from vl_helpers import draw_image, encode, load_vl, reference_logits
 
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.messages import SamplingParams
-from lmdeploy.serve.tokenizer import Tokenizer
-from lmdeploy.serve.vision.processor import ImageProcessor
 
 transformers = pytest.importorskip('transformers')
 
@@ -22,18 +20,7 @@ ATOL = 2e-4
 
 @pytest.fixture(scope='module')
 def vl(tiny_model_factory):
-    path = tiny_model_factory('qwen3_5_vl')
-    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = Tokenizer(path)
-    processor = ImageProcessor(path, model.config.image_token_id)
-    return path, model, tokenizer, processor
-
-
-def encode(vl, *parts):
-    _, _, tokenizer, processor = vl
-    text = tokenizer.apply_chat_template(user_message(*parts))
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return processor.expand(ids, [p for p in parts if not isinstance(p, str)])
+    return load_vl(tiny_model_factory('qwen3_5_vl'))
 
 
 make_engine = engine_factory(block_size=16, kernel_block_size=8, num_gpu_blocks=64, max_batch_size=4,

@@ -9,26 +9,22 @@ import base64
 import contextlib
 import http.server
 import io
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from live_server import live_server
 from prometheus_client.parser import text_string_to_metric_families
+from vl_helpers import draw_image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'models'))
-from live_server import live_server  # noqa: E402
-from vl_helpers import draw_image  # noqa: E402
-
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig  # noqa: E402
-from lmdeploy.serve.async_engine import AsyncEngine  # noqa: E402
-from lmdeploy.serve.openai.api_server import create_app  # noqa: E402
-from lmdeploy.serve.pipeline import Pipeline  # noqa: E402
-from lmdeploy.serve.vision.images import ImageLoadConfig, load_image  # noqa: E402
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.serve.async_engine import AsyncEngine
+from lmdeploy.serve.openai.api_server import create_app
+from lmdeploy.serve.pipeline import Pipeline
+from lmdeploy.serve.vision.images import ImageLoadConfig, load_image
 
 transformers = pytest.importorskip('transformers')
 MODEL = 'tiny-vl'

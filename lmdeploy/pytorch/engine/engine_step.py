@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..messages import SchedulerSequence
-from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput
+from ..paging.scheduler_output import ReplyPlan, SampledToken, SchedulerOutput, SequenceUpdate
 from .async_scheduling import LaunchedStep, build_feed, is_deferrable, needs_host_tokens
 from .engine_stats import step_batch
 from .inputs_maker import drop_sampled_rows, make_sampling_inputs
@@ -100,11 +100,7 @@ class EngineStep:
                 logger.exception('drafting failed')
                 return self._deliver_all([self._error_output(seq, f'forward failed: {exc}')
                                           for seq in self.scheduler.cancel(sched)])
-        outputs = self._deliver_all([self._update_output(update) for update in updates])
-        plan = self.scheduler.commit(sched, updates, self._prompt_logits(sampled, result))
-        self.scheduler.release(plan, copied=self._copy(plan))
-        for seq, _ in plan.finishing:
-            self._forget(seq.seq_id)
+        outputs = self._deliver_and_commit(sched, updates, sampled, result)
         if settle_drafts is not None:
             self._settle_drafts(settle_drafts)
         return outputs + self._deliver_all([self._reject(seq, error) for seq, error in rejected])
@@ -161,12 +157,19 @@ class EngineStep:
         except Exception as exc:  # the device failed under this forward
             return self._fail_forward(sched, exc)
         updates = self.scheduler.settle(rows)
+        outputs = self._deliver_and_commit(sched, updates, launched.sampled, result)
+        return outputs + self._deliver_all([self._reject(seq, error) for seq, error in launched.rejected])
+
+    def _deliver_and_commit(self, sched: SchedulerOutput, updates: list[SequenceUpdate],
+                            sampled: list[SchedulerSequence], result) -> list[EngineOutput]:
+        """Deliver the updates' outputs, then the bookkeeping the next step needs and no client waits for: commit,
+        the reply checkpoints' copies, release. Returns the delivered outputs."""
         outputs = self._deliver_all([self._update_output(update) for update in updates])
-        plan = self.scheduler.commit(sched, updates, self._prompt_logits(launched.sampled, result))
+        plan = self.scheduler.commit(sched, updates, self._prompt_logits(sampled, result))
         self.scheduler.release(plan, copied=self._copy(plan))
         for seq, _ in plan.finishing:
             self._forget(seq.seq_id)
-        return outputs + self._deliver_all([self._reject(seq, error) for seq, error in launched.rejected])
+        return outputs
 
     def _fail_forward(self, sched: SchedulerOutput, exc: Exception) -> list[EngineOutput]:
         logger.error('forward failed', exc_info=exc)

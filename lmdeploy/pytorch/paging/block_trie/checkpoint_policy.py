@@ -120,12 +120,8 @@ class CheckpointPolicy:
         step = (end - 1) // interval * interval
         while step > start and room > 0:
             if self.trie.wants_checkpoint(seq, step):
-                slot = self.state_manager.allocate()
-                if slot is None:
+                if not self._reserve_cut(seq, step, out):
                     return
-                ck = self.trie.reserve_checkpoint(seq, step, slot, None)
-                out.reserved.append(ReservedCheckpoint(seq, ck))
-                out.state_cuts.append(StateCut(seq, step, slot))
                 seq.num_prefill_checkpoints += 1
                 room -= 1
             step -= interval
@@ -137,12 +133,18 @@ class CheckpointPolicy:
         floor = step - step % self.block_size
         if floor <= seq.num_computed or floor == step or not self.trie.wants_checkpoint(seq, floor):
             return
+        self._reserve_cut(seq, floor, out)
+
+    def _reserve_cut(self, seq: SchedulerSequence, step: int, out: SchedulerOutput) -> bool:
+        """Reserve a checkpoint at `step` that a state cut of this forward saves into a free state row (no frozen
+        block); False, reserving nothing, when no row is free."""
         slot = self.state_manager.allocate()
         if slot is None:
-            return
-        ck = self.trie.reserve_checkpoint(seq, floor, slot, None)
+            return False
+        ck = self.trie.reserve_checkpoint(seq, step, slot, None)
         out.reserved.append(ReservedCheckpoint(seq, ck))
-        out.state_cuts.append(StateCut(seq, floor, slot))
+        out.state_cuts.append(StateCut(seq, step, slot))
+        return True
 
     def plan_verified(self, seq: SchedulerSequence, first: int, last: int, slot_of, plan: CopyPlan) -> None:
         """Speculative decoding: the deepest decode-interval step a verify piece committed, (first, last], saved from

@@ -1,5 +1,6 @@
-"""Shared helpers of the vision-language tests: images drawn with PIL, prompts with image parts, the transformers
-reference forward."""
+"""Shared helpers of the vision-language tests: images drawn with PIL, prompts with image parts, the tiny Qwen3.5-VL
+checkpoint with transformers' model, tokenizer and image processor, prompts encoded with their image spans, the
+transformers reference forward."""
 from __future__ import annotations
 
 import torch
@@ -45,3 +46,22 @@ def reference_logits(model, token_ids: list[int], spans: tuple[MultiModalSpan, .
                       mm_token_type_ids=(ids == image_token_id).int())
     with torch.no_grad():
         return model(input_ids=ids, **kwargs).logits[0].float()
+
+
+def load_vl(path: str) -> tuple:
+    """`(path, model, tokenizer, processor)` of the Qwen3.5-VL checkpoint at `path`: transformers' model (float32,
+    eval), the engine's tokenizer and image processor."""
+    import transformers
+
+    from lmdeploy.serve.tokenizer import Tokenizer
+    from lmdeploy.serve.vision.processor import ImageProcessor
+    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return path, model, Tokenizer(path), ImageProcessor(path, model.config.image_token_id)
+
+
+def encode(vl: tuple, *parts) -> tuple[list[int], tuple[MultiModalSpan, ...]]:
+    """One user turn of text and images (`user_message`) through the chat template: the expanded prompt ids and its
+    image spans."""
+    _, _, tokenizer, processor = vl
+    ids = tokenizer.encode(tokenizer.apply_chat_template(user_message(*parts)), add_special_tokens=False)
+    return processor.expand(ids, [p for p in parts if not isinstance(p, str)])
