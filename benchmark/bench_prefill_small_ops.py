@@ -1,20 +1,18 @@
-"""The small ops of one Qwen3.5-9B prefill forward (`--tokens` tokens, bf16) on the device: the `cuda` backend's
-kernel against the torch sequence it replaces, in ms per call and in GB/s of the bytes the fused form must move
-(every input read once, every output written once), beside the device's copy bandwidth (a `clone` of 1 GiB).
+"""The small ops of one Qwen3.5-9B prefill forward (`--tokens` tokens, bf16) on the device: the opt-in kernels of
+`LMDEPLOY_FUSED_PREFILL=1` (called directly here) against the sequence the default path runs, in ms per call and
+in GB/s of the bytes the fused form must move (every input read once, every output written once), beside the
+device's copy bandwidth (a `clone` of 1 GiB).
 
 - `silu_and_mul`: the MLP activation on `gate_up_proj`'s output [T, 2 * 12288] (torch: `F.silu(gate) * up`);
 - `sigmoid_gate_mul`: gated attention's output gate, gate = per-head slices of `q_proj`'s output (16 heads x 256);
-- `gated_rms_norm`: the DeltaNet output norm, z = heads of a channel slice of `in_proj_qkvz`'s output (32 x 128)
-  (torch reference: `z.contiguous()` + the same kernel, i.e. what the engine did before);
-- `add_rms_norm` [T, 4096] against torch's add + the Triton `rms_norm`;
-- `causal_conv1d` over the 8192 conv channels, writing q / k / v planes against plain [T, C] + three
-  `.contiguous()` of its channel slices (what fla's input guard made of them).
-Each op is checked against its reference (max abs error) before timing. `--sweep-conv` then times the conv's token
-kernel over (BLOCK_T, BLOCK_C, num_warps) candidates (`kernels/cuda/causal_conv1d.token_blocks`), each checked
-bit-identical to the default configuration, and prints the best.
+- `gated_rms_norm`: the DeltaNet output norm, z = heads of a channel slice of `in_proj_qkvz`'s output (32 x 128):
+  `rms_norm_rows` (z in place, 16 rows per program) against `rms_norm` (copies z, one row per program);
+- `add_rms_norm` [T, 4096]: `rms_norm_rows` against `rms_norm`;
+- the conv over the 8192 conv channels: `causal_conv1d_planes` (q / k / v contiguous) against the plain [T, C]
+  output + three `.contiguous()` of its channel slices (what fla's input guard makes of them).
+Each op is checked against its reference (max abs error) before timing.
 
     python benchmark/bench_prefill_small_ops.py                 # 8192 tokens, ~10 s on an H200
-    python benchmark/bench_prefill_small_ops.py --sweep-conv    # + 18 conv configurations, ~30 s
 """
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--tokens', type=int, default=8192)
     parser.add_argument('--iters', type=int, default=20)
-    parser.add_argument('--sweep-conv', action='store_true', help='time the conv token kernel\'s block sizes')
     args = parser.parse_args()
-    from lmdeploy.pytorch.kernels.cuda import activation, causal_conv1d, rms_norm
+    from lmdeploy.pytorch.kernels.cuda import activation, causal_conv1d, rms_norm, rms_norm_rows
     T, it, dt, dev = args.tokens, args.iters, torch.bfloat16, 'cuda'
     peak = copy_bandwidth_gbs()
     print(f'{torch.cuda.get_device_name()}: {T} tokens, copy bandwidth {peak:.0f} GB/s')
@@ -75,11 +72,11 @@ def main() -> None:
            lambda: attn * torch.sigmoid(gate), 3 * T * 4096 * 2, it, peak)
     o, qkvz, w = randn(T, 32, 128), randn(T, 8192 + 4096), randn(128)
     z = qkvz[:, 8192:].unflatten(-1, (32, 128))
-    report('gated_rms_norm', lambda: rms_norm.gated_rms_norm(o, z, w, 1e-6),
-           lambda: rms_norm.gated_rms_norm(o, z.contiguous(), w, 1e-6), 3 * T * 4096 * 2, it, peak)
+    report('gated_rms_norm', lambda: rms_norm_rows.gated_rms_norm(o, z, w, 1e-6),
+           lambda: rms_norm.gated_rms_norm(o, z, w, 1e-6), 3 * T * 4096 * 2, it, peak)
     x, res, w = randn(T, 4096), randn(T, 4096), randn(4096)
-    report('add_rms_norm', lambda: rms_norm.add_rms_norm(x, res, w, 1e-6, True),
-           lambda: (lambda s: (rms_norm.rms_norm(s, w, 1e-6, True), s))(x + res), 4 * T * 4096 * 2, it, peak)
+    report('add_rms_norm', lambda: rms_norm_rows.add_rms_norm(x, res, w, 1e-6, True),
+           lambda: rms_norm.add_rms_norm(x, res, w, 1e-6, True), 4 * T * 4096 * 2, it, peak)
     conv_in, cw = randn(T, 8192 + 4096 + 4096)[:, :8192], randn(8192, 4)
     pool = torch.zeros(4, 8192, 3, device=dev, dtype=dt)
     ids, fresh = torch.tensor([1], device=dev), torch.tensor([True], device=dev)
@@ -87,35 +84,12 @@ def main() -> None:
     splits = (2048, 2048, 4096)
 
     def planes():
-        return causal_conv1d.causal_conv1d(conv_in, cw, None, pool, ids, fresh, cu, 'silu', out_splits=splits)
+        return causal_conv1d.causal_conv1d_planes(conv_in, cw, None, pool, ids, fresh, cu, splits, 'silu')
 
     def plain_then_copies():
         out = causal_conv1d.causal_conv1d(conv_in, cw, None, pool, ids, fresh, cu, 'silu')
         return [p.contiguous() for p in out.split(splits, -1)]
     report('conv1d q/k/v', planes, plain_then_copies, 2 * T * 8192 * 2, it, peak)
-    if args.sweep_conv:
-        sweep_conv(causal_conv1d, planes, 2 * T * 8192 * 2, it, peak)
-
-
-def sweep_conv(causal_conv1d, planes, num_bytes: int, iters: int, peak: float) -> None:
-    default = causal_conv1d.token_blocks
-    want = [p.clone() for p in planes()]
-    results = []
-    try:
-        for block_t in (16, 32, 64):
-            for block_c in (64, 128, 256):
-                for num_warps in (4, 8):
-                    causal_conv1d.token_blocks = lambda _c, cfg=(block_t, block_c, num_warps): cfg
-                    same = all(torch.equal(a, b) for a, b in zip(planes(), want))
-                    ms = timed_ms(planes, iters)
-                    results.append((ms, block_t, block_c, num_warps))
-                    print(f'  conv BLOCK_T {block_t:3d} BLOCK_C {block_c:3d} warps {num_warps}: {ms * 1e3:7.1f} us '
-                          f'{num_bytes / ms / 1e6 / peak:4.0%} of copy{"" if same else "  MISMATCH"}')
-    finally:
-        causal_conv1d.token_blocks = default
-    ms, block_t, block_c, num_warps = min(results)
-    print(f'best conv config: BLOCK_T {block_t}, BLOCK_C {block_c}, num_warps {num_warps} ({ms * 1e3:.1f} us; '
-          f'default {default(8192)})')
 
 
 if __name__ == '__main__':

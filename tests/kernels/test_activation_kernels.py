@@ -88,10 +88,13 @@ def test_silu_and_mul_replays_in_cuda_graph_gpu():
                  **act_tol(torch.bfloat16, 'cuda'))
 
 
-def test_cuda_backend_dispatches_silu_and_mul_to_the_kernel():
+def test_cuda_backend_dispatches_silu_and_mul_to_the_kernel_only_when_opted_in():
+    """LMDEPLOY_FUSED_PREFILL=1 picks the kernel; unset (the default until an H200 run verifies it), torch's pair."""
     from lmdeploy.pytorch.backends import cuda as cuda_backend
     from lmdeploy.pytorch.backends.base import OpType
-    expected = cuda_act.silu_and_mul if cuda_backend._FUSED_OPS else ref_elementwise.silu_and_mul
+    if 'LMDEPLOY_FUSED_PREFILL' not in os.environ:
+        assert not cuda_backend._FUSED_PREFILL
+    expected = cuda_act.silu_and_mul if cuda_backend._FUSED_PREFILL else ref_elementwise.silu_and_mul
     assert cuda_backend.BACKEND.build(OpType.SiluAndMul) is expected
 
 
@@ -142,11 +145,16 @@ def test_cpu_sigmoid_gate_mul(shape, dtype):
     check_sigmoid_gate_mul(shape, dtype, 'cpu')
 
 
-def test_cuda_backend_dispatches_sigmoid_gate_mul_to_the_kernel():
+def test_cuda_backend_dispatches_the_opt_in_prefill_kernels_only_when_opted_in():
     from lmdeploy.pytorch.backends import cuda as cuda_backend
     from lmdeploy.pytorch.backends.base import OpType
-    expected = cuda_act.sigmoid_gate_mul if cuda_backend._FUSED_OPS else ref_elementwise.sigmoid_gate_mul
-    assert cuda_backend.BACKEND.build(OpType.SigmoidGateMul) is expected
+    from lmdeploy.pytorch.kernels.cuda import rms_norm, rms_norm_rows
+    on = cuda_backend._FUSED_PREFILL
+    assert cuda_backend.BACKEND.build(OpType.SigmoidGateMul) is \
+        (cuda_act.sigmoid_gate_mul if on else ref_elementwise.sigmoid_gate_mul)
+    assert cuda_backend.BACKEND.build(OpType.GatedRMSNorm) is \
+        (rms_norm_rows.gated_rms_norm if on else rms_norm.gated_rms_norm)
+    assert cuda_backend.BACKEND.build(OpType.RMSNorm) is (rms_norm_rows.rms_norm if on else rms_norm.rms_norm)
 
 
 # ------------------------------------------------------------------------------------------------ interpreter

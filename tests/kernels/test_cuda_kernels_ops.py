@@ -27,6 +27,7 @@ from lmdeploy.pytorch.kernels.cuda import causal_conv1d as cuda_conv
 from lmdeploy.pytorch.kernels.cuda import gated_delta_rule as cuda_gdr
 from lmdeploy.pytorch.kernels.cuda import moe as cuda_moe
 from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
+from lmdeploy.pytorch.kernels.cuda import rms_norm_rows as cuda_norm_rows
 from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
 from lmdeploy.pytorch.kernels.default import causal_conv1d as ref_conv
 from lmdeploy.pytorch.kernels.default import gated_delta_rule as ref_gdr
@@ -47,17 +48,21 @@ def norm_id(shape) -> str:
     return 'x'.join(map(str, shape))
 
 
-def check_rms_norm(shape, dtype, zero_centered: bool, strided: bool, device: str) -> None:
+# the default kernel and the opt-in one (LMDEPLOY_FUSED_PREFILL=1: short rows per program, head slices in place)
+NORM_MODULES = pytest.mark.parametrize('norm', [cuda_norm, cuda_norm_rows], ids=['rms_norm', 'rms_norm_rows'])
+
+
+def check_rms_norm(shape, dtype, zero_centered: bool, strided: bool, device: str, norm=cuda_norm) -> None:
     gen = torch.Generator().manual_seed(0)
     x, weight = randn(*shape, gen=gen, dtype=dtype), randn(shape[-1], gen=gen, dtype=dtype)
     ref = ref_elementwise.rms_norm(x, weight, 1e-6, zero_centered)
     x_dev = x.to(device)
-    out = cuda_norm.rms_norm(strided_copy(x_dev) if strided else x_dev, weight.to(device), 1e-6, zero_centered)
+    out = norm.rms_norm(strided_copy(x_dev) if strided else x_dev, weight.to(device), 1e-6, zero_centered)
     assert out.shape == ref.shape and out.dtype == dtype
     assert_close(out, ref, what='rms_norm', **tol(dtype))
 
 
-def check_gated_rms_norm(shape, dtype, strided: bool, device: str) -> None:
+def check_gated_rms_norm(shape, dtype, strided: bool, device: str, norm=cuda_norm) -> None:
     gen = torch.Generator().manual_seed(1)
     x, gate = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
     weight = randn(shape[-1], gen=gen, dtype=dtype)
@@ -65,7 +70,7 @@ def check_gated_rms_norm(shape, dtype, strided: bool, device: str) -> None:
     x_dev, gate_dev = x.to(device), gate.to(device)
     if strided:
         x_dev, gate_dev = strided_copy(x_dev), strided_copy(gate_dev, pad=2)
-    out = cuda_norm.gated_rms_norm(x_dev, gate_dev, weight.to(device), 1e-6)
+    out = norm.gated_rms_norm(x_dev, gate_dev, weight.to(device), 1e-6)
     assert out.shape == ref.shape and out.dtype == dtype
     assert_close(out, ref, what='gated_rms_norm', **tol(dtype))
 
@@ -83,16 +88,16 @@ HEAD_SHAPES = [(3, 4, 128), (2, 3, 4096), (5, 2, 3, 16), (4, 1, 16), (37, 4, 128
 
 
 def check_gated_rms_norm_head_slices(shape, dtype, device: str) -> None:
-    """x and gate as head slices of wider projections are read in place ([outer, inner, D], no copy)."""
+    """The opt-in kernel reads x and gate as head slices of wider projections in place ([outer, inner, D])."""
     gen = torch.Generator().manual_seed(2)
     x, gate = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
     weight = randn(shape[-1], gen=gen, dtype=dtype)
     ref = ref_elementwise.gated_rms_norm(x, gate, weight, 1e-6)
     x_dev, gate_dev = head_slice_copy(x.to(device), pad=5), head_slice_copy(gate.to(device))
     if shape[-2] > 1:
-        rows, _, _, inner = cuda_norm._row_layout(gate_dev)
+        rows, _, _, inner = cuda_norm_rows._row_layout(gate_dev)
         assert rows.data_ptr() == gate_dev.data_ptr() and inner == shape[-2], 'the gate was copied'
-    out = cuda_norm.gated_rms_norm(x_dev, gate_dev, weight.to(device), 1e-6)
+    out = cuda_norm_rows.gated_rms_norm(x_dev, gate_dev, weight.to(device), 1e-6)
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
     assert_close(out, ref, what='gated_rms_norm of head slices', **tol(dtype))
 
@@ -112,28 +117,31 @@ def test_cpu_gated_rms_norm_head_slices(shape, dtype):
 
 
 @pytest.mark.gpu
+@NORM_MODULES
 @DTYPES
 @pytest.mark.parametrize('zero_centered', [False, True], ids=['plain', 'zero_centered'])
 @pytest.mark.parametrize('strided', [False, True], ids=['contiguous', 'strided'])
 @pytest.mark.parametrize('shape', NORM_SHAPES, ids=norm_id)
-def test_rms_norm_gpu(shape, strided, zero_centered, dtype):
-    check_rms_norm(shape, dtype, zero_centered, strided, 'cuda')
+def test_rms_norm_gpu(shape, strided, zero_centered, dtype, norm):
+    check_rms_norm(shape, dtype, zero_centered, strided, 'cuda', norm)
 
 
 @pytest.mark.gpu
+@NORM_MODULES
 @DTYPES
 @pytest.mark.parametrize('strided', [False, True], ids=['contiguous', 'strided'])
 @pytest.mark.parametrize('shape', NORM_SHAPES, ids=norm_id)
-def test_gated_rms_norm_gpu(shape, strided, dtype):
-    check_gated_rms_norm(shape, dtype, strided, 'cuda')
+def test_gated_rms_norm_gpu(shape, strided, dtype, norm):
+    check_gated_rms_norm(shape, dtype, strided, 'cuda', norm)
 
 
 @interpreted
+@NORM_MODULES
 @DTYPES
 @pytest.mark.parametrize('shape', NORM_SHAPES[:4], ids=norm_id)
-def test_cpu_rms_norm(shape, dtype):
-    check_rms_norm(shape, dtype, zero_centered=shape[0] % 2 == 1, strided=True, device='cpu')
-    check_gated_rms_norm(shape, dtype, strided=shape[0] % 2 == 0, device='cpu')
+def test_cpu_rms_norm(shape, dtype, norm):
+    check_rms_norm(shape, dtype, zero_centered=shape[0] % 2 == 1, strided=True, device='cpu', norm=norm)
+    check_gated_rms_norm(shape, dtype, strided=shape[0] % 2 == 0, device='cpu', norm=norm)
 
 
 # ------------------------------------------------------------------------------------------------------ rotary
@@ -260,15 +268,16 @@ def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
 
 def check_conv_planes(case: ConvCase, x, weight, bias, backing, pool, state_ids, is_fresh, cu_seqlens, activation,
                       out, want_backing, device: str) -> None:
-    """With `out_splits` (three groups whose bounds fall inside the kernel's channel blocks), each group is a
+    """`causal_conv1d_planes` (three groups whose bounds fall inside the kernel's channel blocks): each group is a
     contiguous tensor holding exactly the plain output's columns, and the pool ends as after the plain call."""
     third = case.channels // 3
     splits = (third, third, case.channels - 2 * third)
     plane_backing = backing.to(device)
     plane_pool = plane_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
-    planes = cuda_conv.causal_conv1d(x.to(device), weight.to(device), None if bias is None else bias.to(device),
-                                     plane_pool, state_ids.to(device), is_fresh.to(device), cu_seqlens.to(device),
-                                     activation, out_splits=splits)
+    planes = cuda_conv.causal_conv1d_planes(x.to(device), weight.to(device),
+                                            None if bias is None else bias.to(device), plane_pool,
+                                            state_ids.to(device), is_fresh.to(device), cu_seqlens.to(device),
+                                            splits, activation)
     assert len(planes) == 3
     for plane, want in zip(planes, out.split(splits, dim=-1)):
         assert plane.is_contiguous() and plane.shape == want.shape

@@ -27,6 +27,7 @@ from lmdeploy.pytorch.kernels.cuda import gated_delta_gating as cuda_gating
 from lmdeploy.pytorch.kernels.cuda import moe_align as cuda_align
 from lmdeploy.pytorch.kernels.cuda import moe_routing as cuda_routing
 from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
+from lmdeploy.pytorch.kernels.cuda import rms_norm_rows as cuda_norm_rows
 from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
 from lmdeploy.pytorch.kernels.cuda.launch import FastKernel, _arg_key, fast_kernel
 from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
@@ -40,7 +41,7 @@ interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_fused_k
 ADD_NORM_SHAPES = [(1, 7), (5, 33), (3, 4, 128), (0, 16), (4, 2048)]
 
 
-def check_add_rms_norm(shape, dtype, zero_centered: bool, is_strided: bool, device: str) -> None:
+def check_add_rms_norm(shape, dtype, zero_centered: bool, is_strided: bool, device: str, norm=cuda_norm) -> None:
     gen = torch.Generator().manual_seed(3)
     x, res = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
     weight = randn(shape[-1], gen=gen, dtype=dtype)
@@ -48,7 +49,7 @@ def check_add_rms_norm(shape, dtype, zero_centered: bool, is_strided: bool, devi
     x_dev, res_dev = x.to(device), res.to(device)
     if is_strided:
         x_dev, res_dev = strided_copy(x_dev, pad=3), strided_copy(res_dev, pad=5)
-    out, new_res = cuda_norm.add_rms_norm(x_dev, res_dev, weight.to(device), 1e-6, zero_centered)
+    out, new_res = norm.add_rms_norm(x_dev, res_dev, weight.to(device), 1e-6, zero_centered)
     assert out.dtype == new_res.dtype == dtype and out.shape == new_res.shape == x.shape
     # The residual stream is exact: the compiled kernel rounds to nearest even like torch. Triton's interpreter
     # truncates float32 -> bf16 casts, so on the CPU bf16 sums may differ by one unit in the last place.
@@ -57,20 +58,27 @@ def check_add_rms_norm(shape, dtype, zero_centered: bool, is_strided: bool, devi
     assert_close(out, ref_out, what='add_rms_norm', **tol(dtype))
 
 
+# the default kernel and the opt-in one (LMDEPLOY_FUSED_PREFILL=1, `rms_norm_rows.py`)
+NORM_MODULES = pytest.mark.parametrize('norm', [cuda_norm, cuda_norm_rows], ids=['rms_norm', 'rms_norm_rows'])
+
+
 @pytest.mark.gpu
+@NORM_MODULES
 @DTYPES
 @pytest.mark.parametrize('zero_centered', [False, True], ids=['plain', 'zero_centered'])
 @pytest.mark.parametrize('is_strided', [False, True], ids=['contiguous', 'strided'])
 @pytest.mark.parametrize('shape', ADD_NORM_SHAPES, ids=lambda s: 'x'.join(map(str, s)))
-def test_add_rms_norm_matches_unfused_gpu(shape, is_strided, zero_centered, dtype):
-    check_add_rms_norm(shape, dtype, zero_centered, is_strided, 'cuda')
+def test_add_rms_norm_matches_unfused_gpu(shape, is_strided, zero_centered, dtype, norm):
+    check_add_rms_norm(shape, dtype, zero_centered, is_strided, 'cuda', norm)
 
 
 @interpreted
+@NORM_MODULES
 @DTYPES
 @pytest.mark.parametrize('shape', ADD_NORM_SHAPES[:4], ids=lambda s: 'x'.join(map(str, s)))
-def test_cpu_add_rms_norm(shape, dtype):
-    check_add_rms_norm(shape, dtype, zero_centered=shape[0] % 2 == 1, is_strided=shape[0] % 2 == 0, device='cpu')
+def test_cpu_add_rms_norm(shape, dtype, norm):
+    check_add_rms_norm(shape, dtype, zero_centered=shape[0] % 2 == 1, is_strided=shape[0] % 2 == 0, device='cpu',
+                       norm=norm)
 
 
 # ---------------------------------------------------------------------------------------------- MoE routing

@@ -1,11 +1,17 @@
 """The `cuda` backend: Triton kernels (and fla-core for the gated delta rule); anything missing falls back to the
 `default` backend op by op.
 
-Fused small ops (one launch each): residual add + RMSNorm, the MLPs' SiLU-and-mul, gated attention's sigmoid output
-gate, the MoE router's softmax + top-k + renormalisation, the attention layers' rotary + KV fill, and the gated
-DeltaNet gating (g, beta). `LMDEPLOY_FUSED_OPS=0` (read at import) builds the unfused sequences instead (same
-kernels one by one, torch for the adds, the activations, the router and the gating), for before/after
-measurements.
+Fused small ops (one launch each): residual add + RMSNorm, the MoE router's softmax + top-k + renormalisation, the
+attention layers' rotary + KV fill, and the gated DeltaNet gating (g, beta). `LMDEPLOY_FUSED_OPS=0` (read at
+import) builds the unfused sequences instead (same kernels one by one, torch for the adds, the router and the
+gating), for before/after measurements.
+
+Opt-in prefill kernels, `LMDEPLOY_FUSED_PREFILL=1` (read at import; default off until an H200 run verifies them,
+the commands are in `docs/benchmarks.md`): the MLPs' SiLU-and-mul and gated attention's sigmoid output gate in one
+pass each (`kernels/cuda/activation.py`; off: torch's pairs), the RMSNorm that reads per-head rows in place and
+packs short rows into one program (`kernels/cuda/rms_norm_rows.py`; off: `rms_norm.py`, which copies z), and the
+gated DeltaNet conv writing q / k / v as contiguous tensors (`causal_conv1d_planes`; off: views of one [T, C]
+output, which fla's input guard copies). Off, the CUDA path runs the kernels verified at 3d77198.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch
 from ...kernels.cuda import blocked_fp8 as _fp8
 from ...kernels.cuda import causal_conv1d as _conv
 from ...kernels.cuda import gated_delta_rule as _gdr
+from ...kernels.cuda import rms_norm_rows as _norm_rows
 from ...kernels.cuda.activation import sigmoid_gate_mul, silu_and_mul
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
@@ -40,6 +47,7 @@ from ..default.elementwise import silu_and_mul as default_silu_and_mul
 from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
+_FUSED_PREFILL = os.environ.get('LMDEPLOY_FUSED_PREFILL', '0') == '1'
 
 
 def _prefill_attention_mode() -> str:
@@ -167,10 +175,13 @@ def _conv_index(inputs, x: torch.Tensor) -> dict:
 
 def _build_causal_conv1d(**_kwargs):
     def forward(x, weight, bias, conv_state, inputs, activation='silu', out_splits=None):
-        # out_splits: each channel group written as its own contiguous plane (no copy before fla's kernels)
-        return _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
-                                   inputs.cu_seqlens_q, activation=activation, out_splits=out_splits,
-                                   **_conv_index(inputs, x))
+        index = _conv_index(inputs, x)
+        if out_splits is not None and _FUSED_PREFILL:  # each channel group contiguous: no copy in fla's guard
+            return _conv.causal_conv1d_planes(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
+                                              inputs.cu_seqlens_q, out_splits, activation=activation, **index)
+        out = _conv.causal_conv1d(x, weight, bias, conv_state, inputs.state_ids, inputs.is_fresh,
+                                  inputs.cu_seqlens_q, activation=activation, **index)
+        return out if out_splits is None else out.split(list(out_splits), dim=-1)
     return forward
 
 
@@ -202,13 +213,14 @@ _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
     OpType.CacheBlockCopy: _const(copy_packed_cache),
-    OpType.RMSNorm: _const(rms_norm),
-    OpType.AddRMSNorm: _const(add_rms_norm if _FUSED_OPS else _unfused_add_rms_norm),
-    OpType.GatedRMSNorm: _const(gated_rms_norm),
+    OpType.RMSNorm: _const(_norm_rows.rms_norm if _FUSED_PREFILL else rms_norm),
+    OpType.AddRMSNorm: _const((_norm_rows.add_rms_norm if _FUSED_PREFILL else add_rms_norm) if _FUSED_OPS
+                              else _unfused_add_rms_norm),
+    OpType.GatedRMSNorm: _const(_norm_rows.gated_rms_norm if _FUSED_PREFILL else gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
     OpType.CausalConv1d: _build_causal_conv1d,
-    OpType.SiluAndMul: _const(silu_and_mul if _FUSED_OPS else default_silu_and_mul),
-    OpType.SigmoidGateMul: _const(sigmoid_gate_mul if _FUSED_OPS else default_sigmoid_gate_mul),
+    OpType.SiluAndMul: _const(silu_and_mul if _FUSED_PREFILL else default_silu_and_mul),
+    OpType.SigmoidGateMul: _const(sigmoid_gate_mul if _FUSED_PREFILL else default_sigmoid_gate_mul),
     OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),

@@ -14,11 +14,6 @@ Two launch plans, chosen from host-side shapes only (no device sync):
   pool, then the per-sequence kernel (outputs off) writes the states. Stream order puts every read of an old
   history before any write of a new one.
 
-Output layout: row-major ``[T, C]``, or, with ``out_splits`` (at most three channel groups, e.g. gated DeltaNet's
-q / k / v), one row-major plane ``[T, C_i]`` per group, the planes one after another in one buffer
-(`_plane_offsets`); each group is then a contiguous tensor, which fla's kernels take without the copy
-`.contiguous()` makes of a channel slice of ``[T, C]``.
-
 The state update writes the last K-1 columns of ``xx_b`` (so a segment shorter than K-1 keeps the newer part of
 its old history, and a zero-length one keeps it, or zeroes it if fresh). Slots are distinct, so a slot is only
 touched by the programs of its own sequence, which load everything they need before a block barrier and store
@@ -33,21 +28,11 @@ import triton.language as tl
 from .launch import fast_kernel
 
 
-@triton.jit
-def _plane_offsets(tokens, chans, num_tokens, split1, split2, channels):
-    """Element offsets of (token, channel) pairs (broadcast) in the planar output: channels [0, split1),
-    [split1, split2) and [split2, channels) are row-major planes [T, width] stored one after another.
-    split1 = split2 = channels is the plain row-major [T, C]."""
-    start = tl.where(chans < split1, 0, tl.where(chans < split2, split1, split2)).to(tl.int64)
-    end = tl.where(chans < split1, split1, tl.where(chans < split2, split2, channels)).to(tl.int64)
-    return start * num_tokens + tokens * (end - start) + (chans - start)
-
-
 @fast_kernel
 @triton.jit
 def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token_ptr, cu_seqlens_ptr, state_ids_ptr,
                         fresh_ptr, num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1,
-                        stride_s2, split1, split2, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        stride_s2, stride_ot, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -76,15 +61,14 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
     if SILU:
         acc = acc * tl.sigmoid(acc)
     out_mask = t_mask[:, None] & c_mask[None, :]
-    out_offs = _plane_offsets(tokens64[:, None], chans[None, :], num_tokens, split1, split2, channels)
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptr + tokens64[:, None] * stride_ot + chans[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=out_mask)
 
 
 @fast_kernel
 @triton.jit
 def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens_ptr, state_ids_ptr, fresh_ptr,
-                          num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1, stride_s2,
-                          split1, split2,
+                          channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1, stride_s2, stride_ot,
                           KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                           WRITE_OUTPUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
     seq = tl.program_id(0)
@@ -112,8 +96,7 @@ def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens
                 acc += (val.to(tl.float32) + hist.to(tl.float32)) * w
             if SILU:
                 acc = acc * tl.sigmoid(acc)
-            out_offs = _plane_offsets(bos + t, chans, num_tokens, split1, split2, channels)
-            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(out_ptr + (bos + t) * stride_ot + chans, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
 
     # new column i is xx_b[L + i]: x[bos + L + i - (K-1)] if that is a token of b, else old column L + i
     cols = tl.arange(0, BLOCK_H)
@@ -135,30 +118,6 @@ def seq_of_token_of(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
                               torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype), right=True)
 
 
-def token_blocks(channels: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_C, num_warps) of `_conv_tokens_kernel` (`benchmark/bench_prefill_small_ops.py` sweeps
-    them)."""
-    return 16, min(triton.next_power_of_2(channels), 128), 4
-
-
-def _planar_output(x: torch.Tensor, out_splits: tuple[int, ...] | None) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                                                  int, int]:
-    """(buffer the kernels write, the tensors handed back, split1, split2) for `_plane_offsets`."""
-    num_tokens, channels = x.shape
-    if out_splits is None:
-        out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
-        return out, [out], channels, channels
-    assert 1 <= len(out_splits) <= 3 and sum(out_splits) == channels, \
-        f'out_splits {tuple(out_splits)} must be one to three groups summing to the {channels} channels'
-    buf = torch.empty(num_tokens * channels, dtype=x.dtype, device=x.device)
-    planes, start = [], 0
-    for width in out_splits:
-        planes.append(buf[start * num_tokens:(start + width) * num_tokens].view(num_tokens, width))
-        start += width
-    starts = [sum(out_splits[:i]) for i in range(1, len(out_splits))] + [channels, channels]
-    return buf, planes, starts[0], starts[1]
-
-
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -170,17 +129,14 @@ def causal_conv1d(
     activation: str | None = 'silu',
     fresh_i8: torch.Tensor | None = None,
     seq_of_token: torch.Tensor | None = None,
-    out_splits: tuple[int, ...] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
+) -> torch.Tensor:
     """Causal depthwise conv over packed varlen sequences, continuing from a stored input history.
 
-    Same contract as `kernels.default.causal_conv1d.causal_conv1d`: x ``[T, C]`` (unit channel stride or copied);
-    weight ``[C, K]``; bias ``[C]`` or None; conv_state pool ``[num_slots, C, K-1]`` (any strides); state_ids int64
-    ``[B]`` (distinct); is_fresh bool ``[B]``; cu_seqlens int64 ``[B+1]`` with ``cu_seqlens[-1] == T``. Returns
-    ``[T, C]`` in ``x.dtype`` and updates ``conv_state`` rows in place; with ``out_splits`` (channel group widths
-    summing to C, at most three) the values of ``out.split(out_splits, -1)``, each group a contiguous ``[T, C_i]``.
-    ``fresh_i8`` (``is_fresh`` as int8 on x's device) and ``seq_of_token`` (`seq_of_token_of(cu_seqlens, T)`)
-    may be given, built once per forward for every layer.
+    Same contract as `kernels.default.causal_conv1d.causal_conv1d`: x ``[T, C]``; weight ``[C, K]``; bias ``[C]``
+    or None; conv_state pool ``[num_slots, C, K-1]`` (any strides); state_ids int64 ``[B]`` (distinct); is_fresh
+    bool ``[B]``; cu_seqlens int64 ``[B+1]`` with ``cu_seqlens[-1] == T``. Returns ``[T, C]`` in ``x.dtype`` and
+    updates ``conv_state`` rows in place. ``fresh_i8`` (``is_fresh`` as int8 on x's device) and ``seq_of_token``
+    (`seq_of_token_of(cu_seqlens, T)`) may be given, built once per forward for every layer.
     """
     if activation not in (None, 'silu'):
         raise ValueError(f'unsupported activation: {activation}')
@@ -190,29 +146,56 @@ def causal_conv1d(
     assert weight.shape == (channels, kernel) and kernel >= 2, f'bad weight shape {tuple(weight.shape)}'
     assert conv_state.shape[1:] == (channels, kernel - 1), f'bad conv_state shape {tuple(conv_state.shape)}'
     assert cu_seqlens.shape == (num_seqs + 1,) and is_fresh.shape == (num_seqs,)
-    out, results, split1, split2 = _planar_output(x, out_splits)
-    result = results[0] if out_splits is None else tuple(results)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_seqs == 0:
-        return result
+        return out
     if x.stride(-1) != 1:
         x = x.contiguous()
     fresh = is_fresh.to(device=x.device, dtype=torch.int8) if fresh_i8 is None else fresh_i8
-    common = dict(num_tokens=num_tokens, channels=channels, stride_xt=x.stride(0), stride_wc=weight.stride(0),
-                  stride_wk=weight.stride(1), stride_s0=conv_state.stride(0), stride_s1=conv_state.stride(1),
-                  stride_s2=conv_state.stride(2), split1=split1, split2=split2, KERNEL=kernel,
-                  HAS_BIAS=bias is not None, SILU=activation == 'silu')
+    common = dict(stride_xt=x.stride(0), stride_wc=weight.stride(0), stride_wk=weight.stride(1),
+                  stride_s0=conv_state.stride(0), stride_s1=conv_state.stride(1), stride_s2=conv_state.stride(2),
+                  stride_ot=out.stride(0), KERNEL=kernel, HAS_BIAS=bias is not None, SILU=activation == 'silu')
     bias_arg = bias if bias is not None else weight
     is_decode = num_tokens == num_seqs
     if not is_decode and num_tokens > 0:
-        block_t, block_c, num_warps = token_blocks(channels)
+        block_t, block_c = 16, min(triton.next_power_of_2(channels), 128)
         if seq_of_token is None:
             seq_of_token = seq_of_token_of(cu_seqlens, num_tokens)
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
         _conv_tokens_kernel[grid](x, weight, bias_arg, conv_state, out, seq_of_token, cu_seqlens, state_ids, fresh,
-                                  BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **common)
+                                  num_tokens=num_tokens, channels=channels, BLOCK_T=block_t, BLOCK_C=block_c,
+                                  num_warps=4, **common)
     block_c = min(triton.next_power_of_2(channels), 256)
     block_h = max(triton.next_power_of_2(kernel - 1), 2)
     _conv_sequence_kernel[(num_seqs, triton.cdiv(channels, block_c))](
-        x, weight, bias_arg, conv_state, out, cu_seqlens, state_ids, fresh, WRITE_OUTPUT=is_decode,
-        BLOCK_C=block_c, BLOCK_H=block_h, num_warps=4, **common)
-    return result
+        x, weight, bias_arg, conv_state, out, cu_seqlens, state_ids, fresh, channels=channels,
+        WRITE_OUTPUT=is_decode, BLOCK_C=block_c, BLOCK_H=block_h, num_warps=4, **common)
+    return out
+
+
+def causal_conv1d_planes(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_ids: torch.Tensor,
+    is_fresh: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out_splits: tuple[int, ...],
+    activation: str | None = 'silu',
+    fresh_i8: torch.Tensor | None = None,
+    seq_of_token: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """`causal_conv1d(...).split(out_splits, -1)` with each channel group a contiguous ``[T, C_i]`` tensor: one
+    `causal_conv1d` call per group on its channel slices of x, weight, bias and the pool (channels are
+    independent, so the values are the plain call's, bit for bit). fla's kernels `.contiguous()` their inputs;
+    a channel slice of one ``[T, C]`` output would be copied there. Opt-in (`LMDEPLOY_FUSED_PREFILL=1`)."""
+    assert sum(out_splits) == x.shape[1], f'out_splits {tuple(out_splits)} do not sum to {x.shape[1]} channels'
+    planes, start = [], 0
+    for width in out_splits:
+        group = slice(start, start + width)
+        planes.append(causal_conv1d(x[:, group], weight[group], None if bias is None else bias[group],
+                                    conv_state[:, group], state_ids, is_fresh, cu_seqlens, activation=activation,
+                                    fresh_i8=fresh_i8, seq_of_token=seq_of_token))
+        start += width
+    return tuple(planes)

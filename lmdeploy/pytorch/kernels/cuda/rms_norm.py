@@ -1,10 +1,7 @@
 """Triton RMSNorm (plain, zero-centred, gated, residual-add); semantics of `backends/default/elementwise.py`.
 
-A program normalises one row of the last dimension in float32 (or several short rows, each on its own) and writes
-a new contiguous tensor of the input's shape and dtype. Leading dimensions are flattened into rows. x and the gate
-are read in place when their rows can be viewed as [rows, D], or as [outer, inner, D] (row r at outer r // inner,
-inner r % inner: per-head rows of a channel slice of a wider projection, such as gated DeltaNet's z); anything
-else is copied first.
+One program normalises one row of the last dimension in float32 and writes a new contiguous tensor of the input's
+shape and dtype. Leading dimensions are flattened into rows (copying only when they cannot be viewed as rows).
 With a residual, the row is first `x + residual` rounded to the input dtype (what the unfused `x + residual` in
 that dtype produces); that sum is stored as the new residual and is what gets normalised.
 """
@@ -19,62 +16,33 @@ from .launch import fast_kernel
 
 @fast_kernel
 @triton.jit
-def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, num_rows, stride_x, stride_x_inner,
-                     x_inner, stride_gate, stride_gate_inner, gate_inner, stride_res, stride_res_out, stride_out, dim,
-                     eps, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """ROWS rows per program (many for short rows, such as per-head norms of 128); each row reduces alone."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stride_gate, stride_res,
+                     stride_res_out, stride_out, dim, eps, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    mask = (rows < num_rows)[:, None] & (offs < dim)[None, :]
-    x_rows = (rows // x_inner) * stride_x + (rows % x_inner) * stride_x_inner  # x_inner == 1: rows * stride_x
-    x = tl.load(x_ptr + x_rows[:, None] + offs[None, :], mask=mask, other=0.0)
+    mask = offs < dim
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        res = tl.load(res_ptr + rows[:, None] * stride_res + offs[None, :], mask=mask, other=0.0)
+        res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + rows[:, None] * stride_res_out + offs[None, :], x, mask=mask)
+        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
     x = x.to(tl.float32)
-    x = x * tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
-    w = tl.load(w_ptr + offs, mask=offs < dim, other=0.0).to(tl.float32)
+    x = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
-    y = x * w[None, :]
+    y = x * w
     if HAS_GATE:
-        gate_rows = (rows // gate_inner) * stride_gate + (rows % gate_inner) * stride_gate_inner
-        gate = tl.load(gate_ptr + gate_rows[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + row * stride_gate + offs, mask=mask, other=0.0).to(tl.float32)
         y = y * gate * tl.sigmoid(gate)
-    tl.store(out_ptr + rows[:, None] * stride_out + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _rows_per_program(block: int) -> int:
-    """Short rows share a program (up to 16 rows, 2048 elements): one row of 128 per program leaves most of each
-    program's warp idle and launches a program per 256 bytes. Depends on the width only, so a row's result does
-    not depend on the batch it is in."""
-    return max(1, min(16, 2048 // block))
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [rows, D] with unit stride along D (a view when the layout allows)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """(tensor, outer stride, inner stride, inner count): row r of x's [..., D] rows starts at element
-    (r // inner) * outer + (r % inner) * inner_stride of the tensor; inner is 1 for a plain [rows, D] view. Copies
-    only when neither [rows, D] nor [outer, inner, D] with unit stride along D is a view of x."""
-    if x.dim() >= 3 and x.stride(-1) == 1:
-        try:
-            rows = x.view(-1, x.shape[-1])
-        except RuntimeError:  # rows not evenly spaced: try [outer, inner, D]
-            try:
-                heads = x.view(-1, x.shape[-2], x.shape[-1])
-                return heads, heads.stride(0), heads.stride(1), heads.shape[1]
-            except RuntimeError:
-                rows = x.contiguous().view(-1, x.shape[-1])
-        return rows, rows.stride(0), 0, 1
-    rows = _as_rows(x)
-    return rows, rows.stride(0), 0, 1
 
 
 def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -86,23 +54,18 @@ def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, ep
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if x.numel() == 0:
         return out, res_out
-    x_rows, stride_x, stride_x_inner, x_inner = _row_layout(x)
-    gate_rows, stride_gate, stride_gate_inner, gate_inner = \
-        _row_layout(gate) if gate is not None else (x_rows, stride_x, stride_x_inner, x_inner)
-    res_rows = _as_rows(residual) if residual is not None else out.view(-1, dim)
-    res_out_rows = res_out.view(-1, dim) if res_out is not None else out.view(-1, dim)
+    x_rows = _as_rows(x)
+    gate_rows = _as_rows(gate) if gate is not None else x_rows
+    res_rows = _as_rows(residual) if residual is not None else x_rows
+    res_out_rows = res_out.view(-1, dim) if res_out is not None else x_rows
     out_rows = out.view(-1, dim)
     block = triton.next_power_of_2(dim)
-    rows_per_program = _rows_per_program(block)
-    num_rows = out_rows.shape[0]
-    _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
+    _rms_norm_kernel[(x_rows.shape[0],)](
         x_rows, gate_rows, res_rows, res_out_rows, weight if weight.stride(0) == 1 else weight.contiguous(),
-        out_rows, num_rows=num_rows, stride_x=stride_x, stride_x_inner=stride_x_inner, x_inner=x_inner,
-        stride_gate=stride_gate, stride_gate_inner=stride_gate_inner, gate_inner=gate_inner,
-        stride_res=res_rows.stride(0), stride_res_out=res_out_rows.stride(0), stride_out=out_rows.stride(0),
-        dim=dim, eps=float(eps),
-        ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None,
-        ROWS=rows_per_program, BLOCK=block, num_warps=min(max(rows_per_program * block // 256, 1), 16),
+        out_rows, stride_x=x_rows.stride(0), stride_gate=gate_rows.stride(0), stride_res=res_rows.stride(0),
+        stride_res_out=res_out_rows.stride(0), stride_out=out_rows.stride(0), dim=dim, eps=float(eps),
+        ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 16),
     )
     return out, res_out
 
