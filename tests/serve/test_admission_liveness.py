@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_api_server import API_KEY, MODEL, LiveServer, engine_config, live_server_factory  # noqa: F401 (fixture)
+from live_server import MODEL
+from test_api_server import API_KEY
 
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.openai.api_server import create_app
@@ -36,13 +36,6 @@ def wait_for(predicate, timeout: float = 10.0, what: str = 'condition'):
 def idle(async_engine: AsyncEngine) -> bool:
     scheduler = async_engine.engine.scheduler
     return not (scheduler.running or scheduler.waiting or async_engine.engine.has_work)
-
-
-@pytest.fixture(scope='module')
-def async_engine(tiny_model_factory) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(tiny_model_factory('qwen3'), engine_config(), model_name=MODEL)
-    yield engine
-    engine.close()
 
 
 class Stream:
@@ -73,7 +66,7 @@ class Stream:
         return not self._thread.is_alive()
 
 
-def test_beyond_the_admission_limit_429_with_retry_after_then_served(async_engine, live_server_factory):  # noqa: F811
+def test_beyond_the_admission_limit_429_with_retry_after_then_served(async_engine, live_server_factory):
     server = live_server_factory(create_app(async_engine, None, MODEL,
                                             config=ServerConfig(max_concurrent_requests=2)), async_engine)
     streams = [Stream(server.url, LONG) for _ in range(2)]
@@ -99,7 +92,7 @@ def test_beyond_the_admission_limit_429_with_retry_after_then_served(async_engin
     assert wait_for(lambda: server.metrics()[('lmdeploy:num_requests_admitted', ())] == 0 or None) is True
 
 
-def test_hung_step_fails_its_requests_and_health_recovers(async_engine, live_server_factory):  # noqa: F811
+def test_hung_step_fails_its_requests_and_health_recovers(async_engine, live_server_factory):
     config = ServerConfig(watchdog_timeout=0.5)
     server = live_server_factory(create_app(async_engine, None, MODEL, config=config), async_engine)
     engine, release = async_engine.engine, threading.Event()
@@ -131,7 +124,7 @@ def test_hung_step_fails_its_requests_and_health_recovers(async_engine, live_ser
     assert blocks.num_free == blocks.num_blocks
 
 
-def test_metrics_behind_the_api_key(async_engine, live_server_factory):  # noqa: F811
+def test_metrics_behind_the_api_key(async_engine, live_server_factory):
     config = ServerConfig(enable_metrics_auth=True)
     guarded = live_server_factory(create_app(async_engine, [API_KEY], MODEL, config=config), async_engine)
     assert httpx.get(f'{guarded.url}/metrics').status_code == 401
@@ -142,7 +135,7 @@ def test_metrics_behind_the_api_key(async_engine, live_server_factory):  # noqa:
 
 
 @pytest.mark.filterwarnings('ignore::pytest.PytestUnhandledThreadExceptionWarning')
-def test_killed_engine_loop_turns_health_503_and_fails_requests(async_engine, live_server_factory):  # noqa: F811
+def test_killed_engine_loop_turns_health_503_and_fails_requests(async_engine, live_server_factory):
     # Runs last in this module: the engine loop does not come back.
     server = live_server_factory(create_app(async_engine, None, MODEL), async_engine)
     stream = Stream(server.url, LONG)

@@ -3,81 +3,20 @@ random-weight model, driven by the official `openai` client and, for raw HTTP ca
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from live_server import MODEL, LiveServer, engine_config
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.openai.api_server import create_app
 
-MODEL = 'tiny-qwen3'
 API_KEY = 'sk-test-key'
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 CHAT = [{'role': 'user', 'content': 'Tell me something about the sea.'}]
-
-
-def engine_config(**overrides) -> PytorchEngineConfig:
-    # a fixed, small KV pool (32k tokens) instead of the 4 GiB CPU default keeps start-up fast
-    return PytorchEngineConfig(device_type='cpu', block_size=16, max_batch_size=8, num_gpu_blocks=2048, **overrides)
-
-
-class LiveServer(NamedTuple):
-    url: str
-    async_engine: AsyncEngine
-
-    def client(self, api_key: str = 'unused') -> openai.OpenAI:
-        return openai.OpenAI(base_url=f'{self.url}/v1', api_key=api_key, max_retries=0, timeout=30)
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        text = httpx.get(f'{self.url}/metrics').text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-@pytest.fixture(scope='module')
-def live_server_factory() -> Iterator:
-    """`factory(app, async_engine) -> LiveServer`: uvicorn on a free loopback port, stopped at module end."""
-    running: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def factory(app, async_engine: AsyncEngine) -> LiveServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(('127.0.0.1', 0))
-        url = f'http://127.0.0.1:{sock.getsockname()[1]}'
-        server = uvicorn.Server(uvicorn.Config(app, log_level='warning', timeout_graceful_shutdown=1))
-        thread = threading.Thread(target=server.run, kwargs={'sockets': [sock]}, daemon=True)
-        thread.start()
-        running.append((server, thread))
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f'{url}/health', timeout=1).status_code == 200:
-                    return LiveServer(url, async_engine)
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, 'server did not come up'
-            time.sleep(0.05)
-
-    yield factory
-    for server, thread in running:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-@pytest.fixture(scope='module')
-def async_engine(tiny_model_factory) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(tiny_model_factory('qwen3'), engine_config(), model_name=MODEL)
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope='module')

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_api_server import MODEL, LiveServer, engine_config, live_server_factory  # noqa: F401 (fixture)
+from live_server import MODEL, LiveServer, engine_config
 from test_hostile_http import wait_until_idle
 
 from lmdeploy.serve.async_engine import AsyncEngine
@@ -124,7 +124,7 @@ def async_engine(tiny_model_factory):
 
 
 @pytest.fixture(scope='module')
-def server(async_engine, live_server_factory) -> LiveServer:  # noqa: F811
+def server(async_engine, live_server_factory) -> LiveServer:
     return live_server_factory(create_app(async_engine, None, MODEL), async_engine)
 
 

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_api_server import MODEL, LiveServer, engine_config, live_server_factory  # noqa: F401 (fixture)
+from live_server import MODEL, LiveServer, engine_config
 
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.openai.api_server import create_app
@@ -37,7 +37,7 @@ def async_engine(tiny_model_factory) -> Iterator[AsyncEngine]:
 
 
 @pytest.fixture(scope='module')
-def server(async_engine, live_server_factory) -> LiveServer:  # noqa: F811
+def server(async_engine, live_server_factory) -> LiveServer:
     return live_server_factory(create_app(async_engine, None, MODEL), async_engine)
 
 

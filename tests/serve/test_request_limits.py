@@ -14,11 +14,10 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_api_server import MODEL, LiveServer, engine_config, live_server_factory  # noqa: F401 (fixture)
+from live_server import MODEL, LiveServer
 from test_hostile_http import assert_openai_error
 
 from lmdeploy.bench.http_load import latency_beside_storm
-from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.bounded_encode import PIECE_CHARS, PromptTooLong, encode_within
 from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.serve.openai.errors import APIError
@@ -31,14 +30,7 @@ CHAT = [{'role': 'user', 'content': 'Tell me something about the sea.'}]
 
 
 @pytest.fixture(scope='module')
-def async_engine(tiny_model_factory) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(tiny_model_factory('qwen3'), engine_config(), model_name=MODEL)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope='module')
-def server(async_engine, live_server_factory) -> LiveServer:  # noqa: F811
+def server(async_engine, live_server_factory) -> LiveServer:
     return live_server_factory(create_app(async_engine, None, MODEL, config=CONFIG), async_engine)
 
 
