@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mtp_reference import mtp_checkpoint_builder
 from mtp_runs import (
     ATOL,
-    MODELS,
     DraftRecorder,
     K,
     assert_pools_returned,
@@ -40,11 +38,6 @@ from lmdeploy.pytorch.engine.spec_decode import PendingDrafts
 from lmdeploy.pytorch.messages import SamplingParams
 
 pytest.importorskip('transformers')
-
-
-@pytest.fixture(scope='module')
-def mtp_model(tiny_model_factory, tmp_path_factory):
-    return mtp_checkpoint_builder(tiny_model_factory, tmp_path_factory, MODELS, default='qwen3_5')
 
 
 DEVICES = ['cpu', pytest.param('cuda', marks=pytest.mark.gpu)]

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mtp_reference import mtp_checkpoint_builder
 from mtp_runs import (
     ATOL,
-    MODELS,
     DraftRecorder,
     K,
     assert_pools_returned,
@@ -41,11 +39,6 @@ from lmdeploy.pytorch.engine.spec_inputs import plan_chain
 from lmdeploy.pytorch.messages import SamplingParams
 
 pytest.importorskip('transformers')
-
-
-@pytest.fixture(scope='module')
-def mtp_model(tiny_model_factory, tmp_path_factory):
-    return mtp_checkpoint_builder(tiny_model_factory, tmp_path_factory, MODELS, default='qwen3_5')
 
 
 class _Counted:
