@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .launch import fast_kernel
+from .rms_norm import norm_entry_points
 
 
 @fast_kernel
@@ -110,20 +111,4 @@ def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, ep
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    """RMSNorm in float32; `zero_centered` scales by (1 + weight) as Qwen3-Next/Qwen3.5 do."""
-    return _launch(x, None, weight, eps, zero_centered)[0]
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype, in one launch."""
-    assert residual.shape == x.shape and residual.dtype == x.dtype, \
-        f'residual {tuple(residual.shape)} {residual.dtype} != x {tuple(x.shape)} {x.dtype}'
-    return _launch(x, None, weight, eps, zero_centered, residual)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * rmsnorm(x) * silu(gate), normalised in float32 (the gated DeltaNet output norm)."""
-    assert gate.shape == x.shape, f'gate {tuple(gate.shape)} != x {tuple(x.shape)}'
-    return _launch(x, gate, weight, eps, False)[0]
+rms_norm, add_rms_norm, gated_rms_norm = norm_entry_points(_launch)
