@@ -147,7 +147,7 @@ class DraftChainGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            self.fill(None, size)
+            self.fill(None, None, size)
             self._chain(size)
             self.graphs[size] = capture_graph(lambda size=size: self._chain(size), self.pool, self.device)
         torch.cuda.synchronize(self.device)
