@@ -43,6 +43,7 @@ NINE_B_SHAPE = dict(vocab_size=248320)
 
 from lmdeploy import PytorchEngineConfig, SpeculativeConfig  # noqa: E402
 from lmdeploy.pytorch.engine.engine import Engine  # noqa: E402
+from lmdeploy.pytorch.engine.spec_chain import chain_graph_enabled  # noqa: E402
 from lmdeploy.pytorch.messages import SamplingParams  # noqa: E402
 
 
@@ -123,7 +124,7 @@ def bench_batch(path, device, dtype, batch, context, new_tokens, k, vocab, eager
         agent = spec.agent
         row['verify_graph_replays'] = agent.verify_graphs.num_replays
         row['head_graph_replays'] = agent.head_graphs.runner.num_replays
-        # the greedy chain in one graph (LMDEPLOY_SPEC_CHAIN_GRAPH=1, opt-in): one replay per drafting step
+        # the greedy chain in one graph (the default; 0 with LMDEPLOY_SPEC_CHAIN_GRAPH=0): one replay per drafting step
         row['chain_graph_replays'] = agent.chain_graphs.num_replays if agent.chain_graphs is not None else 0
     del spec
     if eager and graphs:
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     k = args.draft_tokens
     began = time.perf_counter()
     print(f'bench_mtp_engine: commit={commit()} device={device} dtype={dtype} shape={"smoke" if smoke else args.shape} '
-          f'layers={layers} K={k} LMDEPLOY_SPEC_CHAIN_GRAPH={os.environ.get("LMDEPLOY_SPEC_CHAIN_GRAPH", "0")}',
+          f'layers={layers} K={k} LMDEPLOY_SPEC_CHAIN_GRAPH={int(chain_graph_enabled())}',
           flush=True)
     with tempfile.TemporaryDirectory() as path:
         write_config(path, layers, shape)

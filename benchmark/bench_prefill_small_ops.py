@@ -1,5 +1,5 @@
-"""The small ops of one Qwen3.5-9B prefill forward (`--tokens` tokens, bf16) on the device: the opt-in kernels of
-`LMDEPLOY_FUSED_PREFILL=1` (called directly here) against the sequence the default path runs, in ms per call and
+"""The small ops of one Qwen3.5-9B prefill forward (`--tokens` tokens, bf16) on the device: the fused prefill kernels
+(the default; called directly here) against the sequence `LMDEPLOY_FUSED_PREFILL=0` runs, in ms per call and
 in GB/s of the bytes the fused form must move (every input read once, every output written once), beside the
 device's copy bandwidth (a `clone` of 1 GiB).
 

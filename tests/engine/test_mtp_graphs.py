@@ -5,11 +5,11 @@ decoding of the same checkpoint (plain decoding is itself tested against transfo
   *through the graphs' padded static buffers* (what a replay reads). This checks the padding contracts: greedy
   tokens equal plain decoding's, logits within tolerance, the recurrent state after every step equals plain
   decoding's under forced acceptance of every count, prefix-cache hits at unaligned steps stay exact, and the
-  integrity check holds after every step and after aborts mid-verify. The greedy chain graph (`spec_chain`, opt-in
-  on CUDA) is forced on here through `_through_static_buffers`.
+  integrity check holds after every step and after aborts mid-verify. The greedy chain graph (`spec_chain`, on by
+  default on CUDA, off with `LMDEPLOY_SPEC_CHAIN_GRAPH=0`) is forced on here through `_through_static_buffers`.
 - GPU: the engine's own graphs (the default on CUDA). Graph replay gives the tokens and logits of eager
   speculative decoding (`eager_mode=True`) and of plain decoding, with prefix-cache hits at unaligned steps, and
-  aborts mid-verify leak nothing; with `LMDEPLOY_SPEC_CHAIN_GRAPH=1` the chain graph drafts as the step-by-step chain.
+  aborts mid-verify leak nothing; the chain graph (the default) drafts as the step-by-step chain (`=0`).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _eager_on_static_buffers(runner: CUDAGraphRunner) -> None:
 def _through_static_buffers(engine, chain: bool = True):
     """Give a CPU speculative engine the graph runners of a CUDA one, never capturing: every forward they support
     runs eagerly on their padded static buffers (`chain=False`: no greedy-chain graph, as with
-    the default without LMDEPLOY_SPEC_CHAIN_GRAPH=1). Returns call counters of the verify, head and chain runners."""
+    LMDEPLOY_SPEC_CHAIN_GRAPH=0). Returns call counters of the verify, head and chain runners."""
     agent, cfg = engine.agent, engine.model_config
     batch = engine.scheduler_config.max_batch_size
     kbs = engine.cache_config.kernel_block_size
@@ -154,17 +154,17 @@ def test_greedy_chain_derives_the_rows_plan_chain_builds_on_the_host(mtp_model):
 
 
 def test_chain_graph_switch_and_sampled_drafts_take_the_step_by_step_chain(mtp_model, monkeypatch):
-    """The chain graph is opt-in (`LMDEPLOY_SPEC_CHAIN_GRAPH=1`): unset or `0` builds none; a step where a sampled
-    request drafts runs the chain step by step (it needs the head's distributions), and the greedy request beside
-    it still decodes as plain."""
-    for value in (None, '0'):
+    """The chain graph is on by default (`LMDEPLOY_SPEC_CHAIN_GRAPH` unset or `1`); `0` builds none; a step where a
+    sampled request drafts runs the chain step by step (it needs the head's distributions), and the greedy request
+    beside it still decodes as plain."""
+    for value in (None, '1'):
         if value is None:
             monkeypatch.delenv('LMDEPLOY_SPEC_CHAIN_GRAPH', raising=False)
         else:
             monkeypatch.setenv('LMDEPLOY_SPEC_CHAIN_GRAPH', value)
-        assert not chain_graph_enabled() and build_chain_graphs(None, None, None, 4, 8, K, torch.device('cpu')) is None
-    monkeypatch.setenv('LMDEPLOY_SPEC_CHAIN_GRAPH', '1')
-    assert chain_graph_enabled()
+        assert chain_graph_enabled()
+    monkeypatch.setenv('LMDEPLOY_SPEC_CHAIN_GRAPH', '0')
+    assert not chain_graph_enabled() and build_chain_graphs(None, None, None, 4, 8, K, torch.device('cpu')) is None
     monkeypatch.delenv('LMDEPLOY_SPEC_CHAIN_GRAPH')
     path = mtp_model()
     prompts = [random_prompt(21, 0), random_prompt(17, 5)]
@@ -259,8 +259,8 @@ def test_graph_replay_of_speculative_steps_equals_eager_and_plain(mtp_model, nam
 
 @pytest.mark.gpu
 def test_greedy_chain_graph_drafts_as_the_step_by_step_chain(mtp_model, monkeypatch):
-    """The greedy chain in one replay (`LMDEPLOY_SPEC_CHAIN_GRAPH=1`, with the packed uploads) proposes exactly the
-    drafts of the step-by-step chain through the head's graphs (`0`, the default), at every step of every request,
+    """The greedy chain in one replay (the default, `LMDEPLOY_SPEC_CHAIN_GRAPH=1`, with the packed uploads) proposes
+    exactly the drafts of the step-by-step chain through the head's graphs (`0`), at every step of every request,
     and both decode as plain decoding."""
     path = mtp_model()
     prompts = [random_prompt(21, 0), random_prompt(35, 1), random_prompt(9, 2)]

@@ -11,6 +11,8 @@ run on CPU tensors under the Triton interpreter in the subprocess `test_activati
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -88,14 +90,14 @@ def test_silu_and_mul_replays_in_cuda_graph_gpu():
                  **act_tol(torch.bfloat16, 'cuda'))
 
 
-def test_cuda_backend_dispatches_silu_and_mul_to_the_kernel_only_when_opted_in():
-    """LMDEPLOY_FUSED_PREFILL=1 picks the kernel; unset (the default until an H200 run verifies it), torch's pair."""
-    from lmdeploy.pytorch.backends import cuda as cuda_backend
-    from lmdeploy.pytorch.backends.base import OpType
-    if 'LMDEPLOY_FUSED_PREFILL' not in os.environ:
-        assert not cuda_backend._FUSED_PREFILL
-    expected = cuda_act.silu_and_mul if cuda_backend._FUSED_PREFILL else ref_elementwise.silu_and_mul
-    assert cuda_backend.BACKEND.build(OpType.SiluAndMul) is expected
+@pytest.mark.parametrize('switch, on', [(None, True), ('1', True), ('0', False)], ids=['unset', '1', '0'])
+def test_fused_prefill_is_on_unless_the_switch_is_0(monkeypatch, switch, on):
+    from lmdeploy.pytorch.backends.cuda import fused_prefill_enabled
+    if switch is None:
+        monkeypatch.delenv('LMDEPLOY_FUSED_PREFILL', raising=False)
+    else:
+        monkeypatch.setenv('LMDEPLOY_FUSED_PREFILL', switch)
+    assert fused_prefill_enabled() is on
 
 
 def test_silu_and_mul_rejects_an_odd_width():
@@ -145,16 +147,38 @@ def test_cpu_sigmoid_gate_mul(shape, dtype):
     check_sigmoid_gate_mul(shape, dtype, 'cpu')
 
 
-def test_cuda_backend_dispatches_the_opt_in_prefill_kernels_only_when_opted_in():
+_PREFILL_OPS = ('SiluAndMul', 'SigmoidGateMul', 'RMSNorm', 'GatedRMSNorm')
+# the `cuda` backend's builds of `_PREFILL_OPS` in a fresh process (the switch is read at import), one per line
+_PRINT_DISPATCH = ('from lmdeploy.pytorch.backends import cuda\nfrom lmdeploy.pytorch.backends.base import OpType\n'
+                   f'for op in {_PREFILL_OPS!r}:\n    f = cuda.BACKEND.build(OpType[op])\n'
+                   '    print(f.__module__ + "." + f.__name__)')
+
+
+def _prefill_dispatch(on: bool) -> list[str]:
+    """Where each of `_PREFILL_OPS` should dispatch with the fused prefill kernels on or off."""
+    from lmdeploy.pytorch.kernels.cuda import rms_norm, rms_norm_rows
+    fns = (cuda_act.silu_and_mul, cuda_act.sigmoid_gate_mul, rms_norm_rows.rms_norm, rms_norm_rows.gated_rms_norm) \
+        if on else (ref_elementwise.silu_and_mul, ref_elementwise.sigmoid_gate_mul, rms_norm.rms_norm,
+                    rms_norm.gated_rms_norm)
+    return [f'{f.__module__}.{f.__name__}' for f in fns]
+
+
+def test_cuda_backend_dispatches_the_fused_prefill_kernels_by_default():
+    """The fused kernels unless this process runs with `LMDEPLOY_FUSED_PREFILL=0`."""
     from lmdeploy.pytorch.backends import cuda as cuda_backend
     from lmdeploy.pytorch.backends.base import OpType
-    from lmdeploy.pytorch.kernels.cuda import rms_norm, rms_norm_rows
     on = cuda_backend._FUSED_PREFILL
-    assert cuda_backend.BACKEND.build(OpType.SigmoidGateMul) is \
-        (cuda_act.sigmoid_gate_mul if on else ref_elementwise.sigmoid_gate_mul)
-    assert cuda_backend.BACKEND.build(OpType.GatedRMSNorm) is \
-        (rms_norm_rows.gated_rms_norm if on else rms_norm.gated_rms_norm)
-    assert cuda_backend.BACKEND.build(OpType.RMSNorm) is (rms_norm_rows.rms_norm if on else rms_norm.rms_norm)
+    assert on is (os.environ.get('LMDEPLOY_FUSED_PREFILL') != '0')
+    built = [cuda_backend.BACKEND.build(OpType[op]) for op in _PREFILL_OPS]
+    assert [f'{f.__module__}.{f.__name__}' for f in built] == _prefill_dispatch(on)
+
+
+def test_fused_prefill_0_dispatches_torch_pairs_and_the_plain_rms_norm():
+    env = {**os.environ, 'LMDEPLOY_FUSED_PREFILL': '0'}
+    proc = subprocess.run([sys.executable, '-c', _PRINT_DISPATCH], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == _prefill_dispatch(False)
 
 
 # ------------------------------------------------------------------------------------------------ interpreter

@@ -54,7 +54,7 @@ def norm_id(shape) -> str:
     return 'x'.join(map(str, shape))
 
 
-# the default kernel and the opt-in one (LMDEPLOY_FUSED_PREFILL=1: short rows per program, head slices in place)
+# the kernel of LMDEPLOY_FUSED_PREFILL=0 and the default one (short rows per program, head slices in place)
 NORM_MODULES = pytest.mark.parametrize('norm', [cuda_norm, cuda_norm_rows], ids=['rms_norm', 'rms_norm_rows'])
 
 
@@ -94,7 +94,8 @@ HEAD_SHAPES = [(3, 4, 128), (2, 3, 4096), (5, 2, 3, 16), (4, 1, 16), (37, 4, 128
 
 
 def check_gated_rms_norm_head_slices(shape, dtype, device: str) -> None:
-    """The opt-in kernel reads x and gate as head slices of wider projections in place ([outer, inner, D])."""
+    """The default kernel (`rms_norm_rows`) reads x and gate as head slices of wider projections in place
+    ([outer, inner, D])."""
     gen = torch.Generator().manual_seed(2)
     x, gate = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype)
     weight = randn(shape[-1], gen=gen, dtype=dtype)

@@ -58,7 +58,7 @@ def check_add_rms_norm(shape, dtype, zero_centered: bool, is_strided: bool, devi
     assert_close(out, ref_out, what='add_rms_norm', **tol(dtype))
 
 
-# the default kernel and the opt-in one (LMDEPLOY_FUSED_PREFILL=1, `rms_norm_rows.py`)
+# the kernel of LMDEPLOY_FUSED_PREFILL=0 and the default one (`rms_norm_rows.py`)
 NORM_MODULES = pytest.mark.parametrize('norm', [cuda_norm, cuda_norm_rows], ids=['rms_norm', 'rms_norm_rows'])
 
 

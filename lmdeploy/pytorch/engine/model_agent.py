@@ -323,9 +323,9 @@ class ModelAgent:
                                    chain=self.chain_graphs.run if greedy_chain else None)
 
     def _upload(self, *payloads):
-        """A speculative step's inputs on the device: with `LMDEPLOY_SPEC_CHAIN_GRAPH=1` (opt-in, see `spec_chain`)
-        every payload `packed_upload` can move in one pinned copy on the forward stream and the others through
-        `streams.to_device`; by default all through `streams.to_device`."""
+        """A speculative step's inputs on the device: by default every payload `packed_upload` can move in one
+        pinned copy on the forward stream and the others through `streams.to_device`; with
+        `LMDEPLOY_SPEC_CHAIN_GRAPH=0` (see `spec_chain`) all through `streams.to_device`."""
         if not self._packed_uploads:
             return self.streams.to_device(*payloads)
         flat = [p is not None and packable(p) for p in payloads]

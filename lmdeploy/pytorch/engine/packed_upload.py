@@ -1,6 +1,6 @@
 """Host inputs of a forward in one pinned non-blocking copy (speculative steps: `ModelAgent.forward_verify` and
-`ModelAgent.draft`, only with `LMDEPLOY_SPEC_CHAIN_GRAPH=1`: opt-in until an H200 run verifies it, see
-`spec_chain`; the byte layout is tested on the CPU, the CUDA copy by a gpu test no run has executed yet).
+`ModelAgent.draft`, by default; `LMDEPLOY_SPEC_CHAIN_GRAPH=0` turns it off with the chain graph, see `spec_chain`;
+the byte layout is tested on the CPU, the CUDA copy by a gpu test that passed on the H200 in run 6, 2026-12-01).
 
 `DeviceStreams.to_device` copies every tensor of a payload on its own, from pageable memory: a dozen copies per
 `ModelInputs`, each one a round trip the host waits for before it can queue the forward. Here the top-level host

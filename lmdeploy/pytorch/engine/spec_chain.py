@@ -1,12 +1,11 @@
 """The greedy draft chain of a speculative (MTP) step in one CUDA graph per padded batch size.
 
 Owns its static buffers and graphs; never touches scheduler state. Used by `SpeculativeDecoder.draft` (through
-`ModelAgent`) when every drafting sequence is greedy, on CUDA unless `eager_mode`, and only with
-`LMDEPLOY_SPEC_CHAIN_GRAPH=1`: **opt-in until an H200 run verifies it** (the gpu tests of
-`tests/engine/test_mtp_graphs.py` and `benchmark/bench_mtp_engine.py`; no GPU run was possible in the session that
-wrote it). The same switch turns on the packed uploads of speculative steps (`packed_upload`), also CUDA code no
-H200 run has checked yet. Sampled drafts (they need the head's distributions), batches no graph fits and the
-default take the step-by-step path through `HeadGraphs`.
+`ModelAgent`) when every drafting sequence is greedy, on CUDA unless `eager_mode`; on by default since H200 run 7
+(2026-12-01: the gpu tests of `tests/engine/test_mtp_graphs.py` and `benchmark/bench_mtp_engine.py`, see
+`docs/benchmarks.md`), off with `LMDEPLOY_SPEC_CHAIN_GRAPH=0`. The same switch governs the packed uploads of
+speculative steps (`packed_upload`). Sampled drafts (they need the head's distributions), batches no graph fits and
+the switch at `0` take the step-by-step path through `HeadGraphs`.
 
 One replay computes what the step-by-step greedy chain computes: from the head's hidden state at each sequence's
 last catch-up row (`prev`), K rounds of `lm_head` + argmax, and between two rounds one head step at the next
@@ -36,9 +35,9 @@ logger = logging.getLogger('lmdeploy')
 
 
 def chain_graph_enabled() -> bool:
-    """`LMDEPLOY_SPEC_CHAIN_GRAPH=1`: the greedy chain graph and the packed uploads of speculative steps (default
-    off until an H200 run verifies them; see the module docstring)."""
-    return os.environ.get('LMDEPLOY_SPEC_CHAIN_GRAPH', '0') == '1'
+    """The greedy chain graph and the packed uploads of speculative steps (see the module docstring), unless
+    `LMDEPLOY_SPEC_CHAIN_GRAPH=0`."""
+    return os.environ.get('LMDEPLOY_SPEC_CHAIN_GRAPH', '1') != '0'
 
 
 class DraftChainGraphs:
@@ -158,7 +157,7 @@ class DraftChainGraphs:
 
 def build_chain_graphs(model, make_context, cache_engine, max_batch_size: int, max_pages: int,
                        num_draft_tokens: int, device: torch.device) -> DraftChainGraphs | None:
-    """The chain graphs of a speculative engine with graphs (None: K < 2, nothing to chain, or not switched on)."""
+    """The chain graphs of a speculative engine with graphs (None: K < 2, nothing to chain, or switched off)."""
     if num_draft_tokens < 2 or not chain_graph_enabled():
         return None
     cfg = cache_engine.model_config

@@ -11,11 +11,11 @@ unless `eager_mode`; everything runs on the caller's current stream (the forward
   it, so nothing they compute reaches a real row or a row any sequence owns. Other verify forwards (rows with
   fewer drafts, prefill pieces, in-prefill checkpoints) run eagerly.
 - `HeadGraphs`: the draft head's forwards, through a `CUDAGraphRunner` of its own over a model function that reads
-  the previous hidden states from a static buffer: chained drafts taken step by step (the default, and sampled
-  chains; with `LMDEPLOY_SPEC_CHAIN_GRAPH=1` greedy chains replay `spec_chain.DraftChainGraphs` at once) are
-  decode batches (one row per sequence), the catch-up over the committed positions is a prefill-shaped forward
-  (token and sequence buckets, captured on first use beyond the warm keys). The head is full attention only, so
-  its graphs hold no state row.
+  the previous hidden states from a static buffer: chained drafts taken step by step (sampled chains, batches no
+  chain graph fits, and every chain with `LMDEPLOY_SPEC_CHAIN_GRAPH=0`; greedy chains otherwise replay
+  `spec_chain.DraftChainGraphs` at once) are decode batches (one row per sequence), the catch-up over the
+  committed positions is a prefill-shaped forward (token and sequence buckets, captured on first use beyond the
+  warm keys). The head is full attention only, so its graphs hold no state row.
 
 The first capture at a shape runs eagerly on all-padding inputs first (compile / autotune for exactly that
 shape); a replay copies the batch into the static buffers and replays. Graph replay computes what the eager

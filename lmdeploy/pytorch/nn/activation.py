@@ -21,8 +21,8 @@ class SiluAndMul(nn.Module):
 
 
 class SigmoidGate(nn.Module):
-    """x * sigmoid(gate) (gated attention's output gate; with `LMDEPLOY_FUSED_PREFILL=1` the `cuda` backend reads
-    a strided gate in place, in one pass)."""
+    """x * sigmoid(gate) (gated attention's output gate; the `cuda` backend reads a strided gate in place, in one
+    pass, unless `LMDEPLOY_FUSED_PREFILL=0`)."""
 
     def __init__(self):
         super().__init__()

@@ -6,12 +6,12 @@ attention layers' rotary + KV fill, and the gated DeltaNet gating (g, beta). `LM
 import) builds the unfused sequences instead (same kernels one by one, torch for the adds, the router and the
 gating), for before/after measurements.
 
-Opt-in prefill kernels, `LMDEPLOY_FUSED_PREFILL=1` (read at import; default off until an H200 run verifies them,
-the commands are in `docs/benchmarks.md`): the MLPs' SiLU-and-mul and gated attention's sigmoid output gate in one
-pass each (`kernels/cuda/activation.py`; off: torch's pairs), the RMSNorm that reads per-head rows in place and
-packs short rows into one program (`kernels/cuda/rms_norm_rows.py`; off: `rms_norm.py`, which copies z), and the
-gated DeltaNet conv writing q / k / v as contiguous tensors (`causal_conv1d_planes`; off: views of one [T, C]
-output, which fla's input guard copies). Off, the CUDA path runs the kernels verified at 3d77198.
+Fused prefill kernels, on by default (verified on the H200 in runs 6 and 7, 2026-12-01: `docs/benchmarks.md`);
+`LMDEPLOY_FUSED_PREFILL=0` (read at import) turns them off: the MLPs' SiLU-and-mul and gated attention's sigmoid
+output gate in one pass each (`kernels/cuda/activation.py`; off: torch's pairs), the RMSNorm that reads per-head
+rows in place and packs short rows into one program (`kernels/cuda/rms_norm_rows.py`; off: `rms_norm.py`, which
+copies z), and the gated DeltaNet conv writing q / k / v as contiguous tensors (`causal_conv1d_planes`; off: views
+of one [T, C] output, which fla's input guard copies). Off, the CUDA path runs the kernels verified at 3d77198.
 """
 from __future__ import annotations
 
@@ -47,7 +47,15 @@ from ..default.elementwise import silu_and_mul as default_silu_and_mul
 from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
-_FUSED_PREFILL = os.environ.get('LMDEPLOY_FUSED_PREFILL', '0') == '1'
+
+
+def fused_prefill_enabled() -> bool:
+    """The fused prefill kernels (module docstring) unless `LMDEPLOY_FUSED_PREFILL=0`; the backend asks once,
+    at import (`_FUSED_PREFILL`)."""
+    return os.environ.get('LMDEPLOY_FUSED_PREFILL', '1') != '0'
+
+
+_FUSED_PREFILL = fused_prefill_enabled()
 
 
 def _prefill_attention_mode() -> str:

@@ -189,7 +189,8 @@ def causal_conv1d_planes(
     """`causal_conv1d(...).split(out_splits, -1)` with each channel group a contiguous ``[T, C_i]`` tensor: one
     `causal_conv1d` call per group on its channel slices of x, weight, bias and the pool (channels are
     independent, so the values are the plain call's, bit for bit). fla's kernels `.contiguous()` their inputs;
-    a channel slice of one ``[T, C]`` output would be copied there. Opt-in (`LMDEPLOY_FUSED_PREFILL=1`)."""
+    a channel slice of one ``[T, C]`` output would be copied there. The backend's default; off with
+    `LMDEPLOY_FUSED_PREFILL=0`."""
     assert sum(out_splits) == x.shape[1], f'out_splits {tuple(out_splits)} do not sum to {x.shape[1]} channels'
     planes, start = [], 0
     for width in out_splits:

@@ -1,6 +1,6 @@
-"""Triton RMSNorm for short and per-head rows (opt-in, `LMDEPLOY_FUSED_PREFILL=1`); semantics and entry points of
-`rms_norm.py` (`rms_norm`, `add_rms_norm`, `gated_rms_norm`), which stays the default until an H200 run verifies
-this one (see `backends/cuda`).
+"""Triton RMSNorm for short and per-head rows (the `cuda` backend's default; `LMDEPLOY_FUSED_PREFILL=0` goes back to
+`rms_norm.py`, see `backends/cuda`); semantics and entry points of `rms_norm.py` (`rms_norm`, `add_rms_norm`,
+`gated_rms_norm`).
 
 Two changes against `rms_norm.py`: short rows share a program (`_rows_per_program`: up to 16 rows of one width,
 each reduced on its own; one 128-wide row per program leaves most of a warp idle), and x and the gate are read in
