@@ -135,7 +135,8 @@ def test_cuda_prefill_layers_never_synchronise(with_cuts):
 def test_cuda_backend_routes_the_gated_delta_rule_and_hands_fla_chunk_indices(monkeypatch):
     """The cuda backend's op (fla present; kernels replaced by recorders so it runs on the CPU): bf16 prefills take
     the chunked kernel with host-built chunk indices, built once per forward; pure decodes and graph prefills take
-    the token-by-token kernel; float32 keeps the torch kernels."""
+    the token-by-token pool kernel, and so do verify forwards with their draft cuts (the op's `draft_cuts` entry);
+    float32 keeps the torch kernels."""
     from lmdeploy.pytorch.backends import cuda as cuda_backend
     from lmdeploy.pytorch.backends.base import OpType
     from lmdeploy.pytorch.kernels.cuda import gated_delta_rule as cuda_gdr
@@ -148,7 +149,8 @@ def test_cuda_backend_routes_the_gated_delta_rule_and_hands_fla_chunk_indices(mo
         return kernel
     monkeypatch.setattr(cuda_backend, '_fla_available', lambda: True)
     monkeypatch.setattr(cuda_gdr, 'chunk_gated_delta_rule', recorder('chunk'))
-    monkeypatch.setattr(cuda_gdr, 'recurrent_gated_delta_rule', recorder('recurrent'))
+    monkeypatch.setattr(cuda_gdr, 'recurrent_gated_delta_rule', recorder('fla recurrent'))
+    monkeypatch.setattr(cuda_backend, 'fused_recurrent_gated_delta_rule', recorder('recurrent'))
     op = cuda_backend.BACKEND.build(OpType.GatedDeltaRule)
 
     def run(lens, dtype=torch.bfloat16, **overrides):
@@ -176,3 +178,14 @@ def test_cuda_backend_routes_the_gated_delta_rule_and_hands_fla_chunk_indices(mo
     before = len(calls)
     run([70], dtype=torch.float32)
     assert len(calls) == before  # the torch kernels ran, not fla
+    slots = torch.tensor([[3], [2]])
+    for dtype, want in ((torch.bfloat16, True), (torch.float32, False)):   # a verify forward, K = 1
+        q, k, v = torch.zeros(4, HK, DK, dtype=dtype), torch.zeros(4, HK, DK, dtype=dtype), torch.zeros(4, H, DV)
+        inputs = make_inputs([2, 2], [1, 4], [False, False], None)
+        inputs.draft_state_slots = slots
+        before = len(calls)
+        out = op.draft_cuts(q, k, v.to(dtype), torch.zeros(4, H), torch.zeros(4, H, dtype=dtype),
+                            torch.zeros(5, H, DK, DV), inputs)
+        assert (out is not None) == want and len(calls) == before + want
+        if want:
+            assert calls[-1][0] == 'recurrent' and calls[-1][1]['cut_slots'] is slots

@@ -11,7 +11,8 @@ inputs, or the old history for a cut closer than K-1 to the segment start), and 
 over the segments between cuts, each round one kernel call for all rows that still have a segment, copying the
 state of rows that reached a cut. By the kernels' contract (continue from the pool row) the rounds compute exactly
 what one call would, up to float rounding at the segment edges. Verify forwards of MTP speculative decoding take
-the same cuts in a shape-only form that CUDA graphs replay (`ModelInputs.draft_state_slots`, see `draft_cuts`).
+the same cuts in a shape-only form that CUDA graphs replay (`ModelInputs.draft_state_slots`, see `draft_cuts`);
+a backend op with a `draft_cuts` entry (the `cuda` backend's pool kernel) computes them in one launch instead.
 """
 from __future__ import annotations
 
@@ -114,6 +115,10 @@ class GatedDeltaRule(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         if inputs.draft_state_slots is not None and inputs.state_cuts is None:
+            fused = getattr(self._impl, 'draft_cuts', None)   # a backend's verify-with-cuts kernel, if any
+            out = None if fused is None else fused(q, k, v, g, beta, state, inputs, use_qk_l2norm=self.use_qk_l2norm)
+            if out is not None:
+                return out
             return gated_delta_draft_rounds(self._impl, q, k, v, g, beta, state, inputs, self.use_qk_l2norm)
         if inputs.state_cuts is None:
             return self._impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=self.use_qk_l2norm)

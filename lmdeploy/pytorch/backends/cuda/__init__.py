@@ -27,6 +27,7 @@ from ...kernels.cuda.activation import sigmoid_gate_mul, silu_and_mul
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
+from ...kernels.cuda.fused_recurrent_gated_delta import fused_recurrent_gated_delta_rule
 from ...kernels.cuda.gated_delta_gating import gated_delta_gating
 from ...kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
 from ...kernels.cuda.lora import sgmv_lora
@@ -152,18 +153,44 @@ def _fla_chunk_kwargs(inputs, device: torch.device) -> dict:
         {'i': _gdr.chunk_indices_host(inputs.q_lens_list)}, device)['i'])}
 
 
+def _recurrent_mode() -> str:
+    """The token-by-token gated delta rule of bf16 / fp16 decode and verify forwards (`LMDEPLOY_GDR_RECURRENT`,
+    read at import): `pool` = `kernels/cuda/fused_recurrent_gated_delta.py` on the state pool in place (verify
+    cuts included), `fla` = fla's fused recurrent kernel on gathered states (verify: one decode call per token),
+    for before/after measurements."""
+    mode = os.environ.get('LMDEPLOY_GDR_RECURRENT', 'pool')
+    if mode not in ('pool', 'fla'):
+        raise ValueError(f"LMDEPLOY_GDR_RECURRENT must be 'pool' or 'fla', got {mode!r}")
+    return mode
+
+
+_GDR_RECURRENT = _recurrent_mode()
+
+
 def _build_gated_delta_rule(**kwargs):
     default = DEFAULT_BACKEND.build(OpType.GatedDeltaRule, **kwargs)
     if not _fla_available():  # fla-core is the `cuda` extra; without it the torch kernels still run on the GPU
         return default
-    fla = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule, _gdr.recurrent_gated_delta_rule,
+    pool = _GDR_RECURRENT == 'pool'
+    fla = gated_delta_rule_builder(_gdr.chunk_gated_delta_rule,
+                                   fused_recurrent_gated_delta_rule if pool else _gdr.recurrent_gated_delta_rule,
                                    chunk_kwargs=_fla_chunk_kwargs)(**kwargs)
 
     def forward(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
         # fla computes float32 inputs with TF32 matmuls (~1e-2 off); float32 serving is for exactness, so it keeps
-        # the exact torch kernels. bf16 / fp16 take fla.
+        # the exact torch kernels. bf16 / fp16 take fla (chunked) and the pool kernel (token by token).
         impl = default if q.dtype == torch.float32 else fla
         return impl(q, k, v, g, beta, state, inputs, use_qk_l2norm=use_qk_l2norm)
+
+    def draft_cuts(q, k, v, g, beta, state, inputs, use_qk_l2norm=True):
+        """A verify forward with its draft cuts in one launch (`nn/draft_cuts.py`), or None: the caller runs one
+        decode call per token."""
+        if not pool or q.dtype == torch.float32:
+            return None
+        return fused_recurrent_gated_delta_rule(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids,
+                                                inputs.is_fresh, use_qk_l2norm=use_qk_l2norm,
+                                                cut_slots=inputs.draft_state_slots)
+    forward.draft_cuts = draft_cuts
     return forward
 
 

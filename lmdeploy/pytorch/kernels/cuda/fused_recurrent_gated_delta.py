@@ -1,0 +1,131 @@
+"""Token-by-token gated delta rule that updates the engine's state pool in place (decode and verify forwards).
+
+Contract of `kernels/default/gated_delta_rule.recurrent_gated_delta_rule` (layout, fresh rows, grouped value
+heads, l2norm, float32 math, pool dtype on return), plus optional **cuts**: `cut_slots` int64 ``[B, C]``, and
+after the (j + 1)-th token of sequence b (j < C) the state is also written to pool row ``cut_slots[b, j]``. A
+verify forward of K drafts (`nn/draft_cuts.py`) passes its `draft_state_slots` (C = K) and gets in one launch what
+K + 1 decode calls with a row copy after each compute; with cuts the state is rounded to the pool dtype after
+every token, as those decode calls store and reload it, so the two are equal bit for bit on any pool dtype.
+
+Why a kernel of our own: fla's `fused_recurrent_gated_delta_rule` takes a contiguous batch of initial states and
+returns the final ones, so the engine gathered pool rows into a float32 copy, masked fresh rows and scattered the
+result back, three passes over every state beside fla's own read and write. On a Qwen3.5-9B shape at batch 128
+those passes cost 15 of a 27 ms decode step (H200 run 7, `benchmark/profile_decode.py`). Here each program
+loads its tile of one sequence's state straight from its pool row (zeros if fresh, so stale NaN never reaches
+the result), runs every token of the sequence on it in registers, and stores it back: the state crosses memory
+once each way, which is the floor of this op.
+
+One program per (sequence, value head, block of BLOCK_V value columns): it holds the state tile ``[Dk, BLOCK_V]``
+in float32; per token it loads q and k of the head's key head (``h // (H // Hk)``), l2-normalises them
+(``x * rsqrt(sum(x^2) + 1e-6)``), scales q by ``Dk ** -0.5``, then ``S = exp(g) S; S += k (beta (v - k^T S))^T;
+o = S^T q`` for its columns. Programs share no state (state_ids are distinct), so the in-place update is safe.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import fast_kernel
+
+_L2NORM_EPS = 1e-6
+
+
+@fast_kernel
+@triton.jit
+def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, ids_ptr, fresh_ptr,
+                            cut_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                            stride_bt, stride_ot, stride_oh, stride_s0, stride_sh, stride_sk, stride_cut, scale,
+                            EPS: tl.constexpr, GROUP: tl.constexpr, DIM_K: tl.constexpr, DIM_V: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+                            NUM_CUTS: tl.constexpr, ROUND: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    k_head = head // GROUP
+    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = tl.arange(0, BLOCK_K)
+    mask_k, mask_v = rows < DIM_K, cols < DIM_V
+    mask = mask_k[:, None] & mask_v[None, :]
+    bos = tl.load(cu_ptr + seq)
+    eos = tl.load(cu_ptr + seq + 1)
+    slot = tl.load(ids_ptr + seq)
+    tile = rows[:, None] * stride_sk + cols[None, :]
+    s_ptrs = state_ptr + slot * stride_s0 + head * stride_sh + tile
+    s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.where(tl.load(fresh_ptr + seq) != 0, 0.0, s)   # where, not multiply: NaN in a fresh slot must not survive
+    for t in range(bos, eos):
+        q = tl.load(q_ptr + t * stride_qt + k_head * stride_qh + rows, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + k_head * stride_kh + rows, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + head * stride_vh + cols, mask=mask_v, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+        q = q * scale
+        g = tl.load(g_ptr + t * stride_gt + head).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + head).to(tl.float32)
+        s = s * tl.exp(g)
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + t * stride_ot + head * stride_oh + cols, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+        if ROUND:
+            s = s.to(state_ptr.dtype.element_ty).to(tl.float32)
+        if NUM_CUTS > 0:
+            j = t - bos
+            if j < NUM_CUTS:
+                cut_slot = tl.load(cut_ptr + seq * stride_cut + j)
+                tl.store(state_ptr + cut_slot * stride_s0 + head * stride_sh + tile,
+                         s.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask)
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_ids: torch.Tensor,
+    is_fresh: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    max_seqlen: int | None = None,
+    cut_slots: torch.Tensor | None = None,
+    block_v: int = 32,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``[T, H, Dv]`` outputs in ``v.dtype``; the pool rows of `state_ids` hold the final states (and the rows of
+    `cut_slots` [B, C] the states after each of the first C tokens). `max_seqlen` is accepted for signature
+    compatibility; nothing is read back to the host. See the module docstring."""
+    num_tokens, num_k_heads, dim_k = q.shape
+    num_heads, dim_v = v.shape[1:]
+    batch = state_ids.shape[0]
+    assert k.shape == q.shape and v.shape[0] == num_tokens and g.shape == beta.shape == (num_tokens, num_heads)
+    assert num_heads % num_k_heads == 0, f'value heads {num_heads} not a multiple of key heads {num_k_heads}'
+    assert state.shape[1:] == (num_heads, dim_k, dim_v) and state.stride(-1) == 1 and state.stride(-2) == dim_v, \
+        f'bad state pool {tuple(state.shape)} / {state.stride()}'
+    assert cu_seqlens.shape == (batch + 1,) and is_fresh.shape == state_ids.shape
+    out = torch.empty(num_tokens, num_heads, dim_v, dtype=v.dtype, device=v.device)
+    if batch == 0:
+        return out
+    num_cuts = 0 if cut_slots is None else cut_slots.shape[1]
+    if cut_slots is None or num_cuts == 0:
+        cut_slots, num_cuts = state_ids.view(-1, 1), 0
+    assert cut_slots.shape[0] == batch
+    q, k, v, g, beta, cut_slots = (_unit_last(x) for x in (q, k, v, g, beta, cut_slots))
+    fresh = is_fresh.view(torch.uint8) if is_fresh.dtype == torch.bool else is_fresh  # a view: no launch
+    block_v = min(block_v, triton.next_power_of_2(dim_v))
+    grid = (batch, num_heads, triton.cdiv(dim_v, block_v))
+    _fused_recurrent_kernel[grid](
+        q, k, v, g, beta, out, state, cu_seqlens, state_ids, fresh, cut_slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), cut_slots.stride(0),
+        dim_k ** -0.5, EPS=_L2NORM_EPS, GROUP=num_heads // num_k_heads, DIM_K=dim_k, DIM_V=dim_v,
+        BLOCK_K=triton.next_power_of_2(dim_k), BLOCK_V=block_v, L2NORM=use_qk_l2norm, NUM_CUTS=num_cuts,
+        ROUND=num_cuts > 0 and state.dtype != torch.float32, num_warps=num_warps)
+    return out
