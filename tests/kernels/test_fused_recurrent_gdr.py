@@ -123,16 +123,19 @@ def check(case: Case, device: str) -> None:
         assert set(case.lens) == {case.cuts + 1}
         want = _rounds(ref_gdr.recurrent_gated_delta_rule, ref_inputs, cpu_ref_pool, ids.cpu(), fresh.cpu(),
                        cuts.cpu(), case.l2norm)
-        # the kernel's own decode calls with copies: bit for bit what one launch with cuts computes
+        # the kernel's own decode calls with copies: what one launch with cuts computes, bit for bit under the
+        # interpreter; compiled, the two binaries (NUM_CUTS differs) may contract multiply-adds differently
         same = _rounds(fused_recurrent_gated_delta_rule, inputs, ref_pool, ids, fresh, cuts, case.l2norm)
-        assert torch.equal(same, got), case.id
-        assert torch.equal(ref_backing.nan_to_num(7.0), backing.nan_to_num(7.0)), case.id
+        exact = {'rtol': 0, 'atol': 0} if device == 'cpu' else \
+            {'rtol': 1e-5 if case.dtype == case.pool_dtype == 'fp32' else 8e-3, 'atol': 1e-6}   # a bf16 ulp
+        torch.testing.assert_close(same, got, **exact, msg=case.id)
+        torch.testing.assert_close(ref_backing, backing, **exact, equal_nan=True, msg=case.id)
     assert got.dtype == inputs[2].dtype and got.shape == inputs[2].shape and torch.isfinite(got).all()
     is_fp32 = case.dtype == 'fp32' and case.pool_dtype == 'fp32'
     close = tol(torch.float32 if is_fp32 else torch.bfloat16, fp32=1e-4, bf16=5e-2)
     torch.testing.assert_close(got.cpu().float(), want.float(), **close, msg=case.id)
     used = list(ids.tolist()) + ([] if cuts is None else cuts.flatten().tolist())
-    compare_pools(backing, cpu_ref_backing, pool.cpu(), used, **close)
+    compare_pools(backing, cpu_ref_backing, pool, used, **close)   # `pool` itself: its storage offset is read
 
 
 CPU_CASES = [
