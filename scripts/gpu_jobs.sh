@@ -2,7 +2,7 @@
 # The whole gpu suite in parallel processes plus timed benchmarks, on one H200, within one device call.
 #   Phase 1: one job per gpu test file (long files split by -k; lines "name|timeout|command" of $JOBS if given,
 #            else generated here), P at a time; ENVP is prefixed to every generated command (e.g.
-#            ENVP="LMDEPLOY_FUSED_PREFILL=1"); EXTRA_JOBS adds lines of another jobs file.
+#            ENVP="LMDEPLOY_FUSED_PREFILL=0", the off path); EXTRA_JOBS adds lines of another jobs file.
 #            (job commands may hold single quotes and pipes, not double quotes)
 #   Phase 2: benchmarks from $BENCH_LIST (lines "name timeout command"), one at a time, while LIMIT seconds last.
 # Writes few files (the device returns only a handful): $OUT/summary.txt (one line per job), $OUT/all.txt (each
