@@ -47,7 +47,7 @@ class CausalConv1d(nn.Module):
                 out_splits: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """x [T, C], conv_state pool [num_slots, C, K-1] -> [T, C]; with `out_splits` (at most three channel group
         widths summing to C) the groups `out.split(out_splits, -1)`, which the `cuda` backend writes as
-        contiguous tensors with `LMDEPLOY_FUSED_PREFILL=1`."""
+        contiguous tensors unless `LMDEPLOY_FUSED_PREFILL=0`."""
         if inputs.state_cuts is not None:
             save_conv_cuts(x, conv_state, inputs)  # before the kernel overwrites the old histories
         elif inputs.draft_state_slots is not None:
