@@ -41,10 +41,11 @@ PHASES = ('schedule', 'make inputs', 'sampling inputs', 'to device', 'model (stu
 
 class PhaseTimer:
     """Wraps callables so that each call's wall time adds to its phase, per step (`step` wraps `Engine.step`).
-    Wrapped calls must not nest (each call's time is counted once)."""
+    A wrapped call inside another one counts in the outer one's phase only."""
 
     def __init__(self):
         self.on = False
+        self.depth = 0
         self.current: collections.Counter = collections.Counter()
         self.steps: list[tuple[str, dict[str, float]]] = []  # (step kind, phase -> seconds incl. 'step (wall)')
         self.calls: collections.Counter = collections.Counter()
@@ -53,14 +54,16 @@ class PhaseTimer:
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            if not self.on:
+            if not self.on or self.depth:
                 return original(*args, **kwargs)
             self.calls[phase] += 1
+            self.depth += 1
             t = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 self.current[phase] += time.perf_counter() - t
+                self.depth -= 1
         setattr(owner, name, timed)
 
     def step(self, engine: Engine) -> None:
@@ -100,7 +103,8 @@ def build_engine(path: str, batch: int, async_scheduling: bool, prefix_caching: 
     for owner, name, phase in ((sched, 'schedule', 'schedule'), (maker, 'make', 'make inputs'),
                                (maker, 'make_cache_inputs', 'make inputs'),
                                (engine_step_module, 'make_sampling_inputs', 'sampling inputs'),
-                               (agent.streams, 'to_device', 'to device'), (agent, 'run_model', 'model (stubbed)'),
+                               (agent.streams, 'to_device', 'to device'), (agent, '_upload', 'to device'),
+                               (agent, 'run_model', 'model (stubbed)'),
                                (agent.model, 'compute_logits', 'logits'), (agent, '_sample', 'sample'),
                                (sched, 'update', 'update / settle'), (sched, 'settle', 'update / settle'),
                                (engine, '_sampled_rows', 'update / settle'),

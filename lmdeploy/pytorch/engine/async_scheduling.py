@@ -53,35 +53,46 @@ class TokenFeed:
     """Where a forward takes tokens sampled by the one before it, on the device. Row i: the token at `token_rows[i]`
     of the packed batch is `source[src_rows[i]]`; it belongs to batch row `batch_rows[i]` and, when that sequence
     samples, to row `logit_rows[i]` of this forward's logits (-1: not sampled). `stop_ids` [F, S] (-1 padded) and
-    `can_stop` [F]: the token stops its sequence (`append_sampled`'s stop-id rule), which the host learns only later."""
+    `can_stop` [F]: the token stops its sequence (`append_sampled`'s stop-id rule), which the host learns only later.
 
-    __slots__ = ('source', 'token_rows', 'src_rows', 'batch_rows', 'logit_rows', 'stop_ids', 'can_stop')
+    The host-built indices are the rows of one int64 `table` [5 + S, F] (token, src, batch and logit rows, can_stop
+    as 0 / 1, then the S stop-id rows; S = 0: no fed row has stop ids, and `stop_ids`, `can_stop` are None), so the
+    feed travels to the device in one copy; the fields are views of it."""
 
-    def __init__(self, source: torch.Tensor, token_rows: torch.Tensor, src_rows: torch.Tensor,
-                 batch_rows: torch.Tensor, logit_rows: torch.Tensor, stop_ids: torch.Tensor | None,
-                 can_stop: torch.Tensor | None):
-        self.source, self.token_rows, self.src_rows = source, token_rows, src_rows
-        self.batch_rows, self.logit_rows, self.stop_ids, self.can_stop = batch_rows, logit_rows, stop_ids, can_stop
+    __slots__ = ('source', 'table')
+
+    def __init__(self, source: torch.Tensor, table: torch.Tensor):
+        self.source, self.table = source, table
+
+    token_rows = property(lambda self: self.table[0])
+    src_rows = property(lambda self: self.table[1])
+    batch_rows = property(lambda self: self.table[2])
+    logit_rows = property(lambda self: self.table[3])
+
+    @property
+    def can_stop(self) -> torch.Tensor | None:
+        return self.table[4] > 0 if self.table.size(0) > 5 else None
+
+    @property
+    def stop_ids(self) -> torch.Tensor | None:
+        return self.table[5:].t() if self.table.size(0) > 5 else None
 
     def tensors(self) -> list[torch.Tensor]:
-        """The host-built index tensors (`source` is already on the device, written on the forward stream)."""
-        return [t for t in (self.token_rows, self.src_rows, self.batch_rows, self.logit_rows, self.stop_ids,
-                            self.can_stop) if t is not None]
+        """The host-built index table (`source` is already on the device, written on the forward stream)."""
+        return [self.table]
 
     def to(self, device: torch.device, non_blocking: bool = False) -> TokenFeed:
-        def move(t):
-            return None if t is None else t.to(device, non_blocking=non_blocking)
-        return TokenFeed(self.source, move(self.token_rows), move(self.src_rows), move(self.batch_rows),
-                         move(self.logit_rows), move(self.stop_ids), move(self.can_stop))
+        return TokenFeed(self.source, self.table.to(device, non_blocking=non_blocking))
 
     def apply(self, inputs: ModelInputs) -> torch.Tensor | None:
         """Write the fed tokens into `inputs.input_ids`; rows whose fed token stops their sequence read and write the
         dummy state row 0 instead of their own. Returns that stop mask [F] (None without stop ids). No sync."""
         tokens = self.source[self.src_rows]
         inputs.input_ids[self.token_rows] = tokens.to(inputs.input_ids.dtype)
-        if self.stop_ids is None:
+        stop_ids = self.stop_ids
+        if stop_ids is None:
             return None
-        stopped = (tokens[:, None] == self.stop_ids).any(dim=1) & self.can_stop
+        stopped = (tokens[:, None] == stop_ids).any(dim=1) & self.can_stop
         rows = self.batch_rows
         inputs.state_ids[rows] = torch.where(stopped, torch.zeros_like(inputs.state_ids[rows]), inputs.state_ids[rows])
         return stopped
@@ -146,19 +157,12 @@ def build_feed(sched: SchedulerOutput, sampled: list[SchedulerSequence], prev: L
             logit_rows.append(logit_of.get(seq.seq_id, -1))
             params = seq.sampling
             stops.append(params.stop_token_ids)
-            can_stop.append(seq.num_generated + 1 > params.min_new_tokens - 1)
+            can_stop.append(int(seq.num_generated + 1 > params.min_new_tokens - 1))
         offset += n
     if not token_rows:
         return None
-    width = max(len(s) for s in stops)
-    stop_ids = None
-    if width:
-        stop_ids = torch.full((len(stops), width), -1, dtype=torch.int64)
-        for i, s in enumerate(stops):
-            stop_ids[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
-
-    def index(values):
-        return torch.tensor(values, dtype=torch.int64)
-    return TokenFeed(prev.result.sampled_ids.device_ids, index(token_rows), index(src_rows), index(batch_rows),
-                     index(logit_rows), stop_ids,
-                     torch.tensor(can_stop, dtype=torch.bool) if stop_ids is not None else None)
+    width = max(map(len, stops))
+    pad = (-1,) * width
+    stop_rows = list(zip(*[tuple(s) + pad[len(s):] for s in stops])) if width else []
+    table = torch.tensor([token_rows, src_rows, batch_rows, logit_rows, can_stop, *stop_rows], dtype=torch.int64)
+    return TokenFeed(prev.result.sampled_ids.device_ids, table)

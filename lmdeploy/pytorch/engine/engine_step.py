@@ -139,8 +139,9 @@ class EngineStep:
         """Restore copies, forward, save copies, sampling (left on the device when the step is deferrable), then
         `Scheduler.advance`."""
         rejected: list[tuple[SchedulerSequence, str]] = []
-        host_bound = any(needs_host_tokens(seq, seq.seq_id in self._collected_logits, self.routes.wants([seq]))
-                         for seq in sched.seqs)
+        # (recording routes needs the host tokens: one check for the batch, not one per sequence)
+        host_bound = self.routes.wants(sched.seqs) or any(
+            needs_host_tokens(seq, seq.seq_id in self._collected_logits, False) for seq in sched.seqs)
         result, sampled = self._forward(sched, rejected, prev, defer=not host_bound)
         hits = self._sample_logits_hits(sched.logits_hits, rejected)
         if result is not None:

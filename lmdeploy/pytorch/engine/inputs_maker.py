@@ -201,7 +201,8 @@ def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator])
         penalty_ids=torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
         if params.repetition_penalty != 1.0 else None,
         banned_ids=torch.tensor(params.stop_token_ids, dtype=torch.int64)
-        if seq.num_generated + seq.num_pending < params.min_new_tokens and params.stop_token_ids else None,
+        if params.min_new_tokens and params.stop_token_ids
+        and seq.num_generated + seq.num_pending < params.min_new_tokens else None,
         generator=generators.get(seq.seq_id), logprobs=params.logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         output_ids=torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64)
@@ -210,25 +211,24 @@ def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator])
 
 
 def _stack(rows: list[SamplingRow]) -> SamplingInputs:
-    temperature = [row.temperature for row in rows]
-    penalties = any(row.output_ids is not None for row in rows)
+    """The rows as batch tensors and per-row lists. The rows are transposed into columns in one pass (a decode
+    batch's host cost grows with the batch); optional columns are None when no row uses them."""
+    col = dict(zip(SamplingRow._fields, map(list, zip(*rows)))) if rows else {f: [] for f in SamplingRow._fields}
+    temperature, min_p, logit_bias = col['temperature'], col['min_p'], col['logit_bias']
+    penalties = any(ids is not None for ids in col['output_ids'])
     return SamplingInputs(
         temperature=torch.tensor(temperature, dtype=torch.float32),
-        top_k=torch.tensor([row.top_k for row in rows], dtype=torch.int64),
-        top_p=torch.tensor([row.top_p for row in rows], dtype=torch.float32),
-        repetition_penalty=torch.tensor([row.repetition_penalty for row in rows], dtype=torch.float32),
-        penalty_ids=[row.penalty_ids for row in rows], banned_ids=[row.banned_ids for row in rows],
-        generators=[row.generator for row in rows],
-        max_num_logprobs=max((row.logprobs for row in rows if row.logprobs is not None), default=-1),
+        top_k=torch.tensor(col['top_k'], dtype=torch.int64),
+        top_p=torch.tensor(col['top_p'], dtype=torch.float32),
+        repetition_penalty=torch.tensor(col['repetition_penalty'], dtype=torch.float32),
+        penalty_ids=col['penalty_ids'], banned_ids=col['banned_ids'], generators=col['generator'],
+        max_num_logprobs=max((n for n in col['logprobs'] if n is not None), default=-1),
         all_greedy=all(t == 0.0 for t in temperature),
-        output_ids=[row.output_ids for row in rows] if penalties else None,
-        presence_penalty=torch.tensor([row.presence_penalty for row in rows], dtype=torch.float32)
-        if penalties else None,
-        frequency_penalty=torch.tensor([row.frequency_penalty for row in rows], dtype=torch.float32)
-        if penalties else None,
-        min_p=torch.tensor([row.min_p for row in rows], dtype=torch.float32)
-        if any(row.min_p > 0 for row in rows) else None,
-        logit_bias=[row.logit_bias for row in rows] if any(row.logit_bias is not None for row in rows) else None)
+        output_ids=col['output_ids'] if penalties else None,
+        presence_penalty=torch.tensor(col['presence_penalty'], dtype=torch.float32) if penalties else None,
+        frequency_penalty=torch.tensor(col['frequency_penalty'], dtype=torch.float32) if penalties else None,
+        min_p=torch.tensor(min_p, dtype=torch.float32) if any(m > 0 for m in min_p) else None,
+        logit_bias=logit_bias if any(bias is not None for bias in logit_bias) else None)
 
 
 def _build(seqs: list[SchedulerSequence], generators: dict[int, torch.Generator]) -> SamplingInputs:

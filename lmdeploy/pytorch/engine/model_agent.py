@@ -26,7 +26,7 @@ from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
 from .cuda_graph import CUDAGraphRunner, prefill_graph_tokens
 from .device_streams import DeviceStreams
-from .packed_upload import packable, upload_packed
+from .packed_upload import packable, packed_uploads_enabled, upload_packed
 from .spec_chain import DraftChainGraphs, build_chain_graphs, chain_graph_enabled
 from .spec_decode import PendingDrafts, SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
@@ -96,6 +96,7 @@ class ModelAgent:
         self.head_graphs: HeadGraphs | None = None
         self.chain_graphs: DraftChainGraphs | None = None
         self._packed_uploads = chain_graph_enabled()
+        self._plain_packed_uploads = packed_uploads_enabled()
         if num_draft_tokens:
             self.enable_speculative(num_draft_tokens)
         # with speculation the target's graphs end before the final norm (`spec.verify` / `run_model` apply it)
@@ -273,7 +274,8 @@ class ModelAgent:
                 defer: bool = False) -> ForwardOutput:
         """`feed`: tokens sampled by the forward before, written into the inputs on the device (async scheduling).
         `defer`: leave the sampled ids on the device with a pending host copy (`ForwardOutput.resolve`)."""
-        inputs, sampling, cache_inputs, feed = self.streams.to_device(inputs, sampling, cache_inputs, feed)
+        inputs, sampling, cache_inputs, feed = self._upload(inputs, sampling, cache_inputs, feed,
+                                                            packed=self._plain_packed_uploads)
         with self.streams.forward():
             stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs)
@@ -322,12 +324,13 @@ class ModelAgent:
                                    params, lambda: (self.save(cache_inputs), self.save(verified)),
                                    chain=self.chain_graphs.run if greedy_chain else None)
 
-    def _upload(self, *payloads):
-        """A speculative step's inputs on the device: by default every payload `packed_upload` can move in one
-        pinned copy on the forward stream and the others through `streams.to_device`; with
-        `LMDEPLOY_SPEC_CHAIN_GRAPH=0` (see `spec_chain`) all through `streams.to_device`."""
-        if not self._packed_uploads:
-            return self.streams.to_device(*payloads)
+    def _upload(self, *payloads, packed: bool | None = None):
+        """A step's inputs on the device: every payload `packed_upload` can move in one pinned copy on the forward
+        stream, the others (a `TokenFeed`, sampling inputs with per-row tensors) through `streams.to_device`.
+        `packed` False: all through `streams.to_device`. Default (speculative steps): `LMDEPLOY_SPEC_CHAIN_GRAPH=0`
+        (see `spec_chain`) turns it off; plain forwards pass `LMDEPLOY_PACKED_UPLOAD` (`packed_uploads_enabled`)."""
+        if not (self._packed_uploads if packed is None else packed) or self.device.type != 'cuda':
+            return self.streams.to_device(*payloads)  # (off CUDA a packed upload is the same `.to(device)`)
         flat = [p is not None and packable(p) for p in payloads]
         rest = [None if f else p for f, p in zip(flat, payloads)]
         moved = self.streams.to_device(*rest) if any(p is not None for p in rest) else rest
@@ -365,7 +368,7 @@ class ModelAgent:
         record (None unless asked); caches are updated as usual. The copies to the host are queued on the forward
         stream: the forward stream does not synchronise with the default stream, so a copy queued there could read
         the logits before a replayed graph has written them."""
-        inputs, cache_inputs, feed = self.streams.to_device(inputs, cache_inputs, feed)
+        inputs, cache_inputs, feed = self._upload(inputs, cache_inputs, feed, packed=self._plain_packed_uploads)
         with self.streams.forward():
             stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs)

@@ -1,6 +1,7 @@
-"""Host inputs of a forward in one pinned non-blocking copy (speculative steps: `ModelAgent.forward_verify` and
-`ModelAgent.draft`, by default; `LMDEPLOY_SPEC_CHAIN_GRAPH=0` turns it off with the chain graph, see `spec_chain`;
-the byte layout is tested on the CPU, the CUDA copy by a gpu test that passed on the H200 in run 6, 2026-12-01).
+"""Host inputs of a forward in one pinned non-blocking copy: speculative steps (`ModelAgent.forward_verify` and
+`ModelAgent.draft`, by default; `LMDEPLOY_SPEC_CHAIN_GRAPH=0` turns it off with the chain graph, see `spec_chain`)
+and plain forwards (`ModelAgent.forward`, `forward_logits`, by default; `LMDEPLOY_PACKED_UPLOAD=0` turns it off).
+The byte layout is tested on the CPU, the CUDA copy by a gpu test that passed on the H200 in run 6, 2026-12-01.
 
 `DeviceStreams.to_device` copies every tensor of a payload on its own, from pageable memory: a dozen copies per
 `ModelInputs`, each one a round trip the host waits for before it can queue the forward. Here the top-level host
@@ -13,6 +14,8 @@ empty). Off CUDA: plain `.to(device)`. Values and dtypes come back exactly (a by
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 
 import numpy as np
 import torch
@@ -20,12 +23,22 @@ import torch
 _ALIGN = 16
 
 
+def packed_uploads_enabled() -> bool:
+    """Plain forwards upload their inputs packed (see the module docstring), unless `LMDEPLOY_PACKED_UPLOAD=0`."""
+    return os.environ.get('LMDEPLOY_PACKED_UPLOAD', '1') != '0'
+
+
+@functools.cache
+def _init_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+
 def _host_tensors(payload) -> dict[str, torch.Tensor]:
     out = {}
-    for f in dataclasses.fields(payload):
-        value = getattr(payload, f.name)
-        if f.init and isinstance(value, torch.Tensor) and not value.is_cuda:
-            out[f.name] = value
+    for name in _init_fields(type(payload)):
+        value = getattr(payload, name)
+        if isinstance(value, torch.Tensor) and not value.is_cuda:
+            out[name] = value
     return out
 
 

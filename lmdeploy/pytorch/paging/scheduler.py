@@ -408,6 +408,8 @@ class Scheduler:
         """Make room for `n` more tokens of a running sequence: evict cached prefixes, then preempt from the tail
         of `running`."""
         need = self._num_blocks_needed(seq, n)
+        if need == 0:  # most decode steps: the piece fits in the blocks the sequence holds
+            return True
         while not self.block_manager.can_allocate(need):
             if self.prefix_cache.evict_blocks(need):
                 break

@@ -17,13 +17,16 @@ def append_sampled(row: SampledToken, session_len: int) -> SequenceUpdate:
     if params.logprobs is not None and logprobs is not None:
         seq.logprobs.append(logprobs)
     reason = None
-    if token in params.stop_token_ids and seq.num_generated > params.min_new_tokens - 1:
+    num_generated = seq.num_generated
+    is_stop_id = token in params.stop_token_ids
+    if is_stop_id and num_generated > params.min_new_tokens - 1:
         reason = 'stop'
-    elif any(len(s) <= seq.num_generated and tuple(seq.token_ids[-len(s):]) == s for s in params.stop_sequences):
+    elif params.stop_sequences and any(len(s) <= num_generated and tuple(seq.token_ids[-len(s):]) == s
+                                       for s in params.stop_sequences):
         reason = 'stop'
-    elif seq.num_generated >= params.max_new_tokens or seq.num_tokens >= session_len:
+    elif num_generated >= params.max_new_tokens or seq.num_tokens >= session_len:
         reason = 'length'
-    new_ids = [] if reason == 'stop' and token in params.stop_token_ids else [token]
+    new_ids = [] if reason == 'stop' and is_stop_id else [token]
     kept = [logprobs] if params.logprobs is not None and logprobs and new_ids else None
     return SequenceUpdate(seq, new_ids, kept, reason)
 
