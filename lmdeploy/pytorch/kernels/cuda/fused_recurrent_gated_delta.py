@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gated_delta_rule import check_shapes
 from .launch import fast_kernel
 
 _L2NORM_EPS = 1e-6
@@ -102,14 +103,11 @@ def fused_recurrent_gated_delta_rule(
     """``[T, H, Dv]`` outputs in ``v.dtype``; the pool rows of `state_ids` hold the final states (and the rows of
     `cut_slots` [B, C] the states after each of the first C tokens). `max_seqlen` is accepted for signature
     compatibility; nothing is read back to the host. See the module docstring."""
+    check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh)
     num_tokens, num_k_heads, dim_k = q.shape
     num_heads, dim_v = v.shape[1:]
     batch = state_ids.shape[0]
-    assert k.shape == q.shape and v.shape[0] == num_tokens and g.shape == beta.shape == (num_tokens, num_heads)
-    assert num_heads % num_k_heads == 0, f'value heads {num_heads} not a multiple of key heads {num_k_heads}'
-    assert state.shape[1:] == (num_heads, dim_k, dim_v) and state.stride(-1) == 1 and state.stride(-2) == dim_v, \
-        f'bad state pool {tuple(state.shape)} / {state.stride()}'
-    assert cu_seqlens.shape == (batch + 1,) and is_fresh.shape == state_ids.shape
+    assert state.stride(-1) == 1 and state.stride(-2) == dim_v, f'pool rows not contiguous: {state.stride()}'
     out = torch.empty(num_tokens, num_heads, dim_v, dtype=v.dtype, device=v.device)
     if batch == 0:
         return out

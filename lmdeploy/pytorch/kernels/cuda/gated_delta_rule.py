@@ -39,7 +39,8 @@ def _store_states(state: torch.Tensor, state_ids: torch.Tensor, final: torch.Ten
         state[state_ids] = final.to(state.dtype)
 
 
-def _check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh) -> None:
+def check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh) -> None:
+    """The layout contract of the gated delta rule kernels (`kernels/default/gated_delta_rule.py`)."""
     num_tokens, num_k_heads, dim_k = q.shape
     num_heads, dim_v = v.shape[1:]
     assert k.shape == q.shape, f'k {tuple(k.shape)} != q {tuple(q.shape)}'
@@ -80,7 +81,7 @@ def padded_chunk_indices_host(q_lens: list[int], num_rows: int, pad_seq: int, ch
 
 def _run(fla_fn, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm: bool,
          **fla_kwargs) -> torch.Tensor:
-    _check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh)
+    check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh)
     init = _load_states(state, state_ids, is_fresh)
     if q.shape[0] == 0 or state_ids.numel() == 0:  # nothing to run: every sequence keeps its initial state
         _store_states(state, state_ids, init)
