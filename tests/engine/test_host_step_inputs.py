@@ -83,6 +83,20 @@ def test_a_row_with_per_row_tensors_gets_them_beside_plain_rows(extra):
     assert any(rows[1] is not None for rows in per_row) and all(rows[0] is None for rows in per_row)
 
 
+def test_a_sampling_row_carries_each_parameter_in_its_own_field():
+    gen = torch.Generator().manual_seed(1)
+    seq = _seq(7, generated=2, temperature=0.7, top_k=5, top_p=0.8, repetition_penalty=1.1, logprobs=4,
+               presence_penalty=0.3, frequency_penalty=-0.2, min_p=0.05, logit_bias=((4, 2.0),),
+               stop_token_ids=(1, 2), min_new_tokens=3)
+    row = sampling_row(seq, {7: gen})
+    assert (row.temperature, row.top_k, row.top_p, row.repetition_penalty) == (0.7, 5, 0.8, 1.1)
+    assert (row.logprobs, row.presence_penalty, row.frequency_penalty, row.min_p) == (4, 0.3, -0.2, 0.05)
+    assert row.generator is gen and row.penalty_ids.tolist() == [5, 6, 7, 9] and row.banned_ids.tolist() == [1, 2]
+    assert row.output_ids.tolist() == [9, 9] and row.logit_bias[0].tolist() == [4]
+    assert row.logit_bias[1].tolist() == [2.0]
+    assert sampling_row(_seq(8, temperature=0.7, top_k=1), {}).temperature == 0.0  # top_k 1 is greedy
+
+
 def test_no_rows_build_empty_columns():
     got, _ = make_sampling_inputs([], {})
     _assert_same(got, _stack([]))

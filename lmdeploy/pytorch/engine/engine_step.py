@@ -197,7 +197,8 @@ class EngineStep:
             if errors:  # those requests fail alone after this forward; the others sample as usual
                 rejected += [(sampled[i], error) for i, error in errors.items()]
                 sampled = drop_sampled_rows(inputs, sampled, errors)
-            collect = [seq.seq_id in self._collected_logits for seq in sched.seqs]
+            collected = self._collected_logits
+            collect = [seq.seq_id in collected for seq in sched.seqs] if collected else [False] * len(sched.seqs)
             feed = build_feed(sched, sampled, prev)
             if self.speculative is not None:
                 result = self.speculative.forward(sched, inputs, sampled, sampling, cache_inputs, self._generators,
@@ -226,10 +227,12 @@ class EngineStep:
         if result is None or result.logits is None:
             return None
         logits = result.logits
-        rows = {seq.seq_id: i for i, seq in enumerate(sampled)}
+        rows: dict[int, int] = {}  # built on the first call (only steps that keep prompt-end logits make one)
         dtype = getattr(torch, self.model_config.dtype)
 
         def prompt_logits(seq: SchedulerSequence) -> torch.Tensor | None:
+            if not rows:
+                rows.update((s.seq_id, i) for i, s in enumerate(sampled))
             row = rows.get(seq.seq_id)
             return None if row is None else logits[row].to('cpu', dtype)
         return prompt_logits

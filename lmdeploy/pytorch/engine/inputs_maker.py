@@ -90,22 +90,27 @@ class InputsMaker:
         index = np.repeat(starts - cu[:-1], q) + np.arange(cu[-1], dtype=np.int64)  # token index in its sequence
         ids = np.empty(int(cu[-1]), dtype=np.int64)
         positions = index.copy()
-        logits_idx, sampled, state_ids, fresh = [], [], [], []
+        logits_idx, sampled, decode_offsets, decode_ids = [], [], [], []
+        offsets, num_drafts = cu.tolist(), out.num_drafts
         mm = _MultiModalBatch()
         for row, seq in enumerate(seqs):
-            n, start, offset = q_lens[row], seq.num_computed, int(cu[row])
-            drafts = out.drafts_of(row)  # a verify piece: the last token, then its drafts
+            n, start, offset = q_lens[row], seq.num_computed, offsets[row]
+            drafts = num_drafts[row] if num_drafts else 0  # a verify piece: the last token, then its drafts
+            tokens = seq.token_ids
             if n == 1 and not drafts:  # a decode (its token in flight under async scheduling: 0, fed on the device)
-                ids[offset] = seq.token_ids[start] if start < len(seq.token_ids) else 0
+                decode_offsets.append(offset)
+                decode_ids.append(tokens[start] if start < len(tokens) else 0)
             else:
                 ids[offset:offset + n] = _fed_ids(seq, start, n, drafts)
             if seq.mm_spans:
                 positions[offset:offset + n] = mm.add(seq, start, n, offset)
-            state_ids.append(seq.state_slot or 0)
-            fresh.append(start == 0)
-            if start + n - drafts == seq.num_tokens + seq.num_pending:
+            if start + n - drafts == len(tokens) + seq.num_pending:
                 logits_idx.append(offset + n - 1)
                 sampled.append(seq)
+        if decode_offsets:  # the decodes' ids in one scatter
+            ids[decode_offsets] = decode_ids
+        state_ids = [seq.state_slot or 0 for seq in seqs]
+        fresh = [seq.num_computed == 0 for seq in seqs]
         block_tables = self._block_tables(seqs)
         kbs = self.kernel_block_size
         rows = np.repeat(np.arange(num_rows, dtype=np.int64), q)
@@ -195,19 +200,17 @@ def sampling_row(seq: SchedulerSequence, generators: dict[int, torch.Generator])
     if params.logit_bias:
         bias = (torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64),
                 torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))
+    # positional, in `SamplingRow`'s field order (keyword binding doubles the cost of a row; it runs per row per step)
     return SamplingRow(
-        temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k, top_p=params.top_p,
-        repetition_penalty=params.repetition_penalty,
-        penalty_ids=torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
-        if params.repetition_penalty != 1.0 else None,
-        banned_ids=torch.tensor(params.stop_token_ids, dtype=torch.int64)
+        0.0 if params.is_greedy else params.temperature, params.top_k, params.top_p, params.repetition_penalty,
+        torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64) if params.repetition_penalty != 1.0 else None,
+        torch.tensor(params.stop_token_ids, dtype=torch.int64)
         if params.min_new_tokens and params.stop_token_ids
         and seq.num_generated + seq.num_pending < params.min_new_tokens else None,
-        generator=generators.get(seq.seq_id), logprobs=params.logprobs,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        output_ids=torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64)
+        generators.get(seq.seq_id), params.logprobs, params.presence_penalty, params.frequency_penalty,
+        torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64)
         if params.has_output_penalties else None,
-        min_p=params.min_p, logit_bias=bias)
+        params.min_p, bias)
 
 
 def _stack(rows: list[SamplingRow]) -> SamplingInputs:
