@@ -127,17 +127,19 @@ class Scheduler:
 
     def _schedule(self, out: SchedulerOutput) -> None:
         budget = self.config.max_prefill_token_num
+        max_batch, draft_room, chunk = self.config.max_batch_size, self._draft_room, self.prefix_cache.chunk
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= self.config.max_batch_size:
+            if seq.status != SequenceStatus.RUNNING or len(out.seqs) >= max_batch:
                 continue
             if seq.num_pending and self._stops_by_length(seq):
                 continue  # its in-flight token is its last one (async scheduling)
-            drafts = len(seq.draft_ids) if seq.num_remaining == 1 else 0
-            n = 1 + drafts if seq.num_remaining == 1 else min(seq.num_remaining, budget)
-            n = seq.fit_chunk_to_spans(seq.num_computed, self.prefix_cache.chunk(seq, n))
+            remaining = seq.num_remaining
+            drafts = len(seq.draft_ids) if remaining == 1 else 0
+            n = 1 + drafts if remaining == 1 else min(remaining, budget)
+            n = seq.fit_chunk_to_spans(seq.num_computed, chunk(seq, n))
             if drafts and n != 1 + drafts:  # (a decode is never capped; keep the verify piece whole or plain)
                 drafts, n = 0, min(n, 1)
-            if n == 0 or not self._reserve_blocks(seq, n + self._draft_room, scheduled=out.seqs):
+            if n == 0 or not self._reserve_blocks(seq, n + draft_room, scheduled=out.seqs):
                 continue
             self._add_piece(out, seq, n, drafts)
             budget -= min(n, budget)
