@@ -16,7 +16,7 @@ def bench():
 
 
 def test_decode_rows_measure_every_phase_on_every_timed_step(bench):
-    results = bench.main(['--batches', '1', '3', '--steps', '3'])
+    results = bench.main(['--batches', '1', '3', '--steps', '3', '--repeat', '2'])
     for async_scheduling in (False, True):
         for batch in (1, 3):
             phases, num_steps = results['decode'][async_scheduling][batch]
