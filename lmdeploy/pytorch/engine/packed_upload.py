@@ -1,6 +1,7 @@
 """Host inputs of a forward in one pinned non-blocking copy: speculative steps (`ModelAgent.forward_verify` and
 `ModelAgent.draft`, by default; `LMDEPLOY_SPEC_CHAIN_GRAPH=0` turns it off with the chain graph, see `spec_chain`)
-and plain forwards (`ModelAgent.forward`, `forward_logits`, by default; `LMDEPLOY_PACKED_UPLOAD=0` turns it off).
+and, opt-in with `LMDEPLOY_PACKED_UPLOAD=1`, plain forwards (`ModelAgent.forward`, `forward_logits`: off until an H200
+run verifies them there; the session that wrote it had no device time left).
 The byte layout is tested on the CPU, the CUDA copy by a gpu test that passed on the H200 in run 6, 2026-12-01.
 
 `DeviceStreams.to_device` copies every tensor of a payload on its own, from pageable memory: a dozen copies per
@@ -24,8 +25,9 @@ _ALIGN = 16
 
 
 def packed_uploads_enabled() -> bool:
-    """Plain forwards upload their inputs packed (see the module docstring), unless `LMDEPLOY_PACKED_UPLOAD=0`."""
-    return os.environ.get('LMDEPLOY_PACKED_UPLOAD', '1') != '0'
+    """Plain forwards upload their inputs packed with `LMDEPLOY_PACKED_UPLOAD=1` (opt-in until an H200 run verifies
+    it on plain forwards; see the module docstring)."""
+    return os.environ.get('LMDEPLOY_PACKED_UPLOAD', '0') == '1'
 
 
 @functools.cache
