@@ -328,7 +328,7 @@ class ModelAgent:
         """A step's inputs on the device: every payload `packed_upload` can move in one pinned copy on the forward
         stream, the others (a `TokenFeed`, sampling inputs with per-row tensors) through `streams.to_device`.
         `packed` False: all through `streams.to_device`. Default (speculative steps): `LMDEPLOY_SPEC_CHAIN_GRAPH=0`
-        (see `spec_chain`) turns it off; plain forwards pass `LMDEPLOY_PACKED_UPLOAD=1` (`packed_uploads_enabled`, opt-in)."""
+        (see `spec_chain`) turns it off; plain forwards pass `packed_uploads_enabled()` (opt-in)."""
         if not (self._packed_uploads if packed is None else packed) or self.device.type != 'cuda':
             return self.streams.to_device(*payloads)  # (off CUDA a packed upload is the same `.to(device)`)
         flat = [p is not None and packable(p) for p in payloads]
