@@ -27,5 +27,5 @@ setup(
     install_requires=read_requirements('runtime.txt'),
     extras_require={'test': read_requirements('test.txt'), 'cuda': read_requirements('cuda.txt')},
     entry_points={'console_scripts': ['lmdeploy = lmdeploy.cli.entrypoint:run']},
-    package_data={'lmdeploy': ['py.typed']},
+    package_data={'lmdeploy': ['py.typed', 'pytorch/kernels/cuda/moe_configs/*.json']},
 )

@@ -74,11 +74,11 @@ def test_packed_upload_to_cuda_is_exact():
     torch.cuda.synchronize()
 
 
-def test_plain_forwards_pack_only_when_switched_on(monkeypatch):
-    """Plain forwards' packed upload is opt-in (`LMDEPLOY_PACKED_UPLOAD=1`) until an H200 run verifies it."""
+def test_plain_forwards_pack_unless_switched_off(monkeypatch):
+    """Plain forwards' packed upload is on by default; `LMDEPLOY_PACKED_UPLOAD=0` turns it off."""
     from lmdeploy.pytorch.engine.packed_upload import packed_uploads_enabled
     monkeypatch.delenv('LMDEPLOY_PACKED_UPLOAD', raising=False)
-    assert not packed_uploads_enabled()
+    assert packed_uploads_enabled()
     for value, on in (('0', False), ('1', True)):
         monkeypatch.setenv('LMDEPLOY_PACKED_UPLOAD', value)
         assert packed_uploads_enabled() is on

@@ -359,7 +359,7 @@ MOE_CASES = [MoeCase(1, 32, 16, 4, 2), MoeCase(5, 48, 40, 6, 2), MoeCase(0, 32, 
 MOE_CASES_LARGE = [MoeCase(3, 2048, 512, 128, 8), MoeCase(200, 2048, 512, 128, 8)]  # decode / prefill, GPU only
 
 
-def check_moe(case: MoeCase, dtype, device: str) -> None:
+def check_moe(case: MoeCase, dtype, device: str, config: cuda_moe.MoeConfig | None = None) -> None:
     gen = torch.Generator().manual_seed(6)
     t, e, k = case.num_tokens, case.num_experts, case.top_k
     x = randn(t, case.hidden, gen=gen, dtype=dtype)
@@ -372,7 +372,8 @@ def check_moe(case: MoeCase, dtype, device: str) -> None:
     ids = ids.to(torch.int64)
     weights = torch.rand(t, k, generator=gen).softmax(-1).to(dtype)
     ref = ref_fused_moe(x.float(), gate_up.float(), down.float(), weights.float(), ids)
-    out = cuda_moe.fused_moe(x.to(device), gate_up.to(device), down.to(device), weights.to(device), ids.to(device))
+    out = cuda_moe.fused_moe(x.to(device), gate_up.to(device), down.to(device), weights.to(device), ids.to(device),
+                             config)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, ref, what='moe', **tol(dtype, fp32=1e-4, bf16=3e-2))
 
@@ -388,6 +389,25 @@ def test_fused_moe_gpu(case, dtype):
 @pytest.mark.parametrize('case', MOE_CASES[:4], ids=str)
 def test_cpu_fused_moe(case):
     check_moe(case, torch.float32, 'cpu')
+
+
+# tile configs of the tuned tables' kind: row blocks larger than an expert's rows, K tiles past the hidden size
+MOE_CONFIGS = [cuda_moe.MoeConfig(32, (16, 128, 4, 3), (32, 16, 2, 4)), cuda_moe.MoeConfig(16, (32, 16, 1, 2),
+                                                                                            (16, 64, 4, 3))]
+
+
+@interpreted
+@pytest.mark.parametrize('config', MOE_CONFIGS, ids=lambda c: f'M{c.block_m}-up{c.up[0]}x{c.up[1]}')
+@pytest.mark.parametrize('case', [MOE_CASES[1], MOE_CASES[3]], ids=str)
+def test_cpu_fused_moe_tile_configs(case, config):
+    check_moe(case, torch.float32, 'cpu', config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('config', MOE_CONFIGS, ids=lambda c: f'M{c.block_m}-up{c.up[0]}x{c.up[1]}')
+@pytest.mark.parametrize('case', MOE_CASES_LARGE, ids=str)
+def test_fused_moe_tile_configs_gpu(case, config):
+    check_moe(case, torch.bfloat16, 'cuda', config)
 
 
 # ------------------------------------------------------------------------------------------------ interpreter

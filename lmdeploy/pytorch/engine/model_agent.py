@@ -21,6 +21,7 @@ from torch import nn
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from ..nn.blocked_fp8 import fp8_linear_shapes
+from ..nn.moe import SparseMoeBlock
 from .async_scheduling import DeviceTokens, TokenFeed
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
@@ -216,16 +217,30 @@ class ModelAgent:
 
     @torch.inference_mode()
     def tune_kernels(self, max_tokens: int) -> None:
-        """Autotune the FP8 GEMM tiles for the model's FP8 linears and every row bucket up to `max_tokens` (CUDA
-        only), before any graph is captured or request served: no forward pays for tuning."""
-        shapes = fp8_linear_shapes(self.model)
-        if self.device.type != 'cuda' or not shapes:
+        """Before any graph is captured or request served (CUDA only), so that no forward pays for tuning: autotune
+        the FP8 GEMM tiles for the model's FP8 linears and every row bucket up to `max_tokens`, and compile every
+        tile config the fused MoE's tuned table can pick for forwards up to `max_tokens` tokens."""
+        if self.device.type != 'cuda':
             return
-        from ..backends.cuda import tune_fp8_gemms
-        began = time.perf_counter()
-        keys = tune_fp8_gemms(shapes, max_tokens, getattr(torch, self.cache_engine.model_config.dtype), self.device)
-        logger.info('FP8 GEMM autotuning: %d keys (%d shapes) in %.1f s', keys, len(shapes),
-                    time.perf_counter() - began)
+        from ..backends.cuda import tune_fp8_gemms, warm_up_moe_tiles
+        shapes = fp8_linear_shapes(self.model)
+        if shapes:
+            began = time.perf_counter()
+            keys = tune_fp8_gemms(shapes, max_tokens, getattr(torch, self.cache_engine.model_config.dtype),
+                                  self.device)
+            logger.info('FP8 GEMM autotuning: %d keys (%d shapes) in %.1f s', keys, len(shapes),
+                        time.perf_counter() - began)
+        began, calls, seen = time.perf_counter(), 0, set()
+        for block in self.model.modules():
+            experts = getattr(block, 'experts', None)
+            if not isinstance(block, SparseMoeBlock) or experts.weight_block_size is not None:
+                continue
+            key = (tuple(experts.gate_up_proj.shape), experts.gate_up_proj.dtype, block.gate.top_k)
+            if key not in seen:
+                seen.add(key)
+                calls += warm_up_moe_tiles(experts.gate_up_proj, experts.down_proj, block.gate.top_k, max_tokens)
+        if calls:
+            logger.info('fused MoE tile warm-up: %d calls in %.1f s', calls, time.perf_counter() - began)
 
     def capture_cuda_graphs(self) -> None:
         """Warm start (CUDA): the eager warm-up (`warm_start.py`), then the graphs of every decode size and prefill
@@ -328,7 +343,7 @@ class ModelAgent:
         """A step's inputs on the device: every payload `packed_upload` can move in one pinned copy on the forward
         stream, the others (a `TokenFeed`, sampling inputs with per-row tensors) through `streams.to_device`.
         `packed` False: all through `streams.to_device`. Default (speculative steps): `LMDEPLOY_SPEC_CHAIN_GRAPH=0`
-        (see `spec_chain`) turns it off; plain forwards pass `packed_uploads_enabled()` (opt-in)."""
+        (see `spec_chain`) turns it off; plain forwards pass `packed_uploads_enabled()` (on by default)."""
         if not (self._packed_uploads if packed is None else packed) or self.device.type != 'cuda':
             return self.streams.to_device(*payloads)  # (off CUDA a packed upload is the same `.to(device)`)
         flat = [p is not None and packable(p) for p in payloads]

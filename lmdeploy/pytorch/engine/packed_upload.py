@@ -1,8 +1,8 @@
 """Host inputs of a forward in one pinned non-blocking copy: speculative steps (`ModelAgent.forward_verify` and
 `ModelAgent.draft`, by default; `LMDEPLOY_SPEC_CHAIN_GRAPH=0` turns it off with the chain graph, see `spec_chain`)
-and, opt-in with `LMDEPLOY_PACKED_UPLOAD=1`, plain forwards (`ModelAgent.forward`, `forward_logits`: off until an H200
-run verifies them there; the session that wrote it had no device time left).
-The byte layout is tested on the CPU, the CUDA copy by a gpu test that passed on the H200 in run 6, 2026-12-01.
+and plain forwards (`ModelAgent.forward`, `forward_logits`; by default since H200 run 9 passed the engine's gpu tests
+with it, `LMDEPLOY_PACKED_UPLOAD=0` turns it off). The byte layout is tested on the CPU, the CUDA copy by a gpu test
+that passed on the H200 in runs 6 and 9, 2026-12-01.
 
 `DeviceStreams.to_device` copies every tensor of a payload on its own, from pageable memory: a dozen copies per
 `ModelInputs`, each one a round trip the host waits for before it can queue the forward. Here the top-level host
@@ -25,9 +25,8 @@ _ALIGN = 16
 
 
 def packed_uploads_enabled() -> bool:
-    """Plain forwards upload their inputs packed with `LMDEPLOY_PACKED_UPLOAD=1` (opt-in until an H200 run verifies
-    it on plain forwards; see the module docstring)."""
-    return os.environ.get('LMDEPLOY_PACKED_UPLOAD', '0') == '1'
+    """Plain forwards upload their inputs packed unless `LMDEPLOY_PACKED_UPLOAD=0` (see the module docstring)."""
+    return os.environ.get('LMDEPLOY_PACKED_UPLOAD', '1') != '0'
 
 
 @functools.cache

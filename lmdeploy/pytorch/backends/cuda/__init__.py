@@ -32,6 +32,7 @@ from ...kernels.cuda.gated_delta_gating import gated_delta_gating
 from ...kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
 from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
+from ...kernels.cuda.moe import warm_up_tiles as warm_up_moe_tiles  # noqa: F401 (ModelAgent.tune_kernels)
 from ...kernels.cuda.moe_routing import softmax_topk
 from ...kernels.cuda.paged_attention import paged_decode_attention
 from ...kernels.cuda.paged_prefill_attention import paged_prefill_attention

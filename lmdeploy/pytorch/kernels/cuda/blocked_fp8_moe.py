@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .blocked_fp8 import quant_fp8
 from .launch import fast_kernel
-from .moe import _align_pairs, _block_sizes, moe_block, store_routed, store_swiglu
+from .moe import _align_pairs, moe_block, row_block, store_routed, store_swiglu
 
 
 @fast_kernel
@@ -106,7 +106,7 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
         return torch.zeros_like(x)
     xq, x_scale = quant_fp8(x if x.stride(-1) == 1 else x.contiguous(), block_k)
     num_pairs = num_tokens * top_k
-    block_m, tile_n, _ = _block_sizes(num_pairs, num_experts)
+    block_m, tile_n = row_block(num_pairs, num_experts), 64
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
 

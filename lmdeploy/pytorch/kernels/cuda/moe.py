@@ -16,7 +16,11 @@ Accumulation is float32; the intermediate and per-pair outputs are rounded to ``
 """
 from __future__ import annotations
 
+import functools
+import json
+import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,9 +29,11 @@ import triton.language as tl
 from .launch import fast_kernel
 from .moe_align import align_pairs, align_pairs_reference
 
-# The Triton alignment is opt-in (LMDEPLOY_MOE_ALIGN=triton) until it has passed on the H200: its first GPU run failed
-# inside a CUDA graph capture of a MoE model (see docs/benchmarks.md).
-_TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'torch') == 'triton'
+# The alignment: three Triton launches (default), or `moe_align.py`'s ~20 torch ops with LMDEPLOY_MOE_ALIGN=torch.
+_TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'triton') != 'torch'
+# Tuned tile tables (`benchmark/bench_moe_kernel.py --write-config`): this package's `moe_configs/`, or the
+# folder LMDEPLOY_MOE_CONFIG_DIR names (searched first).
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'moe_configs')
 
 
 @triton.jit
@@ -123,25 +129,82 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block
 
 def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring:
-    `moe_align.py`'s torch form, or its three Triton launches with `LMDEPLOY_MOE_ALIGN=triton`."""
+    `moe_align.py`'s three Triton launches, or its torch form with `LMDEPLOY_MOE_ALIGN=torch`."""
     if not _TRITON_ALIGN:
         return align_pairs_reference(topk_ids, num_experts, block_m)
     return align_pairs(topk_ids, num_experts, block_m)
 
 
-def _block_sizes(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): small row blocks when experts see few rows (decode), larger for prefill."""
+class MoeConfig(NamedTuple):
+    """Tile sizes and launch options of one fused MoE call: BLOCK_M (rows of one expert per program; also the
+    alignment's padding) and, per GEMM, (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    block_m: int
+    up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+def row_block(num_pairs: int, num_experts: int) -> int:
+    """BLOCK_M when no table applies: small row blocks when experts see few rows (decode), larger for prefill."""
     rows_per_expert = num_pairs / num_experts
-    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
-    return block_m, 64, 64
+    return 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+
+
+def config_file_name(num_experts: int, hidden: int, inter: int, device_name: str) -> str:
+    """`E=64,H=2048,I=512,device=NVIDIA_H200.json`: one table per expert shape and device."""
+    return f'E={num_experts},H={hidden},I={inter},device={device_name.replace(" ", "_")}.json'
+
+
+@functools.cache
+def _table(num_experts: int, hidden: int, inter: int, device_name: str) -> tuple[tuple[int, MoeConfig], ...]:
+    """The tuned table for this shape and device, sorted by its (token, expert) pair counts; () if none."""
+    name = config_file_name(num_experts, hidden, inter, device_name)
+    for folder in (os.environ.get('LMDEPLOY_MOE_CONFIG_DIR'), _CONFIG_DIR):
+        path = os.path.join(folder, name) if folder else None
+        if path and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    raw = json.load(f)
+                return tuple(sorted((int(pairs), MoeConfig(int(bm), tuple(map(int, up)), tuple(map(int, down))))
+                                    for pairs, (bm, up, down) in raw['configs'].items()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f'bad MoE tile table {path}: {exc!r}') from exc
+    return ()
+
+
+def table_pair_counts(num_experts: int, hidden: int, inter: int, device_name: str | None) -> list[int]:
+    """The (token, expert) pair counts of this shape's table entries (for the start-up warm-up)."""
+    return [pairs for pairs, _ in _table(num_experts, hidden, inter, device_name)] if device_name else []
+
+
+@functools.cache
+def cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _device_name(device: torch.device) -> str | None:
+    """The CUDA device's name (the tables' key), None off CUDA."""
+    if device.type != 'cuda':
+        return None
+    return cuda_device_name(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int = 0,
+                   device_name: str | None = None) -> MoeConfig:
+    """The tuned entry nearest to `num_pairs` (by ratio) of this expert shape's table for `device_name` (a CUDA
+    device's name), else the untuned tiles (`row_block`, 64 x 64, 4 warps, 3 stages)."""
+    table = _table(num_experts, hidden, inter, device_name) if device_name else ()
+    if table:
+        return min(table, key=lambda entry: abs(math.log(entry[0] / max(num_pairs, 1))))[1]
+    return MoeConfig(row_block(num_pairs, num_experts), (64, 64, 4, 3), (64, 64, 4, 3))
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts.
 
     x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
-    float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype.
+    float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype. `config` overrides
+    the tile sizes `default_config` picks (`benchmark/bench_moe_kernel.py` sweeps them).
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -157,23 +220,64 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     gate_up_proj = gate_up_proj if gate_up_proj.stride(-1) == 1 else gate_up_proj.contiguous()
     down_proj = down_proj if down_proj.stride(-1) == 1 else down_proj.contiguous()
     num_pairs = num_tokens * top_k
-    block_m, block_n, block_k = _block_sizes(num_pairs, num_experts)
+    if config is None:
+        name = _device_name(x.device)
+        config = default_config(num_pairs, num_experts, hidden, inter, name)
+    block_m = config.block_m
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
     precision = 'ieee' if x.dtype == torch.float32 else 'tf32'
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config.up
     _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, gate_up_proj, act, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden, inter=inter,
         stride_xt=x.stride(0), stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1),
         stride_wk=gate_up_proj.stride(2), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
+    block_n, block_k, warps, stages = config.down
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         act, down_proj, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden,
         inter=inter, stride_at=act.stride(0), stride_we=down_proj.stride(0), stride_wn=down_proj.stride(1),
         stride_wk=down_proj.stride(2), stride_ot=per_pair.stride(0), NUM_EXPERTS=num_experts,
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _int_class(n: int) -> tuple[bool, bool]:
+    """Triton's specialization of an integer argument: equal to 1, divisible by 16."""
+    return n == 1, n % 16 == 0
+
+
+def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
+                         device_name: str | None) -> list[int]:
+    """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count) that any count
+    there reaches through this shape's table: the first count of each. Empty without a table."""
+    if not table_pair_counts(num_experts, hidden, inter, device_name):
+        return []
+    first = {}
+    for tokens in range(1, max_tokens + 1):
+        pairs = tokens * top_k
+        first.setdefault((default_config(pairs, num_experts, hidden, inter, device_name), _int_class(pairs)), tokens)
+    return sorted(first.values())
+
+
+def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, max_tokens: int) -> int:
+    """Compile every binary `fused_moe` can pick for these experts in forwards of 1..`max_tokens` tokens
+    (`warm_up_token_counts`; the other integer arguments are fixed by the shape). Returns the number of calls; 0 off
+    CUDA or without a table."""
+    device = gate_up_proj.device
+    name = _device_name(device)
+    if name is None:
+        return 0
+    num_experts, double_inter, hidden = gate_up_proj.shape
+    counts = warm_up_token_counts(num_experts, hidden, double_inter // 2, top_k, max_tokens, name)
+    for tokens in counts:
+        x = torch.zeros(tokens, hidden, dtype=gate_up_proj.dtype, device=device)
+        ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(top_k, device=device)) % num_experts
+        weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=gate_up_proj.dtype, device=device)
+        fused_moe(x, gate_up_proj, down_proj, weights, ids)
+    return len(counts)

@@ -1,0 +1,210 @@
+"""The fused MoE kernel (`kernels/cuda/moe.py`) on the device, per token count, against its floor and a batched GEMM:
+- `untuned`: the tiles used without a table (`moe.default_config` with no device name); `table`: what the table
+  for this shape and device picks (the shipped one, or LMDEPLOY_MOE_CONFIG_DIR's), if any; `best`: the fastest of
+  a sweep (first the up GEMM's (BLOCK_N, BLOCK_K, num_warps, num_stages) per BLOCK_M with the down GEMM untuned,
+  then the down GEMM's with the best up); each a whole `fused_moe` call (alignment, both GEMMs, the top-k sum),
+  device time: `--layers` calls (one per weight copy) captured in one CUDA graph, replayed;
+- `floor`: max(bytes of the experts the batch touches / copy rate, FLOPs / matmul rate), the rates measured here
+  (`real_depth_floors.measure_device`);
+- `bmm`: `torch.bmm` over the experts with the same rows per expert (uniform routing: the grouped-GEMM speed the
+  kernel chases), up and down, no routing.
+Weights rotate over `--layers` copies so a repeat never finds them in L2. Outputs of the best configs are checked
+against the untuned ones (a config whose output differs by more than bf16 rounding is refused). Also: the Triton
+alignment against the torch one (`LMDEPLOY_MOE_ALIGN=torch`), eager and replayed in a CUDA graph with new routing
+each replay, and the device time of each. `--write-config DIR` writes the best configs as this shape's table
+(`moe.config_file_name`, keyed by (token, expert) pair counts), the file `kernels/cuda/moe_configs/` ships.
+
+    python benchmark/bench_moe_kernel.py                           # Qwen3.5-35B-A3B experts (64 kept), ~2 min, H200
+    python benchmark/bench_moe_kernel.py --top-k 10 --no-sweep     # Qwen3-Next-80B routing, the table only
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from real_depth_floors import measure_device  # noqa: E402
+
+from lmdeploy.pytorch.kernels.cuda import moe, moe_align  # noqa: E402
+
+
+def graph_us(fn, calls: int, reps: int = 20) -> float:
+    """Device microseconds per call of `fn(i)`: calls i = 0..calls-1 captured in one CUDA graph, replayed."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) * 1e3 / (reps * calls)
+    del graph
+    return us
+
+
+class Case:
+    """Rotating weight copies and one routing of `tokens` tokens."""
+
+    def __init__(self, a, tokens: int, weights: list[tuple[torch.Tensor, torch.Tensor]]):
+        gen = torch.Generator(device='cuda').manual_seed(tokens)
+        self.x = torch.randn(tokens, a.hidden, device='cuda', generator=gen, dtype=torch.bfloat16)
+        logits = torch.randn(tokens, a.experts, device='cuda', generator=gen)
+        topw, self.ids = logits.softmax(-1).topk(a.top_k, dim=-1)
+        self.w = (topw / topw.sum(-1, keepdim=True)).bfloat16()
+        self.weights = weights
+        self.touched = int(self.ids.unique().numel())
+
+    def run(self, config=None, i: int = 0) -> torch.Tensor:
+        gate_up, down = self.weights[i % len(self.weights)]
+        return moe.fused_moe(self.x, gate_up, down, self.w, self.ids, config)
+
+
+def up_grid(block_m: int):
+    if block_m <= 16:   # few rows per expert: weight streaming; narrow column tiles give more programs
+        return list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+    return list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4)))
+
+
+def down_grid(block_m: int):
+    if block_m <= 16:
+        return list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3,)))
+    return list(itertools.product((64, 128), (64, 128), (4, 8), (3,)))
+
+
+def block_ms(rows_per_expert: float):
+    return (16,) if rows_per_expert <= 16 else (16, 32, 64) if rows_per_expert <= 64 else (64, 128)
+
+
+def try_time(case: Case, config, layers: int, want: torch.Tensor | None = None) -> float:
+    """Device us per call, or inf when the tiles do not fit (shared memory / registers) or the output is off."""
+    try:
+        if want is not None and not torch.allclose(case.run(config).float(), want, rtol=2e-2, atol=2e-2):
+            print(f'  refused {tuple(config)}: output differs from the untuned config', flush=True)
+            return float('inf')
+        return graph_us(lambda i: case.run(config, i), layers)
+    except Exception as exc:
+        if 'out of resource' in str(exc).lower() or 'OutOfResources' in type(exc).__name__:
+            return float('inf')
+        raise
+
+
+def sweep(case: Case, a, untuned, want: torch.Tensor):
+    rows = case.x.shape[0] * a.top_k / a.experts
+    best = (try_time(case, untuned, a.layers), untuned)
+    for bm in block_ms(rows):
+        for up in up_grid(bm):
+            cfg = moe.MoeConfig(bm, up, untuned.down)
+            best = min(best, (try_time(case, cfg, a.layers, want), cfg))
+    bm, up = best[1].block_m, best[1].up
+    for down in down_grid(bm):
+        cfg = moe.MoeConfig(bm, up, down)
+        best = min(best, (try_time(case, cfg, a.layers, want), cfg))
+    return best
+
+
+def bmm_us(a, tokens: int) -> float:
+    rows = max(1, round(tokens * a.top_k / a.experts))
+    x = torch.randn(a.experts, rows, a.hidden, device='cuda', dtype=torch.bfloat16)
+    w_up = [torch.randn(a.experts, a.hidden, 2 * a.inter, device='cuda', dtype=torch.bfloat16) for _ in range(2)]
+    w_down = [torch.randn(a.experts, a.inter, a.hidden, device='cuda', dtype=torch.bfloat16) for _ in range(2)]
+    return graph_us(lambda i: torch.bmm(torch.bmm(x, w_up[i % 2])[..., :a.inter], w_down[i % 2]), 2)
+
+
+def floor_us(a, case: Case, rates) -> float:
+    tokens = case.x.shape[0]
+    weight_bytes = case.touched * 3 * a.hidden * a.inter * 2
+    flops = 2 * tokens * a.top_k * 3 * a.hidden * a.inter
+    return rates.time_s(flops, weight_bytes + 4 * tokens * a.hidden) * 1e6
+
+
+def check_align(a) -> None:
+    """Triton alignment against torch's, eager and in a graph replayed with new routing; and their times."""
+    for tokens in a.tokens:
+        ids = torch.randn(tokens, a.experts, device='cuda').topk(a.top_k, dim=-1).indices
+        for block_m in sorted({moe.row_block(tokens * a.top_k, a.experts), 16, 64}):
+            ref = moe_align.align_pairs_reference(ids, a.experts, block_m)
+            got = moe_align.align_pairs(ids, a.experts, block_m)
+            same = bool(torch.equal(ref[1], got[1]) and torch.equal(ref[0] < ids.numel(), got[0] < ids.numel()))
+            static = ids.clone()
+            graph = torch.cuda.CUDAGraph()
+            moe_align.align_pairs(static, a.experts, block_m)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                out = moe_align.align_pairs(static, a.experts, block_m)
+            replay_ok = True
+            for _ in range(3):
+                static.copy_(torch.randn(tokens, a.experts, device='cuda').topk(a.top_k, dim=-1).indices)
+                graph.replay()
+                want = moe_align.align_pairs_reference(static, a.experts, block_m)
+                replay_ok &= bool(torch.equal(want[1], out[1]) and torch.equal(want[0] < static.numel(),
+                                                                              out[0] < static.numel()))
+            t_ref = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs_reference(t, a.experts, m), 4)
+            t_tri = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs(t, a.experts, m), 4)
+            print(f'align T={tokens:5d} BLOCK_M={block_m:3d}: torch {t_ref:7.1f} us, triton {t_tri:6.1f} us, '
+                  f'equal {same}, graph replays equal {replay_ok}', flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--hidden', type=int, default=2048)
+    p.add_argument('--inter', type=int, default=512, help='moe_intermediate_size')
+    p.add_argument('--experts', type=int, default=64, help='experts kept (bench_real_depth --experts)')
+    p.add_argument('--top-k', type=int, default=8)
+    p.add_argument('--tokens', type=int, nargs='+', default=[1, 8, 32, 128, 1024, 4096, 8192])
+    p.add_argument('--layers', type=int, default=6, help='weight copies rotated through')
+    p.add_argument('--sweep', action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument('--write-config', default=None, metavar='DIR', help="write the best configs as this shape's table")
+    a = p.parse_args()
+    rates = measure_device(torch.device('cuda'), torch.bfloat16)
+    name = moe.cuda_device_name(torch.cuda.current_device())
+    print(f'device {name}, commit {os.environ.get("LMDEPLOY_COMMIT", "?")}; copy '
+          f'{rates.copy_bytes_per_s / 1e9:.0f} GB/s, matmul {rates.matmul_flops_per_s / 1e12:.1f} TFLOP/s; experts '
+          f'{a.experts} x (H {a.hidden}, I {a.inter}), top-{a.top_k}; device us per call (CUDA graph replays)',
+          flush=True)
+    check_align(a)
+    weights = [((torch.randn(a.experts, 2 * a.inter, a.hidden, device='cuda') / a.hidden ** 0.5).bfloat16(),
+                (torch.randn(a.experts, a.hidden, a.inter, device='cuda') / a.inter ** 0.5).bfloat16())
+               for _ in range(a.layers)]
+    has_table = bool(moe.table_pair_counts(a.experts, a.hidden, a.inter, name))
+    print('tokens | untuned us | table us | best us | best config (BLOCK_M, up, down) | floor us | bmm us | '
+          'best/floor | untuned/best', flush=True)
+    best_configs = {}
+    for tokens in a.tokens:
+        case = Case(a, tokens, weights)
+        pairs = tokens * a.top_k
+        untuned = moe.default_config(pairs, a.experts)
+        want = case.run(untuned).float()
+        t_untuned = try_time(case, untuned, a.layers)
+        t_table = try_time(case, moe.default_config(pairs, a.experts, a.hidden, a.inter, name), a.layers, want) \
+            if has_table else float('nan')
+        t_best, cfg = sweep(case, a, untuned, want) if a.sweep else (t_untuned, untuned)
+        floor, t_bmm = floor_us(a, case, rates), bmm_us(a, tokens)
+        best_configs[pairs] = [cfg.block_m, list(cfg.up), list(cfg.down)]
+        print(f'{tokens:6d} | {t_untuned:9.1f} | {t_table:8.1f} | {t_best:8.1f} | {tuple(cfg)} | {floor:7.1f} | '
+              f'{t_bmm:7.1f} | {t_best / floor:5.2f}x | {t_untuned / t_best:5.2f}x', flush=True)
+    if a.write_config and a.sweep:
+        os.makedirs(a.write_config, exist_ok=True)
+        path = os.path.join(a.write_config, moe.config_file_name(a.experts, a.hidden, a.inter, name))
+        with open(path, 'w') as f:
+            json.dump({'device': name, 'commit': os.environ.get('LMDEPLOY_COMMIT', '?'), 'top_k': a.top_k,
+                       'how': 'benchmark/bench_moe_kernel.py: best of a sweep, device time in CUDA graphs',
+                       'configs': {str(k): v for k, v in best_configs.items()}}, f, indent=1)
+        print(f'wrote {path}')
+
+
+if __name__ == '__main__':
+    main()

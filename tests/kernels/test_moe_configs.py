@@ -1,0 +1,109 @@
+"""The fused MoE's tuned tile tables (`kernels/cuda/moe.py`): file lookup, the nearest entry by pair count, the
+start-up warm-up's token counts, and a clear error for a malformed table. Pure host logic (no kernel runs); the
+kernels with a non-default config are checked against the torch reference in `test_cuda_kernels_ops.py`."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from lmdeploy.pytorch.kernels.cuda import moe
+
+SHAPE = dict(num_experts=64, hidden=2048, inter=512)
+DEVICE = 'Test GPU 9000'
+ENTRIES = {'8': [16, [64, 128, 4, 3], [64, 64, 8, 4]], '1024': [16, [32, 128, 4, 4], [64, 64, 4, 3]],
+           '8192': [128, [128, 64, 8, 3], [64, 64, 4, 3]]}
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv('LMDEPLOY_MOE_CONFIG_DIR', str(tmp_path))
+    moe._table.cache_clear()
+    yield tmp_path
+    moe._table.cache_clear()
+
+
+def write(folder, entries, name=DEVICE) -> str:
+    path = os.path.join(folder, moe.config_file_name(SHAPE['num_experts'], SHAPE['hidden'], SHAPE['inter'], name))
+    with open(path, 'w') as f:
+        json.dump({'configs': entries}, f)
+    return path
+
+
+def config_of(entry) -> moe.MoeConfig:
+    bm, up, down = entry
+    return moe.MoeConfig(bm, tuple(up), tuple(down))
+
+
+def test_file_name_names_shape_and_device():
+    assert moe.config_file_name(64, 2048, 512, 'NVIDIA H200') == 'E=64,H=2048,I=512,device=NVIDIA_H200.json'
+
+
+def test_nearest_entry_by_ratio(table_dir):
+    write(table_dir, ENTRIES)
+    pick = lambda pairs: moe.default_config(pairs, device_name=DEVICE, **SHAPE)  # noqa: E731
+    assert pick(8) == config_of(ENTRIES['8'])
+    assert pick(1) == config_of(ENTRIES['8'])                  # below the table: its first entry
+    assert pick(90) == config_of(ENTRIES['8'])                 # 90/8 = 11.3 < 1024/90 = 11.4
+    assert pick(91) == config_of(ENTRIES['1024'])
+    assert pick(2890) == config_of(ENTRIES['1024'])            # sqrt(1024 * 8192) = 2896
+    assert pick(2900) == config_of(ENTRIES['8192'])
+    assert pick(10 ** 6) == config_of(ENTRIES['8192'])
+
+
+def test_no_table_means_untuned_tiles(table_dir):
+    write(table_dir, ENTRIES)
+    untuned = moe.default_config(8, SHAPE['num_experts'])
+    assert untuned == moe.MoeConfig(16, (64, 64, 4, 3), (64, 64, 4, 3))
+    assert moe.default_config(8, device_name='Other GPU', **SHAPE) == untuned        # another device
+    assert moe.default_config(8, 32, 2048, 512, DEVICE) == moe.default_config(8, 32)  # another shape
+    assert moe.default_config(8, device_name=None, **SHAPE) == untuned               # CPU
+    assert moe.default_config(64 * 100, SHAPE['num_experts']).block_m == 64          # 100 rows per expert
+
+
+def test_the_environment_folder_comes_first(table_dir, tmp_path_factory, monkeypatch):
+    shipped = tmp_path_factory.mktemp('shipped')
+    monkeypatch.setattr(moe, '_CONFIG_DIR', str(shipped))
+    write(shipped, ENTRIES)
+    assert moe.table_pair_counts(device_name=DEVICE, **SHAPE) == [8, 1024, 8192]   # only the package has one
+    moe._table.cache_clear()
+    write(table_dir, {'8': ENTRIES['8']})
+    assert moe.table_pair_counts(device_name=DEVICE, **SHAPE) == [8]
+
+
+def test_a_malformed_table_is_a_clear_error(table_dir):
+    path = os.path.join(table_dir, moe.config_file_name(64, 2048, 512, DEVICE))
+    with open(path, 'w') as f:
+        f.write('{"configs": {"8": [16, [64]]}}')
+    with pytest.raises(ValueError, match='bad MoE tile table'):
+        moe.default_config(8, device_name=DEVICE, **SHAPE)
+
+
+@pytest.mark.parametrize('top_k', [1, 8, 10])
+def test_warm_up_counts_reach_every_binary(table_dir, top_k):
+    """Every token count up to the limit picks a (config, pair-count class) that one warm-up count also picks, and
+    the warm-up counts are few."""
+    write(table_dir, ENTRIES)
+    max_tokens = 3000
+    counts = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name=DEVICE, **SHAPE)
+    key = lambda tokens: (moe.default_config(tokens * top_k, device_name=DEVICE, **SHAPE),  # noqa: E731
+                          moe._int_class(tokens * top_k))
+    warmed = {key(t) for t in counts}
+    assert all(key(t) in warmed for t in range(1, max_tokens + 1))
+    assert len(counts) == len(warmed) <= 3 * len(ENTRIES) and all(1 <= t <= max_tokens for t in counts)
+    assert moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name='Other GPU', **SHAPE) == []
+
+
+def test_shipped_tables_are_well_formed():
+    """Every table in the package parses, and each entry's tiles are powers of two of at least 16."""
+    folder = moe._CONFIG_DIR
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    for name in names:
+        with open(os.path.join(folder, name)) as f:
+            raw = json.load(f)
+        for pairs, (bm, up, down) in raw['configs'].items():
+            assert int(pairs) > 0
+            for v in (bm, *up[:2], *down[:2]):
+                assert v >= 16 and v & (v - 1) == 0, f'{name}: {pairs}: {v}'
+            assert up[2] in (1, 2, 4, 8, 16) and down[2] in (1, 2, 4, 8, 16)
