@@ -359,7 +359,10 @@ MOE_CASES = [MoeCase(1, 32, 16, 4, 2), MoeCase(5, 48, 40, 6, 2), MoeCase(0, 32, 
 MOE_CASES_LARGE = [MoeCase(3, 2048, 512, 128, 8), MoeCase(200, 2048, 512, 128, 8)]  # decode / prefill, GPU only
 
 
-def check_moe(case: MoeCase, dtype, device: str, config: cuda_moe.MoeConfig | None = None) -> None:
+def check_moe(case: MoeCase, dtype, device: str, config: cuda_moe.MoeConfig | None = None,
+              with_shared: bool = False) -> None:
+    """`with_shared`: one more column naming a shared expert (id E, its own weights, a sigmoid-like scale), run in
+    the same launches; the reference computes it on its own (`backends/default/moe.fused_moe(shared=...)`)."""
     gen = torch.Generator().manual_seed(6)
     t, e, k = case.num_tokens, case.num_experts, case.top_k
     x = randn(t, case.hidden, gen=gen, dtype=dtype)
@@ -371,9 +374,16 @@ def check_moe(case: MoeCase, dtype, device: str, config: cuda_moe.MoeConfig | No
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
     ids = ids.to(torch.int64)
     weights = torch.rand(t, k, generator=gen).softmax(-1).to(dtype)
-    ref = ref_fused_moe(x.float(), gate_up.float(), down.float(), weights.float(), ids)
+    shared, ref_shared = None, None
+    if with_shared:
+        shared = ((randn(2 * case.inter, case.hidden, gen=gen) / case.hidden ** 0.5).to(dtype),
+                  (randn(case.hidden, case.inter, gen=gen) / case.inter ** 0.5).to(dtype))
+        ref_shared = tuple(w.float() for w in shared)
+        ids = torch.cat([ids, torch.full((t, 1), e, dtype=torch.int64)], dim=1)
+        weights = torch.cat([weights, torch.rand(t, 1, generator=gen).to(dtype)], dim=1)
+    ref = ref_fused_moe(x.float(), gate_up.float(), down.float(), weights.float(), ids, shared=ref_shared)
     out = cuda_moe.fused_moe(x.to(device), gate_up.to(device), down.to(device), weights.to(device), ids.to(device),
-                             config)
+                             config, shared=None if shared is None else tuple(w.to(device) for w in shared))
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, ref, what='moe', **tol(dtype, fp32=1e-4, bf16=3e-2))
 
@@ -408,6 +418,20 @@ def test_cpu_fused_moe_tile_configs(case, config):
 @pytest.mark.parametrize('case', MOE_CASES_LARGE, ids=str)
 def test_fused_moe_tile_configs_gpu(case, config):
     check_moe(case, torch.bfloat16, 'cuda', config)
+
+
+@interpreted
+@pytest.mark.parametrize('case', [MOE_CASES[0], MOE_CASES[1], MOE_CASES[3]], ids=str)
+def test_cpu_fused_moe_with_a_shared_expert(case):
+    check_moe(case, torch.float32, 'cpu', with_shared=True)
+    check_moe(case, torch.float32, 'cpu', MOE_CONFIGS[1], with_shared=True)
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('case', MOE_CASES + MOE_CASES_LARGE, ids=str)
+def test_fused_moe_with_a_shared_expert_gpu(case, dtype):
+    check_moe(case, dtype, 'cuda', with_shared=True)
 
 
 # ------------------------------------------------------------------------------------------------ interpreter

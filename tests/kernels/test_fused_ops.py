@@ -129,11 +129,41 @@ def test_softmax_topk_matches_torch_router_gpu(case, renormalize, dtype):
     check_softmax_topk(case, dtype, renormalize, 'cuda')
 
 
+def check_softmax_topk_shared(case, dtype, device: str) -> None:
+    """With a shared expert's gate logits: the routed columns as without, then id E and torch.sigmoid(logit)."""
+    num_tokens, num_experts, top_k = case
+    gen = torch.Generator().manual_seed(num_tokens + 5)
+    logits = randn(num_tokens, num_experts, gen=gen, dtype=dtype) * 3
+    gate = randn(num_tokens, 1, gen=gen, dtype=dtype) * 4
+    ref_w, ref_ids = ref_moe.softmax_topk(logits, top_k, True, gate)
+    plain_w, plain_ids = cuda_routing.softmax_topk(logits.to(device), top_k, True)
+    weights, ids = cuda_routing.softmax_topk(logits.to(device), top_k, True, gate.to(device))
+    assert weights.shape == ids.shape == (num_tokens, top_k + 1) == ref_ids.shape
+    torch.testing.assert_close(ids[:, :top_k].cpu(), plain_ids.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(weights[:, :top_k].cpu(), plain_w.cpu(), rtol=0, atol=0)
+    assert bool((ids[:, -1].cpu() == num_experts).all()) and bool((ref_ids[:, -1] == num_experts).all())
+    assert_close(weights[:, -1:].cpu(), torch.sigmoid(gate), what='shared scale', **tol(dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('case', ROUTING_CASES, ids=lambda c: f'T{c[0]}-E{c[1]}-k{c[2]}')
+def test_softmax_topk_shared_column_gpu(case, dtype):
+    check_softmax_topk_shared(case, dtype, 'cuda')
+
+
 @interpreted
 @DTYPES
 @pytest.mark.parametrize('case', ROUTING_CASES[:4], ids=lambda c: f'T{c[0]}-E{c[1]}-k{c[2]}')
 def test_cpu_softmax_topk(case, dtype):
     check_softmax_topk(case, dtype, renormalize=case[0] % 2 == 1, device='cpu')
+
+
+@interpreted
+@DTYPES
+@pytest.mark.parametrize('case', ROUTING_CASES[:4], ids=lambda c: f'T{c[0]}-E{c[1]}-k{c[2]}')
+def test_cpu_softmax_topk_shared_column(case, dtype):
+    check_softmax_topk_shared(case, dtype, 'cpu')
 
 
 # ------------------------------------------------------------------------------------------ rotary + KV fill

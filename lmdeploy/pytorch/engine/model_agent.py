@@ -21,7 +21,7 @@ from torch import nn
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from ..nn.blocked_fp8 import fp8_linear_shapes
-from ..nn.moe import SparseMoeBlock
+from ..nn.moe import FOLD_MAX_TOKENS, SparseMoeBlock
 from .async_scheduling import DeviceTokens, TokenFeed
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
@@ -219,7 +219,8 @@ class ModelAgent:
     def tune_kernels(self, max_tokens: int) -> None:
         """Before any graph is captured or request served (CUDA only), so that no forward pays for tuning: autotune
         the FP8 GEMM tiles for the model's FP8 linears and every row bucket up to `max_tokens`, and compile every
-        tile config the fused MoE's tuned table can pick for forwards up to `max_tokens` tokens."""
+        tile config the fused MoE can pick (its tuned table, the shared expert folded in or not) for forwards up to
+        `max_tokens` tokens."""
         if self.device.type != 'cuda':
             return
         from ..backends.cuda import tune_fp8_gemms, warm_up_moe_tiles
@@ -235,10 +236,12 @@ class ModelAgent:
             experts = getattr(block, 'experts', None)
             if not isinstance(block, SparseMoeBlock) or experts.weight_block_size is not None:
                 continue
-            key = (tuple(experts.gate_up_proj.shape), experts.gate_up_proj.dtype, block.gate.top_k)
+            shared = block.foldable_shared(1)
+            key = (tuple(experts.gate_up_proj.shape), experts.gate_up_proj.dtype, block.gate.top_k, shared is None)
             if key not in seen:
                 seen.add(key)
-                calls += warm_up_moe_tiles(experts.gate_up_proj, experts.down_proj, block.gate.top_k, max_tokens)
+                calls += warm_up_moe_tiles(experts.gate_up_proj, experts.down_proj, block.gate.top_k, max_tokens,
+                                           shared, FOLD_MAX_TOKENS)
         if calls:
             logger.info('fused MoE tile warm-up: %d calls in %.1f s', calls, time.perf_counter() - began)
 

@@ -4,8 +4,16 @@ Expert weights are stacked like transformers' fused layout: `gate_up_proj` [E, 2
 and `down_proj` [E, H, I]. Checkpoints with per-expert keys (`experts.{e}.gate_proj.weight` ...) load through
 `FusedExperts.load_weight`. The expert computation comes from the backend (`OpType.MoE`, or `OpType.MoEBlockedF8`
 for block-wise FP8 experts: `use_blocked_fp8`, scales `gate_up_proj_scale_inv` / `down_proj_scale_inv`).
+
+With `LMDEPLOY_MOE_FOLD_SHARED=1` (opt-in: not yet run on a GPU) a forward of at most `FOLD_MAX_TOKENS` tokens runs
+the shared expert inside the routed experts' op as one more expert (id E, its scale the sigmoid gate, one more
+column from the router), when its per-rank shapes equal one routed expert's and neither it nor the experts carry
+LoRA or FP8: the shared expert's two GEMMs, SiLU-and-mul, gate multiply and add are then no launches of their own.
+Larger forwards (prefill, where a plain GEMM runs the shared rows faster) keep the separate shared expert.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -26,9 +34,14 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self._impl = current_backend().build(OpType.SoftmaxTopK)  # softmax + top-k + renormalisation, fused
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
-        return self._impl(torch.nn.functional.linear(x, self.weight), self.top_k, self.norm_topk_prob)
+    def forward(self, x: torch.Tensor, shared_logit: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k] int64); with `shared_logit` [T, 1] one more
+        column, the shared expert (id E, weight sigmoid(logit): `FusedExperts.forward(shared=...)`)."""
+        logits = torch.nn.functional.linear(x, self.weight)
+        if shared_logit is None:
+            return self._impl(logits, self.top_k, self.norm_topk_prob)
+        return self._impl(logits, self.top_k, self.norm_topk_prob, shared_logit)
 
 
 class FusedExperts(nn.Module):
@@ -58,7 +71,12 @@ class FusedExperts(nn.Module):
         self.down_proj_scale_inv = scale_parameter(self.down_proj, self.weight_block_size)
         self._impl = current_backend().build(OpType.MoEBlockedF8, block_size=self.weight_block_size)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`shared` (gate_up [2I, H], down [H, I]): a shared expert run as expert id E, named by the last column
+        of `topk_ids` (bf16 / fp16 / fp32 experts only)."""
+        if shared is not None:
+            return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, shared=shared)
         if self.weight_block_size is not None:
             return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                               self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
@@ -111,6 +129,10 @@ def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     target.copy_(tensor.to(target.dtype))
 
 
+_FOLD_SHARED = os.environ.get('LMDEPLOY_MOE_FOLD_SHARED', '0') == '1'
+FOLD_MAX_TOKENS = 256
+
+
 class SparseMoeBlock(nn.Module):
     """Routed experts plus an optional shared expert scaled by sigmoid(shared_expert_gate(x)).
 
@@ -128,6 +150,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, routes_out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `routes_out` [T, top_k] (any integer dtype), when given, receives the expert ids the
         router chose for each token (the routed-experts record; it costs one small copy)."""
+        shared = self.foldable_shared(x.shape[0])
+        if shared is not None:
+            weights, ids = self.gate(x, shared_logit=self.shared_expert_gate(x))
+            if routes_out is not None:
+                routes_out.copy_(ids[:, :-1])
+            return self.experts(x, weights, ids, shared=shared)
         weights, ids = self.gate(x)
         if routes_out is not None:
             routes_out.copy_(ids)
@@ -135,3 +163,21 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def foldable_shared(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared expert's (gate_up, down) weights when a forward of `num_tokens` tokens runs it inside the
+        experts' op (see the module docstring), else None."""
+        if not _FOLD_SHARED or num_tokens > FOLD_MAX_TOKENS or self.shared_expert is None:
+            return None
+        gate_up, down = (getattr(self.shared_expert, name, None) for name in ('gate_up_proj', 'down_proj'))
+        experts = self.experts
+        linears = (gate_up, down, self.shared_expert_gate)
+        if any(not isinstance(m, Linear) or m.lora is not None or m.weight_scale_inv is not None or m.bias is not None
+               for m in linears) or experts.weight_block_size is not None:
+            return None
+        w_gate_up, w_down = gate_up.weight, down.weight
+        if (w_gate_up.shape != experts.gate_up_proj.shape[1:] or w_down.shape != experts.down_proj.shape[1:]
+                or w_gate_up.dtype != experts.gate_up_proj.dtype or w_down.stride() != experts.down_proj.stride()[1:]
+                or w_gate_up.stride() != experts.gate_up_proj.stride()[1:]):
+            return None
+        return w_gate_up, w_down

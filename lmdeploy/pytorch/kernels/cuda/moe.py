@@ -70,20 +70,31 @@ def store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, str
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """The first weight of `expert`: row `expert` of the routed experts' stack, or with HAS_SHARED the shared
+    expert's own tensor for id NUM_EXPERTS (same row / column strides as one routed expert)."""
+    start = w_ptr + expert * stride_we
+    if HAS_SHARED:
+        if expert == NUM_EXPERTS:
+            start = shared_ptr
+    return start
+
+
 @fast_kernel
 @triton.jit
-def _moe_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
+def _moe_up_kernel(x_ptr, w_ptr, shared_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
                    stride_xt, stride_we, stride_wn, stride_wk, stride_ot, TOP_K: tl.constexpr,
-                   NUM_EXPERTS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   NUM_EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, inter,
                                                               BLOCK_M, BLOCK_N)
-    if expert >= NUM_EXPERTS:
+    if expert >= NUM_EXPERTS + HAS_SHARED:
         return
     tokens = (pairs // TOP_K).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
-    w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
+    w_base = expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS, HAS_SHARED) + offs_k[:, None] * stride_wk
     gate_ptrs = w_base + cols[None, :] * stride_wn
     up_ptrs = w_base + (cols + inter)[None, :] * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -105,17 +116,18 @@ def _moe_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, nu
 
 @fast_kernel
 @triton.jit
-def _moe_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
-                     inter, stride_at, stride_we, stride_wn, stride_wk, stride_ot, NUM_EXPERTS: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def _moe_down_kernel(a_ptr, w_ptr, shared_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs,
+                     hidden, inter, stride_at, stride_we, stride_wn, stride_wk, stride_ot, NUM_EXPERTS: tl.constexpr,
+                     HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
                                                               BLOCK_M, BLOCK_N)
-    if expert >= NUM_EXPERTS:
+    if expert >= NUM_EXPERTS + HAS_SHARED:
         return
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    w_ptrs = (expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS, HAS_SHARED) + cols[None, :] * stride_wn
+              + offs_k[:, None] * stride_wk)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - k0
@@ -199,12 +211,15 @@ def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | None = None,
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts.
 
     x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
     float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype. `config` overrides
-    the tile sizes `default_config` picks (`benchmark/bench_moe_kernel.py` sweeps them).
+    the tile sizes `default_config` picks (`benchmark/bench_moe_kernel.py` sweeps them). `shared` (gate_up [2I, H],
+    down [H, I], the strides of one routed expert): a shared expert run as expert id E in the same launches; the
+    last column of `topk_ids` is then E for every token and that of `topk_weights` its scale (the sigmoid gate).
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -219,31 +234,39 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         x = x.contiguous()
     gate_up_proj = gate_up_proj if gate_up_proj.stride(-1) == 1 else gate_up_proj.contiguous()
     down_proj = down_proj if down_proj.stride(-1) == 1 else down_proj.contiguous()
+    shared_gate_up, shared_down = shared if shared is not None else (gate_up_proj, down_proj)
+    if shared is not None:
+        assert shared_gate_up.shape == gate_up_proj.shape[1:] and shared_down.shape == down_proj.shape[1:]
+        assert shared_gate_up.stride() == gate_up_proj.stride()[1:] and shared_down.stride() == down_proj.stride()[1:]
+        assert shared_gate_up.dtype == gate_up_proj.dtype and shared_down.dtype == down_proj.dtype
+    has_shared = int(shared is not None)
     num_pairs = num_tokens * top_k
     if config is None:
         name = _device_name(x.device)
         config = default_config(num_pairs, num_experts, hidden, inter, name)
     block_m = config.block_m
-    sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
+    sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts + has_shared, block_m)
     num_blocks = block_expert.shape[0]
     precision = 'ieee' if x.dtype == torch.float32 else 'tf32'
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config.up
     _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, gate_up_proj, act, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden, inter=inter,
-        stride_xt=x.stride(0), stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1),
+        x, gate_up_proj, shared_gate_up, act, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden,
+        inter=inter, stride_xt=x.stride(0), stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1),
         stride_wk=gate_up_proj.stride(2), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        HAS_SHARED=has_shared, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
 
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     block_n, block_k, warps, stages = config.down
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        act, down_proj, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden,
-        inter=inter, stride_at=act.stride(0), stride_we=down_proj.stride(0), stride_wn=down_proj.stride(1),
-        stride_wk=down_proj.stride(2), stride_ot=per_pair.stride(0), NUM_EXPERTS=num_experts,
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        act, down_proj, shared_down, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs,
+        hidden=hidden, inter=inter, stride_at=act.stride(0), stride_we=down_proj.stride(0),
+        stride_wn=down_proj.stride(1), stride_wk=down_proj.stride(2), stride_ot=per_pair.stride(0),
+        NUM_EXPERTS=num_experts, HAS_SHARED=has_shared, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
@@ -255,9 +278,7 @@ def _int_class(n: int) -> tuple[bool, bool]:
 def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
                          device_name: str | None) -> list[int]:
     """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count) that any count
-    there reaches through this shape's table: the first count of each. Empty without a table."""
-    if not table_pair_counts(num_experts, hidden, inter, device_name):
-        return []
+    there reaches (through this shape's table for `device_name`, or the untuned tiles): the first count of each."""
     first = {}
     for tokens in range(1, max_tokens + 1):
         pairs = tokens * top_k
@@ -265,19 +286,28 @@ def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, 
     return sorted(first.values())
 
 
-def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, max_tokens: int) -> int:
+def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, max_tokens: int,
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None, shared_max_tokens: int = 0) -> int:
     """Compile every binary `fused_moe` can pick for these experts in forwards of 1..`max_tokens` tokens
-    (`warm_up_token_counts`; the other integer arguments are fixed by the shape). Returns the number of calls; 0 off
-    CUDA or without a table."""
+    (`warm_up_token_counts`; the other integer arguments are fixed by the shape), and with `shared` those of the
+    calls that run it as one more expert (top_k + 1 columns) in forwards of up to `shared_max_tokens`. Returns the
+    number of calls; 0 off CUDA."""
     device = gate_up_proj.device
     name = _device_name(device)
     if name is None:
         return 0
     num_experts, double_inter, hidden = gate_up_proj.shape
-    counts = warm_up_token_counts(num_experts, hidden, double_inter // 2, top_k, max_tokens, name)
-    for tokens in counts:
-        x = torch.zeros(tokens, hidden, dtype=gate_up_proj.dtype, device=device)
-        ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(top_k, device=device)) % num_experts
-        weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=gate_up_proj.dtype, device=device)
-        fused_moe(x, gate_up_proj, down_proj, weights, ids)
-    return len(counts)
+    runs = [(top_k, max_tokens, None)]
+    if shared is not None:
+        runs.append((top_k + 1, min(max_tokens, shared_max_tokens), shared))
+    calls = 0
+    for k, limit, with_shared in runs:
+        for tokens in warm_up_token_counts(num_experts, hidden, double_inter // 2, k, limit, name):
+            x = torch.zeros(tokens, hidden, dtype=gate_up_proj.dtype, device=device)
+            ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(k, device=device)) % num_experts
+            if with_shared is not None:
+                ids[:, -1] = num_experts
+            weights = torch.full((tokens, k), 1.0 / k, dtype=gate_up_proj.dtype, device=device)
+            fused_moe(x, gate_up_proj, down_proj, weights, ids, shared=with_shared)
+            calls += 1
+    return calls

@@ -21,9 +21,9 @@ _MAX_EXPERTS = 4096
 
 @fast_kernel
 @triton.jit
-def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, stride_w, stride_i,
-                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+def _topk_softmax_kernel(logits_ptr, shared_ptr, weights_ptr, ids_ptr, num_experts, stride_l, stride_s, stride_w,
+                         stride_i, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -46,24 +46,35 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l
         probs = tl.where(offs == best_id, -2.0, probs)
     if RENORMALIZE:
         top_w = top_w / total
-    kmask = ks < TOP_K
+    if HAS_SHARED:  # column TOP_K: the shared expert (id num_experts), scaled by sigmoid of its gate logit
+        gate = tl.load(shared_ptr + row * stride_s).to(tl.float32)
+        top_w = tl.where(ks == TOP_K, tl.sigmoid(gate), top_w)
+        top_i = tl.where(ks == TOP_K, num_experts, top_i)
+    kmask = ks < TOP_K + HAS_SHARED
     tl.store(weights_ptr + row * stride_w + ks, top_w.to(weights_ptr.dtype.element_ty), mask=kmask)
     tl.store(ids_ptr + row * stride_i + ks, top_i, mask=kmask)
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, k] in logits' dtype, expert ids [T, k] int64)."""
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, shared_logit: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] in logits' dtype, expert ids [T, k] int64). With `shared_logit` [T, 1] (a
+    shared expert's gate logits): one more column, id E and weight sigmoid(logit) (in float32, then logits'
+    dtype: `torch.sigmoid` of the logit), for `fused_moe(..., shared=...)`."""
     num_tokens, num_experts = logits.shape
     assert 0 < top_k <= num_experts <= _MAX_EXPERTS, f'top_k {top_k} of {num_experts} experts'
-    weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    has_shared = int(shared_logit is not None)
+    assert shared_logit is None or shared_logit.shape == (num_tokens, 1)
+    weights = torch.empty(num_tokens, top_k + has_shared, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k + has_shared, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     block_e = triton.next_power_of_2(num_experts)
+    shared = shared_logit if shared_logit is not None else logits
     _topk_softmax_kernel[(num_tokens,)](
-        logits, weights, ids, num_experts, stride_l=logits.stride(0), stride_w=weights.stride(0),
-        stride_i=ids.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if block_e <= 256 else 4)
+        logits, shared, weights, ids, num_experts, stride_l=logits.stride(0), stride_s=shared.stride(0),
+        stride_w=weights.stride(0), stride_i=ids.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+        HAS_SHARED=has_shared, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k + has_shared),
+        num_warps=1 if block_e <= 256 else 4)
     return weights, ids

@@ -1,0 +1,50 @@
+"""The shared expert folded into the routed experts' op (`nn/moe.py`, `LMDEPLOY_MOE_FOLD_SHARED=1`): on the default
+backend the folded block gives the unfolded block's output and routes bit for bit (its op computes the shared
+expert on its own, in the same ops); the fold applies only where it can (small forwards, matching shapes, no LoRA,
+no FP8). The CUDA kernels running it in the routed launches: `tests/kernels/test_cuda_kernels_ops.py`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmdeploy.pytorch.nn import moe as nn_moe
+from lmdeploy.pytorch.nn.activation import GatedMLP
+
+
+def make_block(dtype, shared_inter: int = 24, hidden: int = 32, inter: int = 24, experts: int = 8, top_k: int = 2):
+    gen = torch.Generator().manual_seed(3)
+    block = nn_moe.SparseMoeBlock(hidden, experts, top_k, inter, shared_expert=GatedMLP(hidden, shared_inter))
+    for p in block.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5).to(dtype)
+    return block
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('tokens', [1, 5, 40])
+def test_folded_block_equals_unfolded(monkeypatch, dtype, tokens):
+    block = make_block(dtype)
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    routes_plain, routes_folded = (torch.empty(tokens, 2, dtype=torch.int16) for _ in range(2))
+    monkeypatch.setattr(nn_moe, '_FOLD_SHARED', False)
+    plain = block(x, routes_plain)
+    monkeypatch.setattr(nn_moe, '_FOLD_SHARED', True)
+    assert block.foldable_shared(tokens) is not None
+    folded = block(x, routes_folded)
+    torch.testing.assert_close(folded, plain, rtol=0, atol=0)
+    torch.testing.assert_close(routes_folded, routes_plain, rtol=0, atol=0)
+
+
+def test_the_fold_applies_only_where_it_can(monkeypatch):
+    monkeypatch.setattr(nn_moe, '_FOLD_SHARED', True)
+    block = make_block(torch.float32)
+    assert block.foldable_shared(nn_moe.FOLD_MAX_TOKENS) is not None
+    assert block.foldable_shared(nn_moe.FOLD_MAX_TOKENS + 1) is None             # prefill: separate shared GEMMs
+    assert make_block(torch.float32, shared_inter=48).foldable_shared(1) is None  # not one routed expert's shape
+    assert nn_moe.SparseMoeBlock(32, 8, 2, 24).foldable_shared(1) is None         # no shared expert
+    block.shared_expert.gate_up_proj.lora = object()                              # an adapter on the shared expert
+    assert block.foldable_shared(1) is None
+    block = make_block(torch.float32)
+    block.experts.weight_block_size = (128, 128)                                  # FP8 experts
+    assert block.foldable_shared(1) is None
+    monkeypatch.setattr(nn_moe, '_FOLD_SHARED', False)
+    assert make_block(torch.float32).foldable_shared(1) is None                   # off unless switched on
