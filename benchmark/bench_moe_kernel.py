@@ -196,13 +196,16 @@ def main() -> None:
         best_configs[pairs] = [cfg.block_m, list(cfg.up), list(cfg.down)]
         print(f'{tokens:6d} | {t_untuned:9.1f} | {t_table:8.1f} | {t_best:8.1f} | {tuple(cfg)} | {floor:7.1f} | '
               f'{t_bmm:7.1f} | {t_best / floor:5.2f}x | {t_untuned / t_best:5.2f}x', flush=True)
+    table = {'device': name, 'commit': os.environ.get('LMDEPLOY_COMMIT', '?'), 'top_k': a.top_k,
+             'how': 'benchmark/bench_moe_kernel.py: best of a sweep, device time in CUDA graphs',
+             'configs': {str(k): v for k, v in best_configs.items()}}
+    if a.sweep:   # also printed: a device run returns logs more easily than files named with '=' and ','
+        print(f'TABLE {moe.config_file_name(a.experts, a.hidden, a.inter, name)} {json.dumps(table)}')
     if a.write_config and a.sweep:
         os.makedirs(a.write_config, exist_ok=True)
         path = os.path.join(a.write_config, moe.config_file_name(a.experts, a.hidden, a.inter, name))
         with open(path, 'w') as f:
-            json.dump({'device': name, 'commit': os.environ.get('LMDEPLOY_COMMIT', '?'), 'top_k': a.top_k,
-                       'how': 'benchmark/bench_moe_kernel.py: best of a sweep, device time in CUDA graphs',
-                       'configs': {str(k): v for k, v in best_configs.items()}}, f, indent=1)
+            json.dump(table, f, indent=1)
         print(f'wrote {path}')
 
 
