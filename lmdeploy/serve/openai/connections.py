@@ -9,8 +9,9 @@ between requests, and any byte received cancels it), so slow or half-open client
   connection that is not in the middle of a request (headers incomplete, or idle keep-alive) is closed to make
   room; if every connection is busy, the newcomer is closed. New clients therefore always get in, and slowloris
   clients are cycled out, oldest first.
-`connection_cap` lowers the cap to fit the process's descriptor limit, so accept() never runs out of descriptors
-in normal operation (if it does, asyncio pauses accepting for a second and the server goes on).
+`connection_cap` lowers the cap to fit the process's descriptor limit (less a reserve and the accept bursts in
+flight), so accept() never runs out of descriptors, even under a flood of new connections (if it did, asyncio
+would pause accepting for a second and the server would go on).
 """
 from __future__ import annotations
 
@@ -25,9 +26,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger('lmdeploy')
 _RESERVED_FDS = 64  # descriptors kept free for everything but client connections (files, pipes, the listener)
-# asyncio accepts up to `backlog` connections per wake-up before any of them runs `connection_made` (where the cap
-# is enforced), so the descriptors of one such burst are kept free too.
-ACCEPT_BACKLOG = 256
+# asyncio accepts up to `backlog` connections per wake-up of the listener; each runs `connection_made` (where the
+# cap is enforced) two loop iterations later (a task creates the transport, which schedules the call), and a
+# connection evicted there keeps its descriptor one iteration more, while the listener keeps accepting bursts: up to
+# about four bursts of descriptors are in flight beyond the cap. Reserving fewer let a flood of connections hit
+# EMFILE (asyncio then stops accepting for a second, again and again while the flood lasts: normal requests stalled
+# for 1 to over 15 s at a 1024-descriptor limit).
+ACCEPT_BACKLOG = 128
+_BURSTS_IN_FLIGHT = 4
 
 
 class ConnectionGuard:
@@ -127,7 +133,7 @@ def connection_cap(max_connections: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return max_connections
     open_now = len(os.listdir('/proc/self/fd')) if os.path.isdir('/proc/self/fd') else 0
-    fits = soft - open_now - _RESERVED_FDS - ACCEPT_BACKLOG
+    fits = soft - open_now - _RESERVED_FDS - _BURSTS_IN_FLIGHT * ACCEPT_BACKLOG
     if fits < max_connections:
         logger.info('connection cap %d (descriptor limit %d, %d open)', max(fits, 1), soft, open_now)
     return max(min(max_connections, fits), 1)
