@@ -120,3 +120,22 @@ def test_cap_fits_the_descriptor_limit():
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert connection_cap(10**9) < soft
     assert connection_cap(7) == min(7, connection_cap(10**9))
+
+
+@pytest.mark.parametrize('soft,backlog', [(1024, 64), (4096, None), (65536, 2048)])
+def test_backlog_scales_with_the_descriptor_limit_and_the_cap_keeps_its_bursts_free(monkeypatch, soft, backlog):
+    """The accept bursts in flight (`_BURSTS_IN_FLIGHT` of the backlog) stay free below the limit, whatever it is."""
+    from lmdeploy.serve.openai import connections
+    monkeypatch.setattr(connections.resource, 'getrlimit', lambda _: (soft, soft))
+    free = connections._descriptors_free()
+    got = connections.accept_backlog()
+    assert got == (backlog if backlog is not None else free // 16)
+    cap = connections.connection_cap(10**9, got)
+    assert cap == free - connections._BURSTS_IN_FLIGHT * got
+    assert cap + connections._BURSTS_IN_FLIGHT * got + connections._RESERVED_FDS < soft
+
+
+def test_no_descriptor_limit_keeps_the_configured_cap(monkeypatch):
+    from lmdeploy.serve.openai import connections
+    monkeypatch.setattr(connections.resource, 'getrlimit', lambda _: (connections.resource.RLIM_INFINITY,) * 2)
+    assert connections.accept_backlog() == 2048 and connections.connection_cap(4096) == 4096

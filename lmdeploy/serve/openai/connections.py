@@ -31,9 +31,10 @@ _RESERVED_FDS = 64  # descriptors kept free for everything but client connection
 # connection evicted there keeps its descriptor one iteration more, while the listener keeps accepting bursts: up to
 # about four bursts of descriptors are in flight beyond the cap. Reserving fewer let a flood of connections hit
 # EMFILE (asyncio then stops accepting for a second, again and again while the flood lasts: normal requests stalled
-# for 1 to over 15 s at a 1024-descriptor limit).
-ACCEPT_BACKLOG = 128
+# for 1 to over 15 s at a 1024-descriptor limit). The backlog (listen queue and burst size) scales with the limit:
+# 64 at 1,024 descriptors (a cap of ~700), uvicorn's 2,048 from ~33,000 up.
 _BURSTS_IN_FLIGHT = 4
+_BACKLOG_MIN, _BACKLOG_MAX = 64, 2048
 
 
 class ConnectionGuard:
@@ -127,13 +128,28 @@ def guarded_protocol(max_connections: int, timeout_header: float) -> type[Guarde
                 {'guard': ConnectionGuard(max_connections), 'timeout_header': timeout_header})
 
 
-def connection_cap(max_connections: int) -> int:
-    """`max_connections`, lowered to fit RLIMIT_NOFILE with the descriptors open now plus a reserve."""
+def _descriptors_free() -> int | None:
+    """RLIMIT_NOFILE's soft limit less the descriptors open now and the reserve; None when unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return max_connections
+        return None
     open_now = len(os.listdir('/proc/self/fd')) if os.path.isdir('/proc/self/fd') else 0
-    fits = soft - open_now - _RESERVED_FDS - _BURSTS_IN_FLIGHT * ACCEPT_BACKLOG
+    return soft - open_now - _RESERVED_FDS
+
+
+def accept_backlog() -> int:
+    """The listen backlog (also asyncio's accept burst): a sixteenth of the free descriptors, within 64..2048."""
+    free = _descriptors_free()
+    return _BACKLOG_MAX if free is None else min(max(free // 16, _BACKLOG_MIN), _BACKLOG_MAX)
+
+
+def connection_cap(max_connections: int, backlog: int | None = None) -> int:
+    """`max_connections`, lowered to fit RLIMIT_NOFILE with the descriptors open now, a reserve, and the accept
+    bursts of `backlog` (default `accept_backlog()`) in flight (see `_BURSTS_IN_FLIGHT`)."""
+    free = _descriptors_free()
+    if free is None:
+        return max_connections
+    fits = free - _BURSTS_IN_FLIGHT * (accept_backlog() if backlog is None else backlog)
     if fits < max_connections:
-        logger.info('connection cap %d (descriptor limit %d, %d open)', max(fits, 1), soft, open_now)
+        logger.info('connection cap %d (%d descriptors free)', max(fits, 1), free)
     return max(min(max_connections, fits), 1)

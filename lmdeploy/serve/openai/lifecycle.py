@@ -26,7 +26,7 @@ import uvicorn
 from ..async_engine import AsyncEngine
 from ..watchdog import EngineWatchdog, Liveness
 from .admission import Admission
-from .connections import ACCEPT_BACKLOG, connection_cap, guarded_protocol
+from .connections import accept_backlog, connection_cap, guarded_protocol
 
 logger = logging.getLogger('lmdeploy')
 SHUTDOWN_ERROR = 'the server is shutting down: the request was aborted at the end of the grace period'
@@ -116,11 +116,12 @@ def run_app(app, sock, log_level: str = 'info') -> ExitCode:
     """Serve `app` (from `create_app`) on the bound socket `sock` until a signal stops it."""
     state = app.state.server
     config = state.config
-    protocol = guarded_protocol(connection_cap(config.max_connections), config.timeout_header)
+    backlog = accept_backlog()
+    protocol = guarded_protocol(connection_cap(config.max_connections, backlog), config.timeout_header)
     state.metrics.registry.register(protocol.guard)
     uvicorn_config = uvicorn.Config(app, log_level=log_level.lower(), http=protocol,
                                     timeout_keep_alive=config.timeout_keep_alive,
-                                    timeout_graceful_shutdown=_ABORT_WAIT_S, backlog=ACCEPT_BACKLOG)
+                                    timeout_graceful_shutdown=_ABORT_WAIT_S, backlog=backlog)
     server = GracefulServer(uvicorn_config, state.async_engine, state.admission, state.watchdog,
                             config.timeout_graceful_shutdown)
     try:
