@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_real_depth import SHAPES, make_config  # noqa: E402
+from graph_timing import graph_us  # noqa: E402
 from real_depth_floors import measure_device  # noqa: E402
 
 _L2_BYTES = 200 * 2**20  # weight copies per shape span at least this (the H200's L2 is 50 MiB)
@@ -46,26 +47,6 @@ def linear_shapes(args) -> list[tuple[tuple[int, int], int, list[str]]]:
         if isinstance(module, (Linear, TopKRouter, torch.nn.Linear)) and weight is not None and weight.dim() == 2:
             groups[tuple(weight.shape)].append(name)
     return sorted(((shape, len(names), names[:2]) for shape, names in groups.items()), key=lambda g: -g[0][0] * g[0][1])
-
-
-def graph_us(fn, calls: int, reps: int = 20) -> float:
-    """Device microseconds per call of `fn(i)`, i = 0..calls-1 captured in one CUDA graph and replayed."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls)
 
 
 def time_shape(out_f: int, in_f: int, batch: int, rates) -> tuple[float, float, float]:

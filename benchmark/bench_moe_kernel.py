@@ -29,31 +29,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from graph_timing import graph_us  # noqa: E402
 from real_depth_floors import measure_device  # noqa: E402
 
 from lmdeploy.pytorch.kernels.cuda import moe, moe_align  # noqa: E402
-
-
-def graph_us(fn, calls: int, reps: int = 20) -> float:
-    """Device microseconds per call of `fn(i)`: calls i = 0..calls-1 captured in one CUDA graph, replayed."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1e3 / (reps * calls)
-    del graph
-    return us
 
 
 class Case:
