@@ -139,3 +139,24 @@ def test_no_descriptor_limit_keeps_the_configured_cap(monkeypatch):
     from lmdeploy.serve.openai import connections
     monkeypatch.setattr(connections.resource, 'getrlimit', lambda _: (connections.resource.RLIM_INFINITY,) * 2)
     assert connections.accept_backlog() == 2048 and connections.connection_cap(4096) == 4096
+
+
+@pytest.mark.parametrize('soft,hard,want', [(1024, 4096, 4096), (1024, 10**6, 65536), (1024, 1024, 1024),
+                                            (100_000, 10**6, 100_000)])
+def test_the_soft_descriptor_limit_is_raised_towards_the_hard_one(monkeypatch, soft, hard, want):
+    from lmdeploy.serve.openai import connections
+    calls = []
+    monkeypatch.setattr(connections.resource, 'getrlimit', lambda _: (soft, hard))
+    monkeypatch.setattr(connections.resource, 'setrlimit', lambda _, limits: calls.append(limits))
+    assert connections.raise_descriptor_limit() == want
+    assert calls == ([(want, hard)] if want != soft else [])
+
+
+def test_a_refused_raise_keeps_the_limit(monkeypatch):
+    from lmdeploy.serve.openai import connections
+
+    def refuse(*_):
+        raise ValueError('not allowed')
+    monkeypatch.setattr(connections.resource, 'getrlimit', lambda _: (1024, 4096))
+    monkeypatch.setattr(connections.resource, 'setrlimit', refuse)
+    assert connections.raise_descriptor_limit() == 1024

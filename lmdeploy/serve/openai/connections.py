@@ -9,9 +9,10 @@ between requests, and any byte received cancels it), so slow or half-open client
   connection that is not in the middle of a request (headers incomplete, or idle keep-alive) is closed to make
   room; if every connection is busy, the newcomer is closed. New clients therefore always get in, and slowloris
   clients are cycled out, oldest first.
-`connection_cap` lowers the cap to fit the process's descriptor limit (less a reserve and the accept bursts in
-flight), so accept() never runs out of descriptors, even under a flood of new connections (if it did, asyncio
-would pause accepting for a second and the server would go on).
+`raise_descriptor_limit` first lifts the soft descriptor limit to the hard one (up to 65,536); `connection_cap`
+then lowers the cap to fit the process's descriptor limit (less a reserve and the accept bursts in flight), so
+accept() never runs out of descriptors, even under a flood of new connections (if it did, asyncio would pause
+accepting for a second and the server would go on).
 """
 from __future__ import annotations
 
@@ -126,6 +127,22 @@ def guarded_protocol(max_connections: int, timeout_header: float) -> type[Guarde
     """An `H11Protocol` class for `uvicorn.Config(http=...)`, with its own `ConnectionGuard`."""
     return type('GuardedH11Protocol', (GuardedH11Protocol,),
                 {'guard': ConnectionGuard(max_connections), 'timeout_header': timeout_header})
+
+
+def raise_descriptor_limit(target: int = 65536) -> int:
+    """Raise RLIMIT_NOFILE's soft limit towards `target` (never past the hard limit), as serving engines do at
+    start: a login shell's soft 1,024 would otherwise cap the server near 700 connections though the hard limit
+    allows far more. Returns the soft limit in force (unchanged if raising fails)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            logger.info('descriptor limit raised from %d to %d (hard limit %s)', soft, want, hard)
+            return want
+        except (ValueError, OSError) as exc:
+            logger.warning('could not raise the descriptor limit from %d: %s', soft, exc)
+    return soft
 
 
 def _descriptors_free() -> int | None:

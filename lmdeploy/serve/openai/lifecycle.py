@@ -26,7 +26,7 @@ import uvicorn
 from ..async_engine import AsyncEngine
 from ..watchdog import EngineWatchdog, Liveness
 from .admission import Admission
-from .connections import accept_backlog, connection_cap, guarded_protocol
+from .connections import accept_backlog, connection_cap, guarded_protocol, raise_descriptor_limit
 
 logger = logging.getLogger('lmdeploy')
 SHUTDOWN_ERROR = 'the server is shutting down: the request was aborted at the end of the grace period'
@@ -116,6 +116,7 @@ def run_app(app, sock, log_level: str = 'info') -> ExitCode:
     """Serve `app` (from `create_app`) on the bound socket `sock` until a signal stops it."""
     state = app.state.server
     config = state.config
+    raise_descriptor_limit()
     backlog = accept_backlog()
     protocol = guarded_protocol(connection_cap(config.max_connections, backlog), config.timeout_header)
     state.metrics.registry.register(protocol.guard)
