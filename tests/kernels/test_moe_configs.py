@@ -20,8 +20,10 @@ ENTRIES = {'8': [16, [64, 128, 4, 3], [64, 64, 8, 4]], '1024': [16, [32, 128, 4,
 def table_dir(tmp_path, monkeypatch):
     monkeypatch.setenv('LMDEPLOY_MOE_CONFIG_DIR', str(tmp_path))
     moe._table.cache_clear()
+    moe._call_config.cache_clear()
     yield tmp_path
     moe._table.cache_clear()
+    moe._call_config.cache_clear()
 
 
 def write(folder, entries, name=DEVICE) -> str:
@@ -68,6 +70,7 @@ def test_the_environment_folder_comes_first(table_dir, tmp_path_factory, monkeyp
     write(shipped, ENTRIES)
     assert moe.table_pair_counts(device_name=DEVICE, **SHAPE) == [8, 1024, 8192]   # only the package has one
     moe._table.cache_clear()
+    moe._call_config.cache_clear()
     write(table_dir, {'8': ENTRIES['8']})
     assert moe.table_pair_counts(device_name=DEVICE, **SHAPE) == [8]
 

@@ -210,6 +210,10 @@ def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int
     return MoeConfig(row_block(num_pairs, num_experts), (64, 64, 4, 3), (64, 64, 4, 3))
 
 
+# `default_config` per (pairs, shape, device): the eager forward's MoE layers look it up once each, not per call.
+_call_config = functools.lru_cache(maxsize=4096)(default_config)
+
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | None = None,
               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -243,7 +247,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     num_pairs = num_tokens * top_k
     if config is None:
         name = _device_name(x.device)
-        config = default_config(num_pairs, num_experts, hidden, inter, name)
+        config = _call_config(num_pairs, num_experts, hidden, inter, name)
     block_m = config.block_m
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts + has_shared, block_m)
     num_blocks = block_expert.shape[0]
@@ -282,7 +286,7 @@ def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, 
     first = {}
     for tokens in range(1, max_tokens + 1):
         pairs = tokens * top_k
-        first.setdefault((default_config(pairs, num_experts, hidden, inter, device_name), _int_class(pairs)), tokens)
+        first.setdefault((_call_config(pairs, num_experts, hidden, inter, device_name), _int_class(pairs)), tokens)
     return sorted(first.values())
 
 
