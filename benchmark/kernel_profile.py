@@ -75,6 +75,15 @@ def print_breakdown(rows: list[tuple[str, int, float]], wall_ms: float, top: int
         print(f'{cat:24s} {us / 1e3:9.2f}{col(us)} {100 * us / 1e3 / wall_ms:6.1f}%')
 
 
+def print_host_ops(prof, top: int) -> None:
+    """The `top` host ops (CPU side: Python-level ops and CUDA runtime calls) by self time."""
+    rows = sorted(((e.key, e.count, float(e.self_cpu_time_total)) for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CPU), key=lambda r: -r[2])
+    print(f'\n{"host op":80s} {"calls":>6s} {"self ms":>9s}')
+    for name, calls, us in rows[:top]:
+        print(f'{name[:80]:80s} {calls:6d} {us / 1e3:9.2f}')
+
+
 def device_intervals(prof, on_cuda: bool) -> list[tuple[float, float]]:
     """(start, end) us of every device activity record (kernels, memcpy, memset; CPU ops in a CPU run)."""
     out = []

@@ -11,6 +11,12 @@ The run before the profiled one compiles and autotunes everything (it is timed t
     python benchmark/profile_prefill.py                       # Qwen3.5-9B shape, 32K tokens, ~1 minute on an H200
     python benchmark/profile_prefill.py --shape qwen3.5-35b-a3b --tokens 8192
     python benchmark/profile_prefill.py --smoke               # tiny float32 shape on the CPU: checks the logic only
+    python benchmark/profile_prefill.py --prefix 32700 --tokens 100 --graphs   # a suffix after a cached prefix
+
+With `--prefix P` each request is first a P-token prompt (untimed: it fills the prefix cache), then the same prompt
+plus `--tokens` new ones, timed and profiled: the TTFT of a suffix after a cached prefix, as `bench_real_depth.py`'s
+suffix rows run it (pass `--graphs` for their engine). `--host-top` lists the host ops of the profiled run by self
+time too (a host stall, e.g. a synchronisation or an allocation, shows there and not among the kernels).
 """
 from __future__ import annotations
 
@@ -26,17 +32,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_harness import Bench, engine_run, make_prompt  # noqa: E402
 from bench_real_depth import SHAPES, make_config  # noqa: E402
-from kernel_profile import kernel_events, print_breakdown  # noqa: E402
+from kernel_profile import kernel_events, print_breakdown, print_host_ops  # noqa: E402
 
 
 def build_engine(args, folder: str):
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
-    blocks = -(-(args.tokens + 64) // args.block_size) + 8
+    session_len = args.prefix + args.tokens + 64
+    # the cached prefixes of the warm-up, timed and profiled requests stay in the pool beside the running one
+    blocks = 4 * -(-session_len // args.block_size) + 8
     config = PytorchEngineConfig(
         device_type=args.device, dtype=args.dtype, load_format='dummy', block_size=args.block_size,
         num_gpu_blocks=blocks, max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
-        session_len=args.tokens + 64, eager_mode=not args.graphs)
+        session_len=session_len, eager_mode=not args.graphs, enable_prefix_caching=args.prefix > 0)
     return Engine(folder, config)
 
 
@@ -48,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--max-prefill-token-num', type=int, default=8192)
     p.add_argument('--block-size', type=int, default=64)
     p.add_argument('--max-batch-size', type=int, default=4)
+    p.add_argument('--prefix', type=int, default=0, help='cached prefix before the --tokens timed ones (0: cold)')
     p.add_argument('--top', type=int, default=25)
+    p.add_argument('--host-top', type=int, default=0, help='also list this many host ops by self time')
     p.add_argument('--graphs', action='store_true', help='capture decode graphs at start-up (eager_mode=False)')
     p.add_argument('--smoke', action='store_true', help='tiny float32 shape on the CPU')
     args = p.parse_args(argv)
@@ -72,17 +82,28 @@ def main(argv: list[str] | None = None) -> None:
         t = time.perf_counter()
         engine = build_engine(args, folder)
         bench.log(f'engine started in {time.perf_counter() - t:.1f}s')
+        what = f'{args.tokens}-token suffix after a cached {args.prefix}' if args.prefix else f'cold {args.tokens}'
+
+        def request(seed: int):
+            prompt = make_prompt(args.prefix + args.tokens, seed, vocab)
+            if args.prefix:
+                engine_run(bench, engine, [prompt[:args.prefix]], 1)
+            return prompt
+
         for name, seed in (('warm-up', 1), ('timed', 2)):
-            t0, (rec,) = engine_run(bench, engine, [make_prompt(args.tokens, seed, vocab)], 1)
-            bench.log(f'{name}: cold {args.tokens}-token TTFT {(rec.first - t0) * 1e3:.1f} ms')
+            t0, (rec,) = engine_run(bench, engine, [request(seed)], 1)
+            bench.log(f'{name}: {what}-token TTFT {(rec.first - t0) * 1e3:.1f} ms (cached {rec.num_cached})')
+        prompt = request(3)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if args.device == 'cuda':
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
-            t0, (rec,) = engine_run(bench, engine, [make_prompt(args.tokens, 3, vocab)], 1)
+            t0, (rec,) = engine_run(bench, engine, [prompt], 1)
             wall_ms = (time.perf_counter() - t0) * 1e3
-        bench.log(f'profiled: cold {args.tokens}-token TTFT {(rec.first - t0) * 1e3:.1f} ms')
+        bench.log(f'profiled: {what}-token TTFT {(rec.first - t0) * 1e3:.1f} ms (cached {rec.num_cached})')
         print_breakdown(kernel_events(prof, args.device == 'cuda'), wall_ms, args.top)
+        if args.host_top:
+            print_host_ops(prof, args.host_top)
         engine.close()
 
 

@@ -59,7 +59,8 @@ class PrefixCacheConfig:
     # state rows (they never evict another checkpoint). Each one costs an extra recurrent-kernel call per recurrent
     # layer in that prefill (~4% of a cold 16K-token prefill on an H200, docs/prefix_caching.md), so the default is
     # twice the default prefill chunk: default chunks (8192 tokens, each ending in a checkpoint) never pay it,
-    # larger chunks keep a state every 16384 tokens.
+    # larger chunks keep a state every 16384 tokens. A cut lies at least interval / 8 tokens from both ends of its
+    # piece (a cut makes its forward eager; near an end it saves little), so short pieces take none.
     prefill_state_interval: int = 16384
     prefill_state_cap: int = 2
 

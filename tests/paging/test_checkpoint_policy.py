@@ -117,6 +117,26 @@ def test_in_prefill_cuts_are_kept_for_the_tokens_past_a_branch_point():
     assert (b.num_cached, c.num_cached) == (10, 16)
 
 
+def test_in_prefill_cuts_keep_a_margin_from_the_piece_ends():
+    # Interval 32, so the margin is 4 tokens (an eighth): a multiple of 32 closer than that to either end of a piece
+    # (the checkpoint it resumed from, or the checkpoint its end takes) is no cut, so the forward can stay a graph.
+    s = make_scheduler(num_blocks=64, num_state_slots=12, max_prefill_token_num=128,
+                       prefix_cache_prefill_state_interval=32, prefix_cache_prefill_state_cap=2)
+
+    def cuts_of(seq, prefix_len):
+        run(s, make_seq(seq.token_ids[:prefix_len])) if prefix_len else None
+        s.add(seq)
+        out = step(s)
+        run(s)
+        assert (seq.num_cached, out.num_new_tokens) == (prefix_len, [seq.num_prompt_tokens - prefix_len])
+        return [cut.step for cut in out.state_cuts]
+
+    assert cuts_of(make_seq(tokens(66)), 0) == [32]                 # 64 lies 2 before the end: only 32
+    assert cuts_of(make_seq(tokens(69, start=100)), 0) == [64, 32]  # 5 before the end: both
+    assert cuts_of(make_seq(tokens(72, start=200)), 62) == []       # 64 lies 2 after the hit at 62
+    assert cuts_of(make_seq(tokens(80, start=300)), 40) == [64]     # 24 after the hit, 16 before the end
+
+
 def test_finished_request_leaves_a_reply_checkpoint():
     s = make_scheduler(prefix_cache_reply_checkpoints=True)
     a = make_seq(tokens(6), max_new_tokens=4)
