@@ -1,4 +1,4 @@
-"""Triton cache-copy and KV-fill kernels (`copy_packed_cache`, `fill_kv_cache`) against their pure-torch references.
+"""Triton cache-copy and KV-fill kernels (`copy_packed_cache`, `copy_state_slots`, `fill_kv_cache`) against their pure-torch references.
 
 The same case checkers run twice:
 - on the CPU under the Triton interpreter (tiny shapes), in a subprocess started with TRITON_INTERPRET=1, because
@@ -17,7 +17,7 @@ import torch
 from interpreted import check_cases_interpreted, run_checks_interpreted
 from paged_kv_pool import DTYPES, make_kv_pool
 
-from lmdeploy.pytorch.kernels.cuda.copy_packed_cache import copy_packed_cache
+from lmdeploy.pytorch.kernels.cuda.copy_packed_cache import copy_packed_cache, copy_state_slots
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.default import cache_copy as ref_copy
 from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
@@ -74,6 +74,41 @@ COPY_CASES_GPU = [
     CopyCase((3,), 4, 13, 7, ((6, 0), (1, 5))),
     CopyCase((5,), 1, 2 * 16 * 2 * 80 * 2, 9, ()),
     CopyCase((2,), 2, 48, 4, ((3, 0), (1, 2)), byte_offset=2),
+]
+
+
+# --------------------------------------------------------------------------------------------- copy_state_slots
+@dataclass(frozen=True)
+class StateCase:
+    num_slots: int
+    row_bytes: int              # a multiple of 16 in the engine; odd ones take narrower words
+    pairs: tuple[tuple[int, int], ...]
+
+    @property
+    def id(self) -> str:
+        return f'S{self.num_slots}-R{self.row_bytes}-N{len(self.pairs)}'
+
+
+def check_state_copy(case: StateCase, device: str) -> None:
+    gen = torch.Generator().manual_seed(case.row_bytes + len(case.pairs))
+    pool = torch.randint(0, 256, (case.num_slots, case.row_bytes), dtype=torch.uint8, generator=gen).to(device)
+    expected = pool.clone()
+    src = torch.tensor([s for s, _ in case.pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in case.pairs], dtype=torch.int64, device=device)
+    ref_copy.copy_state_slots(expected, src, dst)
+    copy_state_slots(pool, src, dst, debug=True)
+    assert torch.equal(pool, expected), case.id
+
+
+STATE_CASES_CPU = [
+    StateCase(6, 4112, ((0, 3), (5, 1))),
+    StateCase(4, 37, ((2, 0),)),
+]
+STATE_CASES_GPU = [
+    StateCase(8, 49 << 20, ((1, 6), (7, 2), (3, 0))),   # a Qwen3.5-9B-sized row, restores and saves in one plan
+    StateCase(5, 4112, ((0, 4),)),
+    StateCase(4, 37, ((2, 0), (1, 3))),
+    StateCase(3, 64, ()),
 ]
 
 # --------------------------------------------------------------------------------------------- fill_kv_cache
@@ -147,6 +182,7 @@ FILL_CASES_GPU = [
 
 _CHECKS = {
     'copy_packed_cache': (check_copy, COPY_CASES_CPU),
+    'copy_state_slots': (check_state_copy, STATE_CASES_CPU),
     'fill_kv_cache': (check_fill, FILL_CASES_CPU),
 }
 
@@ -168,6 +204,12 @@ def test_kernel_under_triton_interpreter(kernel):
 @pytest.mark.parametrize('case', COPY_CASES_GPU, ids=lambda c: c.id)
 def test_copy_packed_cache_matches_reference(case):
     check_copy(case, 'cuda')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', STATE_CASES_GPU, ids=lambda c: c.id)
+def test_copy_state_slots_matches_reference(case):
+    check_state_copy(case, 'cuda')
 
 
 @pytest.mark.gpu

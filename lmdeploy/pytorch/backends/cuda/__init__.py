@@ -25,7 +25,7 @@ from ...kernels.cuda import gated_delta_rule as _gdr
 from ...kernels.cuda import rms_norm_rows as _norm_rows
 from ...kernels.cuda.activation import sigmoid_gate_mul, silu_and_mul
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
-from ...kernels.cuda.copy_packed_cache import copy_packed_cache
+from ...kernels.cuda.copy_packed_cache import copy_packed_cache, copy_state_slots
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
 from ...kernels.cuda.fused_recurrent_gated_delta import fused_recurrent_gated_delta_rule
 from ...kernels.cuda.gated_delta_gating import gated_delta_gating
@@ -249,6 +249,7 @@ _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
     OpType.CacheBlockCopy: _const(copy_packed_cache),
+    OpType.StateSlotCopy: _const(copy_state_slots),
     OpType.RMSNorm: _const(_norm_rows.rms_norm if _FUSED_PREFILL else rms_norm),
     OpType.AddRMSNorm: _const((_norm_rows.add_rms_norm if _FUSED_PREFILL else add_rms_norm) if _FUSED_OPS
                               else _unfused_add_rms_norm),
