@@ -1,4 +1,5 @@
-"""Triton cache-copy and KV-fill kernels (`copy_packed_cache`, `copy_state_slots`, `fill_kv_cache`) against their pure-torch references.
+"""Triton cache-copy and KV-fill kernels (`copy_packed_cache`, `copy_state_slots`, `fill_kv_cache`) against their
+pure-torch references.
 
 The same case checkers run twice:
 - on the CPU under the Triton interpreter (tiny shapes), in a subprocess started with TRITON_INTERPRET=1, because
