@@ -16,6 +16,7 @@ from torch import nn
 from ..backends.selector import use_backend
 from ..config import ModelConfig
 from ..nn.blocked_fp8 import FP8_DTYPE
+from ..nn.linear import fuse_input_projections
 from .checkpoint import Checkpoint
 from .fp8_plan import plan_blocked_fp8, read_fp8_config, validate_fp8_tensors
 from .model_init import fill_dummy_, materialize_, param_bytes, params_on_meta
@@ -116,6 +117,7 @@ def build_model(model_path: str, device: torch.device, dtype: str, device_type: 
                                fp8_block_size=fp8_config.block_size if fp8_config else None)
         finally:
             tensors.close()  # a failed load stops the reader threads now, not when the traceback is freed
+    fuse_input_projections(model)  # after the weights are in place: one GEMM per shared input
     model.eval()
     config = model_cls.build_model_config(hf_config, dtype, dtype if state_dtype == 'model' else state_dtype)
     if num_mtp_layers:

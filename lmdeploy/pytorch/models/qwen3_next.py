@@ -22,7 +22,7 @@ from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP, SigmoidGate
 from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
-from ..nn.linear import Embedding, Linear, MergedLinear
+from ..nn.linear import Embedding, Linear, MergedLinear, fuse_rows
 from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm
@@ -111,11 +111,23 @@ class GatedDeltaNet(nn.Module):
         self.gated_delta_rule = GatedDeltaRule(use_qk_l2norm=True)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(value_dim, cfg.hidden_size)
+        self._fused_in: torch.Tensor | None = None  # set after loading (fuse_input_projections)
+
+    def fuse_input_projections(self) -> bool:
+        """After loading: `in_proj_qkvz` and `in_proj_ba` as one GEMM (`nn.linear.fuse_rows`)."""
+        self._fused_in = fuse_rows([self.in_proj_qkvz, self.in_proj_ba])
+        return self._fused_in is not None
+
+    def _in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(mixed_qkv, z, b, a) of x: one GEMM when fused and neither projection has gained a LoRA adapter."""
+        qkvz, ba = self.in_proj_qkvz, self.in_proj_ba
+        if self._fused_in is not None and qkvz.lora is None and ba.lora is None:
+            return qkvz._impl(x, self._fused_in, None).split(qkvz.shard_sizes + ba.shard_sizes, dim=-1)
+        return (*qkvz(x).split(qkvz.shard_sizes, dim=-1), *ba(x).split(ba.shard_sizes, dim=-1))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         states = ctx.state_caches[self.state_index]
-        mixed_qkv, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.shard_sizes, dim=-1)
-        b, a = self.in_proj_ba(x).split(self.in_proj_ba.shard_sizes, dim=-1)
+        mixed_qkv, z, b, a = self._in_proj(x)
         q, k, v = self.conv1d(mixed_qkv, states['conv'], ctx.inputs, out_splits=self.qkv_sizes)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))

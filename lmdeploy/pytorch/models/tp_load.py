@@ -17,6 +17,7 @@ from torch import nn
 
 from ..backends.selector import use_backend
 from ..config import ModelConfig
+from ..nn.linear import fuse_input_projections
 from .loader import architecture_of, build_model, check_weights_fit, load_hf_config, read_eos_token_ids, torch_dtype
 from .model_init import draw_dummy_, materialize_, param_bytes, params_on_meta
 from .registry import get_model_class
@@ -55,6 +56,7 @@ def build_rank_model(model_path: str, device: torch.device, dtype: str, device_t
             for name, full in host_model.named_parameters():
                 params[name].copy_(shard_tensor(full.detach(), plan[name], geometry, rank))
             del host_model
+    fuse_input_projections(model)  # after the weights are in place: one GEMM per shared input
     model.eval()
     from dataclasses import replace
     config = model_cls.build_model_config(rank_config, dtype, dtype if state_dtype == 'model' else state_dtype)

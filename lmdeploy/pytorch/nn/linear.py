@@ -1,6 +1,16 @@
 """Linear layer whose matmul comes from the selected backend; weights in the model dtype or block-wise FP8
-(`use_blocked_fp8`, see `blocked_fp8.py`); LoRA adapters attach to it (`nn.lora`)."""
+(`use_blocked_fp8`, see `blocked_fp8.py`); LoRA adapters attach to it (`nn.lora`).
+
+`fuse_rows` stacks the weights of projections that read the same input into one weight, after loading, so a forward
+runs one GEMM for them (`fuse_input_projections`, below). On the H200 a decode step's GEMM costs at least ~4-5 us
+inside a CUDA graph whatever its size: Qwen3.5-35B-A3B's per-layer router (64 x 2048), shared-expert gate (1 x
+2048) and gated-DeltaNet `in_proj_ba` (64 x 2048) took 5.2 / 4.1 / 5.2 us each for 0.1 us of weight bytes
+(`benchmark/bench_decode_gemms.py`, 2026-12-02).
+"""
 from __future__ import annotations
+
+import os
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -53,3 +63,37 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self._impl(ids, self.weight)
+
+
+def fusable(module: nn.Module) -> bool:
+    """A projection `fuse_rows` can stack: a 2-D weight in the model dtype, no bias, no FP8 scales, no LoRA."""
+    weight = getattr(module, 'weight', None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and getattr(module, 'bias', None) is None
+            and getattr(module, 'weight_scale_inv', None) is None and getattr(module, 'lora', None) is None)
+
+
+def fuse_rows(modules: Sequence[nn.Module]) -> torch.Tensor | None:
+    """Stack the weights of `modules` (projections of one input, `fusable`, equal dtype / device / input width)
+    row-wise into one new tensor and re-point each module's `weight` at its rows, so the old tensors are freed and
+    the memory stays the same; each module still runs alone on its rows (e.g. once a LoRA adapter attaches to it).
+    Returns the stacked weight, or None (nothing changed) when a module does not qualify or fusion is off
+    (`LMDEPLOY_FUSE_PROJECTIONS=0`)."""
+    if os.environ.get('LMDEPLOY_FUSE_PROJECTIONS', '1') == '0' or len(modules) < 2:
+        return None
+    if not all(fusable(m) for m in modules):
+        return None
+    weights = [m.weight for m in modules]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+        return None
+    fused = torch.cat(weights)
+    start = 0
+    for module, weight in zip(modules, weights):
+        module.weight = nn.Parameter(fused[start:start + weight.shape[0]], requires_grad=False)
+        start += weight.shape[0]
+    return fused
+
+
+def fuse_input_projections(model: nn.Module) -> int:
+    """After loading: every module of `model` with a `fuse_input_projections()` method stacks its projections of a
+    shared input (see `fuse_rows`); returns how many did."""
+    return sum(bool(m.fuse_input_projections()) for m in model.modules() if hasattr(m, 'fuse_input_projections'))

@@ -21,7 +21,7 @@ from torch import nn
 from ..backends.base import OpType
 from ..backends.selector import current_backend
 from .blocked_fp8 import check_fp8_copy, fp8_parameter, scale_parameter
-from .linear import Linear
+from .linear import Linear, fuse_rows
 
 
 class TopKRouter(nn.Module):
@@ -38,7 +38,11 @@ class TopKRouter(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k] int64); with `shared_logit` [T, 1] one more
         column, the shared expert (id E, weight sigmoid(logit): `FusedExperts.forward(shared=...)`)."""
-        logits = torch.nn.functional.linear(x, self.weight)
+        return self.route(torch.nn.functional.linear(x, self.weight), shared_logit)
+
+    def route(self, logits: torch.Tensor, shared_logit: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from the expert logits [T, E] (any row stride)."""
         if shared_logit is None:
             return self._impl(logits, self.top_k, self.norm_topk_prob)
         return self._impl(logits, self.top_k, self.norm_topk_prob, shared_logit)
@@ -146,6 +150,26 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert is not None else None
+        self._fused_in: torch.Tensor | None = None  # set after loading (fuse_input_projections)
+
+    def fuse_input_projections(self) -> bool:
+        """After loading: the shared expert's `gate_up_proj`, the router and the shared-expert gate as one GEMM
+        [2I + E + 1, H] (`nn.linear.fuse_rows`), when the shared expert is a plain SwiGLU MLP."""
+        gate_up = getattr(self.shared_expert, 'gate_up_proj', None)
+        if gate_up is None or not all(hasattr(self.shared_expert, n) for n in ('act', 'down_proj')):
+            return False
+        self._fused_in = fuse_rows([gate_up, self.gate, self.shared_expert_gate])
+        return self._fused_in is not None
+
+    def _fused_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """(shared gate_up [T, 2I], router logits [T, E], shared gate logit [T, 1]) of x from the fused GEMM, or
+        None (not fused, or a LoRA adapter has attached to the shared expert's projections since)."""
+        if self._fused_in is None or self.shared_expert.gate_up_proj.lora is not None \
+                or self.shared_expert_gate.lora is not None:
+            return None
+        gate_up = self.shared_expert.gate_up_proj
+        sizes = (gate_up.weight.shape[0], self.gate.weight.shape[0], 1)
+        return gate_up._impl(x, self._fused_in, None).split(sizes, dim=-1)
 
     def forward(self, x: torch.Tensor, routes_out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `routes_out` [T, top_k] (any integer dtype), when given, receives the expert ids the
@@ -156,11 +180,19 @@ class SparseMoeBlock(nn.Module):
             if routes_out is not None:
                 routes_out.copy_(ids[:, :-1])
             return self.experts(x, weights, ids, shared=shared)
-        weights, ids = self.gate(x)
+        fused = self._fused_inputs(x)
+        if fused is not None:
+            shared_gate_up, logits, shared_logit = fused
+            weights, ids = self.gate.route(logits)
+        else:
+            weights, ids = self.gate(x)
         if routes_out is not None:
             routes_out.copy_(ids)
         out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
+        if fused is not None:
+            shared = self.shared_expert.down_proj(self.shared_expert.act(shared_gate_up))
+            out = out + torch.sigmoid(shared_logit) * shared
+        elif self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
