@@ -5,11 +5,16 @@ and `down_proj` [E, H, I]. Checkpoints with per-expert keys (`experts.{e}.gate_p
 `FusedExperts.load_weight`. The expert computation comes from the backend (`OpType.MoE`, or `OpType.MoEBlockedF8`
 for block-wise FP8 experts: `use_blocked_fp8`, scales `gate_up_proj_scale_inv` / `down_proj_scale_inv`).
 
-With `LMDEPLOY_MOE_FOLD_SHARED=1` (opt-in: not yet run on a GPU) a forward of at most `FOLD_MAX_TOKENS` tokens runs
+With `LMDEPLOY_MOE_FOLD_SHARED=1` (opt-in; H200 run 13: the kernels' tests pass, an engine's start-up with it did
+not finish within 100 s, not yet understood) a forward of at most `FOLD_MAX_TOKENS` tokens runs
 the shared expert inside the routed experts' op as one more expert (id E, its scale the sigmoid gate, one more
 column from the router), when its per-rank shapes equal one routed expert's and neither it nor the experts carry
 LoRA or FP8: the shared expert's two GEMMs, SiLU-and-mul, gate multiply and add are then no launches of their own.
 Larger forwards (prefill, where a plain GEMM runs the shared rows faster) keep the separate shared expert.
+
+Otherwise, after loading, the shared expert's `gate_up_proj`, the router and the shared-expert gate read the input
+through one stacked GEMM (`SparseMoeBlock.fuse_input_projections`, `nn.linear.fuse_rows`) while none of them carries
+LoRA.
 """
 from __future__ import annotations
 
