@@ -15,8 +15,8 @@ Two launch shapes, chosen on the host from static shapes only (`prefill_num_spli
   takes split `s` of the tile's unmasked keys: `split_len = max(min_split, cdiv(full_end, S))` rounded up to
   `BLOCK_N`, computed on the device, so `cdiv(full_end, split_len) <= S` splits are active and the rest exit at
   once; the last active split also runs the masked stretch. Each writes its normalised partial output and its
-  log-sum-exp (base 2) in fp32; a merge kernel, program `(r, h, b)` for row `r`, combines the active splits in
-  one pass. Invariant: every split starts at or before `full_end <= ` every row's position, so each row
+  log-sum-exp (base 2) in fp32; a merge kernel, program `(m', h, b)` over `MERGE_M`-row slices, combines the
+  active splits. Invariant: every split starts at or before `full_end <= ` every row's position, so each row
   sees at least one key in every split it is part of (finite lse, no NaN), exactly as in the unsplit loop.
 The grids depend on (T, Hq, B, S) only and the split lengths on device `q_lens` / `kv_lens`: CUDA-graph safe, and
 eager and graph runs of the same shapes make the same split decision (identical numerics).
@@ -42,6 +42,7 @@ MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 32
 TARGET_WAVES = 4
 PARTIAL_BYTES = 64 << 20
+MERGE_M = 16
 _DEFAULT_SMS = 132  # the H200's SM count: the split decision of interpreted (CPU) runs
 
 
@@ -121,34 +122,45 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
 def _merge_kernel(part_ptr, lse_ptr, o_ptr, cu_seqlens_q_ptr, q_lens_ptr, kv_lens_ptr,
                   stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
                   head_dim, num_splits, min_split,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row `r` of one sequence and head: the active splits of its attention tile (the formula of `_prefill_kernel`)
-    combined in one pass, all of them loaded at once as a `[BLOCK_S, BLOCK_D]` tile (a loop over the splits waits
-    on one load per split: ~3 us each, ~100 us per layer at 32 splits)."""
-    row = tl.program_id(0)
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows `[r, r + MERGE_M)` of one sequence and head; `MERGE_M` divides `BLOCK_M`, so they share one attention
+    tile and its active split count (the same formula as `_prefill_kernel`)."""
+    r_start = tl.program_id(0) * MERGE_M
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
-    if row >= q_len:
+    if r_start >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
-    full_end = (kv_len - q_len + row // BLOCK_M * BLOCK_M) // BLOCK_N * BLOCK_N
+    full_end = (kv_len - q_len + r_start // BLOCK_M * BLOCK_M) // BLOCK_N * BLOCK_N
     split_len = tl.maximum(min_split, tl.cdiv(tl.cdiv(full_end, num_splits), BLOCK_N) * BLOCK_N)
     num_active = tl.maximum(1, tl.cdiv(full_end, split_len))
 
-    token = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64) + row
-    splits = tl.arange(0, BLOCK_S)
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    rows = r_start + tl.arange(0, MERGE_M)
     dims = tl.arange(0, BLOCK_D)
-    live = splits < num_active
-    dim_mask = dims < head_dim
-    # every active split saw at least one key (finite lse); the others weigh exp2(-inf) = 0
-    lse = tl.load(lse_ptr + splits.to(tl.int64) * stride_ls + token * stride_lt + head, mask=live,
-                  other=float('-inf'))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(part_ptr + splits.to(tl.int64)[:, None] * stride_ps + token * stride_pt + head * stride_ph
-                   + dims[None, :], mask=live[:, None] & dim_mask[None, :], other=0.0)
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(o_ptr + token * stride_ot + head * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=dim_mask)
+    row_mask = rows < q_len
+    io_mask = row_mask[:, None] & (dims < head_dim)[None, :]
+    tokens = q_start + rows
+    m_i = tl.full([MERGE_M], float('-inf'), dtype=tl.float32)
+    w_i = tl.zeros([MERGE_M], dtype=tl.float32)
+    acc = tl.zeros([MERGE_M, BLOCK_D], dtype=tl.float32)
+    lse_ptrs = lse_ptr + tokens * stride_lt + head
+    part_ptrs = part_ptr + tokens[:, None] * stride_pt + head * stride_ph + dims[None, :]
+    for _ in range(0, num_active):  # split s at lse_ptrs / part_ptrs + s * stride (pointer steps: 64-bit)
+        lse = tl.load(lse_ptrs, mask=row_mask, other=0.0)
+        part = tl.load(part_ptrs, mask=io_mask, other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        w_i = w_i * alpha + weight
+        m_i = m_new
+        lse_ptrs += stride_ls
+        part_ptrs += stride_ps
+    out = acc / w_i[:, None]
+    tl.store(o_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
 def prefill_attention_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -218,7 +230,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m, block_n = cfg['BLOCK_M'], cfg['BLOCK_N']
     if num_splits is None:
         num_splits = prefill_num_splits(num_tokens, num_heads, head_dim, block_m, _num_sms(q.device))
-    assert num_splits >= 1
+    assert num_splits >= 1 and block_m % MERGE_M == 0
     split = num_splits > 1
     min_split = triton.cdiv(max(min_split_keys, 1), block_n) * block_n
     if split:
@@ -237,11 +249,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         min_split=min_split, PAGE_SIZE=k_cache.size(1), GROUP=num_heads // k_cache.size(2),
         EVEN_D=cfg['BLOCK_D'] == head_dim, PRECISION=dot_precision(q.dtype), SPLIT=split, **cfg)
     if split:
-        block_s = triton.next_power_of_2(max(num_splits, MAX_SPLITS))  # one binary for every split count
-        _merge_kernel[(max_seqlen_q, num_heads, batch_size)](
+        _merge_kernel[(triton.cdiv(max_seqlen_q, MERGE_M), num_heads, batch_size)](
             part_ptr=part, lse_ptr=lse, o_ptr=out, cu_seqlens_q_ptr=cu_seqlens_q, q_lens_ptr=q_lens,
             kv_lens_ptr=kv_lens, stride_ps=part.stride(0), stride_pt=part.stride(1), stride_ph=part.stride(2),
             stride_ls=lse.stride(0), stride_lt=lse.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
             head_dim=head_dim, num_splits=num_splits, min_split=min_split, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_S=block_s, BLOCK_D=cfg['BLOCK_D'], num_warps=8 if block_s * cfg['BLOCK_D'] >= 8192 else 4)
+            MERGE_M=MERGE_M, BLOCK_D=cfg['BLOCK_D'], num_warps=4)
     return out
