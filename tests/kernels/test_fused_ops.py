@@ -29,7 +29,7 @@ from lmdeploy.pytorch.kernels.cuda import moe_routing as cuda_routing
 from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
 from lmdeploy.pytorch.kernels.cuda import rms_norm_rows as cuda_norm_rows
 from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
-from lmdeploy.pytorch.kernels.cuda.launch import FastKernel, _arg_key, fast_kernel
+from lmdeploy.pytorch.kernels.cuda.launch import FastKernel, arg_key, fast_kernel
 from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
 from lmdeploy.pytorch.nn.attention import QKNorm
 
@@ -345,15 +345,15 @@ def test_cpu_conv_with_shared_indices():
 def test_launch_key_separates_every_triton_specialization():
     """Values Triton compiles apart (int == 1, int % 16, int width, pointer alignment, dtype) never share a key."""
     base = torch.zeros(64)
-    assert _arg_key(base) != _arg_key(base[1:])  # 16-byte aligned vs not
-    assert _arg_key(base) != _arg_key(base.to(torch.bfloat16))
-    assert _arg_key(base[4:]) == _arg_key(base)  # 16 bytes in: still aligned
-    keys = {_arg_key(n) for n in (1, 2, 16, 2 ** 31, 2 ** 63)}
+    assert arg_key(base) != arg_key(base[1:])  # 16-byte aligned vs not
+    assert arg_key(base) != arg_key(base.to(torch.bfloat16))
+    assert arg_key(base[4:]) == arg_key(base)  # 16 bytes in: still aligned
+    keys = {arg_key(n) for n in (1, 2, 16, 2 ** 31, 2 ** 63)}
     assert len(keys) == 5
-    assert _arg_key(17) == _arg_key(3) and _arg_key(32) == _arg_key(48)
-    assert _arg_key(1.0) != _arg_key(1) and _arg_key(None) != _arg_key(True)
+    assert arg_key(17) == arg_key(3) and arg_key(32) == arg_key(48)
+    assert arg_key(1.0) != arg_key(1) and arg_key(None) != arg_key(True)
     # a do_not_specialize int: only its width class (Triton compiles one binary for 1, 16 and 17)
-    assert _arg_key(1, False) == _arg_key(16, False) == _arg_key(17, False) != _arg_key(2 ** 31, False)
+    assert arg_key(1, False) == arg_key(16, False) == arg_key(17, False) != arg_key(2 ** 31, False)
 
 
 @fast_kernel

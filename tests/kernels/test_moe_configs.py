@@ -9,6 +9,7 @@ import os
 import pytest
 
 from lmdeploy.pytorch.kernels.cuda import moe
+from lmdeploy.pytorch.kernels.cuda.launch import arg_key
 
 SHAPE = dict(num_experts=64, hidden=2048, inter=512)
 DEVICE = 'Test GPU 9000'
@@ -91,13 +92,13 @@ def test_warm_up_counts_reach_every_binary(table_dir, top_k):
     max_tokens = 3000
     counts = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name=DEVICE, **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, device_name=DEVICE, **SHAPE),  # noqa: E731
-                          moe._int_class(tokens * top_k))
+                          arg_key(tokens * top_k))
     warmed = {key(t) for t in counts}
     assert all(key(t) in warmed for t in range(1, max_tokens + 1))
     assert len(counts) == len(warmed) <= 3 * len(ENTRIES) and all(1 <= t <= max_tokens for t in counts)
     untuned = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name='Other GPU', **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, SHAPE['num_experts']),  # noqa: E731
-                          moe._int_class(tokens * top_k))
+                          arg_key(tokens * top_k))
     assert {key(t) for t in untuned} == {key(t) for t in range(1, max_tokens + 1)}   # no table: the untuned tiles
 
 

@@ -35,8 +35,9 @@ _INT32_MIN, _INT32_MAX, _UINT64_MIN = -(2 ** 31), 2 ** 31 - 1, 2 ** 63
 _ENABLED = os.environ.get('LMDEPLOY_FAST_LAUNCH', '1') != '0'
 
 
-def _arg_key(arg: Any, specialize: bool = True) -> Any:
-    """The part of Triton's specialization an argument decides (see the module docstring); `specialize=False` for a
+def arg_key(arg: Any, specialize: bool = True) -> Any:
+    """The part of Triton's specialization an argument decides (see the module docstring; also the warm-up's key of a
+    launch's integer classes, `moe.warm_up_token_counts`); `specialize=False` for a
     `do_not_specialize` parameter."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
@@ -101,7 +102,7 @@ class FastKernel:
         values, options = self._bind(args, kwargs)
         device = self._current_device()
         key = (device, tuple(sorted(options.items())),
-               tuple(v if c else _arg_key(v, s) for v, c, s in zip(values, self.is_constexpr, self.specialize)))
+               tuple(v if c else arg_key(v, s) for v, c, s in zip(values, self.is_constexpr, self.specialize)))
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*values, **options)

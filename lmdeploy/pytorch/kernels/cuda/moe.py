@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import arg_key, fast_kernel
 from .moe_align import align_pairs, align_pairs_reference
 
 # The alignment: three Triton launches (default), or `moe_align.py`'s ~20 torch ops with LMDEPLOY_MOE_ALIGN=torch.
@@ -274,11 +274,6 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
-def _int_class(n: int) -> tuple[bool, bool]:
-    """Triton's specialization of an integer argument: equal to 1, divisible by 16."""
-    return n == 1, n % 16 == 0
-
-
 def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
                          device_name: str | None) -> list[int]:
     """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count) that any count
@@ -286,7 +281,7 @@ def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, 
     first = {}
     for tokens in range(1, max_tokens + 1):
         pairs = tokens * top_k
-        first.setdefault((_call_config(pairs, num_experts, hidden, inter, device_name), _int_class(pairs)), tokens)
+        first.setdefault((_call_config(pairs, num_experts, hidden, inter, device_name), arg_key(pairs)), tokens)
     return sorted(first.values())
 
 
