@@ -118,6 +118,7 @@ def run_continuous(bench: Bench, engine, workload: Workload) -> dict:
     recs = [Rec() for _ in workload.prompts]
     idle_s, steps, i = 0.0, 0, 0
     n = len(workload.prompts)
+    counts_before = forward_counts(engine)
     with DeviceActivity(bench.device) as activity:
         bench.sync()
         t0 = time.perf_counter()
@@ -141,7 +142,17 @@ def run_continuous(bench: Bench, engine, workload: Workload) -> dict:
                 raise TimeoutError(f'continuous run still busy after {bench.args.request_timeout:.0f}s')
         bench.sync()
         wall = time.perf_counter() - t0
-    return summarize(recs, workload, t0, wall, idle_s, steps, activity)
+    res = summarize(recs, workload, t0, wall, idle_s, steps, activity)
+    counts_after = forward_counts(engine)
+    if counts_before is not None and counts_after is not None:  # where the run's forwards went (idle-time suspects)
+        res.update({f'forwards_{k}': counts_after[k] - counts_before[k] for k in counts_after})
+    return res
+
+
+def forward_counts(engine) -> dict | None:
+    """The engine's `ModelAgent.forward_counts()` (None for an agent without them, e.g. tensor parallelism)."""
+    counts = getattr(getattr(engine, 'agent', None), 'forward_counts', None)
+    return counts() if counts is not None else None
 
 
 def summarize(recs: list[Rec], workload: Workload, t0: float, wall: float, idle_s: float, steps: int,

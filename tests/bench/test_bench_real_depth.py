@@ -79,6 +79,10 @@ def test_smoke_run_fills_every_row_and_evaluates_every_target(bench, tmp_path):
     assert results['engine_pc_on.suffix.100']['num_cached'] == [100]
     assert results['hf.suffix.50']['cache_matches_full_forward'] is True
     assert results['engine.cb']['num_requests'] == 6 and 0 < results['engine.cb']['busy_share'] <= 1
+    # where the forwards went: on the CPU every one is eager (no CUDA graphs), at most one per step
+    cb = results['engine.cb']
+    assert 0 < cb['forwards_eager'] <= cb['steps']
+    assert cb['forwards_graph_replays'] == cb['forwards_graph_first_uses'] == 0
     text = out.read_text()
     # 12 targets: first/later, 2 suffix rows x 2, 1K floor, 32K vs hf, on/off x 2, decode b1 and bmax, busy
     assert 'targets: ' in text and ', 0 not measured' in text

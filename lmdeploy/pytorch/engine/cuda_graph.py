@@ -280,6 +280,8 @@ class CUDAGraphRunner:
         self.num_replays = 0
         self.num_prefill_replays = 0
         self.capture_seconds = 0.0   # start-up capture (`capture_all`)
+        self.num_first_uses = 0      # keys first met by a request: its step ran eagerly, then the key was captured
+        self.first_use_seconds = 0.0  # host time of those steps (the eager run and the capture)
         self.capture_bytes = 0       # device memory the start-up captures reserved
 
     def padded_size(self, batch_size: int) -> int:
@@ -334,9 +336,12 @@ class CUDAGraphRunner:
         num_tokens = inputs.input_ids.numel()
         entry = self.graphs.get(key)
         if entry is None:
+            began = time.perf_counter()
             static_inputs = self.static.view(key)
             out = self.model(self._context(static_inputs))  # the real step, eager, on the captured shapes
             self._capture_or_give_up(key, static_inputs)
+            self.num_first_uses += 1
+            self.first_use_seconds += time.perf_counter() - began
             return out[:num_tokens]
         graph, out = entry
         graph.replay()

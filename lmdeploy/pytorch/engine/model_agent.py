@@ -88,6 +88,7 @@ class ModelAgent:
         self._sample = backend.build(OpType.Sampling)
         self.streams = DeviceStreams(device)
         self.graph_runner = None
+        self.num_eager_forwards = 0  # forwards no CUDA graph ran (`forward_counts`)
         self.spec: SpeculativeDecoder | None = None
         # the eager warm-up's bounds: the largest forward the scheduler makes, and the most sequences in one
         self.max_forward_tokens = max(max_prefill_tokens, max_batch_size)
@@ -205,6 +206,7 @@ class ModelAgent:
             if inputs.record_routed_experts:
                 routes = self.graph_runner.routes_of(inputs)
         else:
+            self.num_eager_forwards += 1
             if inputs.record_routed_experts and self.routes_shape is None:
                 raise ValueError('routed experts were asked for, but the engine does not record them '
                                  '(enable_return_routed_experts is off, or the model has no MoE layer)')
@@ -214,6 +216,16 @@ class ModelAgent:
             hidden = self.model(self._context(inputs, routes))
         self.save(cache_inputs)
         return hidden, routes
+
+    def forward_counts(self) -> dict:
+        """How the model forwards ran since start-up (the warm-up excluded): `eager` (no graph fits: larger forwards,
+        in-prefill state cuts, images, full graph budget), `graph_replays`, and `graph_first_uses` with their host
+        seconds (a key first met by a request: that step ran eagerly, then captured it). A benchmark reads the
+        difference over a run."""
+        runner = self.graph_runner
+        return {'eager': self.num_eager_forwards, 'graph_replays': 0 if runner is None else runner.num_replays,
+                'graph_first_uses': 0 if runner is None else runner.num_first_uses,
+                'graph_first_use_s': 0.0 if runner is None else runner.first_use_seconds}
 
     @torch.inference_mode()
     def tune_kernels(self, max_tokens: int) -> None:
