@@ -121,3 +121,36 @@ def test_prefill_graph_limit_and_failed_keys_run_eagerly():
     assert runner.key_of(two) == GraphKey(128, 4, False)           # captured keys still replay
     assert runner.key_of(prefill_inputs([40])) is None            # new ones run eagerly
     assert runner.key_of(decode_inputs(3, 2)) == GraphKey(4, 4, True)
+
+
+def test_warm_prefill_keys_cover_the_batches_asked_for(monkeypatch):
+    """Start-up prefill graphs: by default every token bucket at sequence bucket 4 (one or two sequences);
+    `LMDEPLOY_WARM_PREFILL_SEQS=n` adds every sequence bucket up to the one of n sequences, so a mixed batch of a
+    prompt beside up to n - 1 decodes replays a graph captured at start-up instead of capturing on first use."""
+    from lmdeploy.pytorch.engine.cuda_graph import (
+        prefill_key,
+        prefill_seq_buckets,
+        prefill_token_buckets,
+        prefill_warm_keys,
+        warm_prefill_seqs,
+    )
+    tokens, seqs = prefill_token_buckets(8192), prefill_seq_buckets(128)
+    default = prefill_warm_keys(tokens, seqs)
+    assert {k.num_seqs for k in default} == {4} and len(default) == len(tokens)
+    assert default == sorted(default, reverse=True)
+    for n in (20, 128):
+        keys = set(prefill_warm_keys(tokens, seqs, n))
+        assert set(default) <= keys
+        # every batch of 1..n sequences and any token count the graphs cover finds its key among them
+        for num_seqs in range(1, n + 1):
+            for num_tokens in (num_seqs, num_seqs + 1, 300, 4096):
+                key = prefill_key(max(num_tokens, num_seqs), num_seqs, tokens, seqs)
+                assert key is None or key in keys, (n, num_seqs, num_tokens)
+    assert {k.num_seqs for k in prefill_warm_keys(tokens, seqs, 20)} == {4, 8, 16, 32}
+    assert warm_prefill_seqs() == 2
+    monkeypatch.setenv('LMDEPLOY_WARM_PREFILL_SEQS', '64')
+    assert warm_prefill_seqs() == 64
+    for bad in ('0', '-3', 'all'):
+        monkeypatch.setenv('LMDEPLOY_WARM_PREFILL_SEQS', bad)
+        with pytest.raises(ValueError, match='LMDEPLOY_WARM_PREFILL_SEQS'):
+            warm_prefill_seqs()

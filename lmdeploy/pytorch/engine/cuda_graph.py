@@ -66,7 +66,9 @@ logger = logging.getLogger('lmdeploy')
 # of the pad tokens starts to count.
 PREFILL_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
 # Sequence counts of the prefill graphs captured at start-up: one or two sequences (a lone prompt, or a prompt
-# beside one decode), i.e. sequence bucket 4. Mixed batches with more decodes capture on first use.
+# beside one decode), i.e. sequence bucket 4, unless `LMDEPLOY_WARM_PREFILL_SEQS` asks for more (every sequence
+# bucket up to the one that holds that many: `warm_prefill_seqs`). Mixed batches with more decodes capture on first
+# use: that step runs eagerly and then captures (`ModelAgent.forward_counts` counts them).
 WARM_PREFILL_SEQS = 2
 MAX_PREFILL_GRAPHS = 48
 # The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise (256 restores the old limit, 0 turns
@@ -126,10 +128,22 @@ def prefill_key(num_tokens: int, num_seqs: int, token_buckets: tuple[int, ...],
     return None if tokens is None else GraphKey(tokens, seqs, False)
 
 
-def prefill_warm_keys(token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> list[GraphKey]:
-    """Prefill graphs captured at start-up, largest first: every token bucket at the sequence bucket of
-    `WARM_PREFILL_SEQS` sequences."""
-    keys = {prefill_key(t, min(WARM_PREFILL_SEQS, t), token_buckets, seq_buckets) for t in token_buckets}
+def warm_prefill_seqs() -> int:
+    """Sequences of the largest batch the start-up prefill graphs cover: `LMDEPLOY_WARM_PREFILL_SEQS` (default
+    `WARM_PREFILL_SEQS`; a positive int)."""
+    raw = os.environ.get('LMDEPLOY_WARM_PREFILL_SEQS', str(WARM_PREFILL_SEQS))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f'LMDEPLOY_WARM_PREFILL_SEQS must be a positive integer, got {raw!r}')
+    return int(raw)
+
+
+def prefill_warm_keys(token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
+                      max_seqs: int = WARM_PREFILL_SEQS) -> list[GraphKey]:
+    """Prefill graphs captured at start-up, largest first: every token bucket at every sequence bucket up to the
+    one of `max_seqs` sequences (each bucket's key for the most sequences it holds, at most `max_seqs`)."""
+    buckets = {next((s for s in seq_buckets if s >= n + 2), None) for n in range(1, max_seqs + 1)} - {None}
+    counts = {min(max_seqs, s - 2) for s in buckets}
+    keys = {prefill_key(t, min(n, t), token_buckets, seq_buckets) for t in token_buckets for n in counts}
     return sorted((k for k in keys if k is not None), reverse=True)
 
 
@@ -361,7 +375,7 @@ class CUDAGraphRunner:
         owns: no KV (slot -1), only the dummy state row. Logs the time and memory this took."""
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         keys = [GraphKey(size, size, True) for size in reversed(self.sizes)]
-        keys += prefill_warm_keys(self.token_buckets, self.seq_buckets)
+        keys += prefill_warm_keys(self.token_buckets, self.seq_buckets, warm_prefill_seqs())
         for key in keys:
             if key in self.graphs or key in self.failed:
                 continue
