@@ -111,3 +111,27 @@ def idle_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float, list[
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
     return cur_end - ordered[0][0], busy, gaps
+
+
+def print_timeline(prof, on_cuda: bool, wall_ms: float, top: int) -> None:
+    """The device's timeline of the profiled window: its span (first activity to last), the busy time inside it,
+    and the `top` longest idle gaps with the activities on either side (a graph's internal bubbles, a wait on the
+    host, a synchronisation)."""
+    events = sorted(((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
+                     if (e.device_type == torch.autograd.DeviceType.CUDA) == on_cuda
+                     and e.time_range.end > e.time_range.start), key=lambda e: e[0])
+    if not events:
+        print('\nno device activity recorded')
+        return
+    span_us, busy_us, _ = idle_gaps([(a, b) for a, b, _ in events])
+    gaps, end, last = [], events[0][1], events[0][2]
+    for start, stop, name in events[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    gaps.sort(key=lambda g: -g[0])
+    print(f'\ndevice span {span_us / 1e3:.2f} ms of the {wall_ms:.1f} ms wall, busy {busy_us / 1e3:.2f} ms, '
+          f'idle inside the span {(span_us - busy_us) / 1e3:.2f} ms in {len(gaps)} gaps')
+    for gap, before, after in gaps[:top]:
+        print(f'  gap {gap:9.1f} us  after {before[:50]:50s}  before {after[:50]}')
