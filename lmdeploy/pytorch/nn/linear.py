@@ -95,5 +95,10 @@ def fuse_rows(modules: Sequence[nn.Module]) -> torch.Tensor | None:
 
 def fuse_input_projections(model: nn.Module) -> int:
     """After loading: every module of `model` with a `fuse_input_projections()` method stacks its projections of a
-    shared input (see `fuse_rows`); returns how many did."""
-    return sum(bool(m.fuse_input_projections()) for m in model.modules() if hasattr(m, 'fuse_input_projections'))
+    shared input (see `fuse_rows`); returns how many did. On CUDA the replaced weights' memory then goes back to the
+    device: the caching allocator would otherwise keep it (the stacked tensors are larger than any one of them), and
+    the pools are sized from the device's free memory (H200 run 18: 150 KV blocks fewer on the 35B-A3B shape)."""
+    fused = sum(bool(m.fuse_input_projections()) for m in model.modules() if hasattr(m, 'fuse_input_projections'))
+    if fused and torch.cuda.is_available() and any(p.is_cuda for p in model.parameters()):
+        torch.cuda.empty_cache()
+    return fused
