@@ -216,31 +216,56 @@ def engine_run(bench: Bench, engine, prompts: list[list[int]], new_tokens: int) 
 
 
 
+def forward_counts(engine) -> dict | None:
+    """The engine's `ModelAgent.forward_counts()` (None for an agent without them, e.g. tensor parallelism)."""
+    counts = getattr(getattr(engine, 'agent', None), 'forward_counts', None)
+    return counts() if counts is not None else None
+
+
+def counts_delta(before: dict | None, after: dict | None) -> dict | None:
+    """`forward_counts` over a stretch (None when either side is)."""
+    return None if before is None or after is None else {k: after[k] - before[k] for k in after}
+
+
+def _forward_kinds(deltas: list[dict | None]) -> dict:
+    """How each timed request's forwards ran: `eager_forwards` / `graph_forwards` per rep (a row that ran eagerly
+    where a graph was expected says so here: the 32K suffix cliff of H200 run 14)."""
+    if any(d is None for d in deltas):
+        return {}
+    return {'eager_forwards': [d['eager'] for d in deltas],
+            'graph_forwards': [d['graph_replays'] + d['graph_first_uses'] for d in deltas]}
+
+
 def engine_cold_ttft(bench: Bench, engine, size: int, vocab: int) -> dict:
-    ttfts, tokens = [], []
+    ttfts, tokens, kinds = [], [], []
     for rep in range(-1, bench.args.reps):
+        before = forward_counts(engine)
         t0, (rec,) = engine_run(bench, engine, [make_prompt(size, seed_of('cold', size, rep), vocab)], 1)
         if rep >= 0:
             ttfts.append((rec.first - t0) * 1e3)
             tokens.append(rec.first_token)
-    return {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'first_tokens': tokens}
+            kinds.append(counts_delta(before, forward_counts(engine)))
+    return {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'first_tokens': tokens, **_forward_kinds(kinds)}
 
 
 def engine_suffix_ttft(bench: Bench, engine, prefix_len: int, vocab: int) -> dict:
     suffix_len = bench.args.suffix_len
-    ttfts, cached, tokens = [], [], []
+    ttfts, cached, tokens, kinds = [], [], [], []
     for rep in range(-1, bench.args.reps):
         prefix = make_prompt(prefix_len, seed_of('prefix', prefix_len, rep), vocab)
         suffix = make_prompt(suffix_len, seed_of('suffix', prefix_len, rep), vocab)
         engine_run(bench, engine, [prefix], 1)
+        before = forward_counts(engine)
         t0, (rec,) = engine_run(bench, engine, [prefix + suffix], 1)
         if rep >= 0:
             ttfts.append((rec.first - t0) * 1e3)
             cached.append(rec.num_cached)
             tokens.append(rec.first_token)
+            kinds.append(counts_delta(before, forward_counts(engine)))
     if min(cached) < prefix_len:
         bench.log(f'WARNING: suffix after {prefix_len}: only {cached} prompt tokens served from the prefix cache')
-    return {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'num_cached': cached, 'first_tokens': tokens}
+    return {'ttft_ms': median(ttfts), 'ttft_ms_all': ttfts, 'num_cached': cached, 'first_tokens': tokens,
+            **_forward_kinds(kinds)}
 
 
 def engine_warmup(bench: Bench, engine, vocab: int) -> None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from bench_harness import Bench, Rec, record_into
+from bench_harness import Bench, Rec, counts_delta, forward_counts, record_into
 
 
 @dataclass(frozen=True)
@@ -143,16 +143,10 @@ def run_continuous(bench: Bench, engine, workload: Workload) -> dict:
         bench.sync()
         wall = time.perf_counter() - t0
     res = summarize(recs, workload, t0, wall, idle_s, steps, activity)
-    counts_after = forward_counts(engine)
-    if counts_before is not None and counts_after is not None:  # where the run's forwards went (idle-time suspects)
-        res.update({f'forwards_{k}': counts_after[k] - counts_before[k] for k in counts_after})
+    delta = counts_delta(counts_before, forward_counts(engine))
+    if delta is not None:  # where the run's forwards went (idle-time suspects)
+        res.update({f'forwards_{k}': v for k, v in delta.items()})
     return res
-
-
-def forward_counts(engine) -> dict | None:
-    """The engine's `ModelAgent.forward_counts()` (None for an agent without them, e.g. tensor parallelism)."""
-    counts = getattr(getattr(engine, 'agent', None), 'forward_counts', None)
-    return counts() if counts is not None else None
 
 
 def summarize(recs: list[Rec], workload: Workload, t0: float, wall: float, idle_s: float, steps: int,

@@ -77,6 +77,10 @@ def test_smoke_run_fills_every_row_and_evaluates_every_target(bench, tmp_path):
     assert expected <= set(results)
     # the suffix rows really hit the cache, and transformers' cached suffix agrees with its full forward
     assert results['engine_pc_on.suffix.100']['num_cached'] == [100]
+    # each timed request's forwards by kind (CPU: all eager, none a graph)
+    suffix = results['engine_pc_on.suffix.100']
+    assert suffix['eager_forwards'] == [1] and suffix['graph_forwards'] == [0]
+    assert results['engine_pc_off.cold.160']['eager_forwards'][0] >= 1
     assert results['hf.suffix.50']['cache_matches_full_forward'] is True
     assert results['engine.cb']['num_requests'] == 6 and 0 < results['engine.cb']['busy_share'] <= 1
     # where the forwards went: on the CPU every one is eager (no CUDA graphs), at most one per step
