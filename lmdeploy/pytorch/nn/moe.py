@@ -26,7 +26,7 @@ from torch import nn
 from ..backends.base import OpType
 from ..backends.selector import current_backend
 from .blocked_fp8 import check_fp8_copy, fp8_parameter, scale_parameter
-from .linear import Linear, fuse_rows
+from .linear import Linear, fusable, fuse_rows
 
 
 class TopKRouter(nn.Module):
@@ -48,8 +48,6 @@ class TopKRouter(nn.Module):
     def route(self, logits: torch.Tensor, shared_logit: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` from the expert logits [T, E] (any row stride)."""
-        if shared_logit is None:
-            return self._impl(logits, self.top_k, self.norm_topk_prob)
         return self._impl(logits, self.top_k, self.norm_topk_prob, shared_logit)
 
 
@@ -209,8 +207,7 @@ class SparseMoeBlock(nn.Module):
         gate_up, down = (getattr(self.shared_expert, name, None) for name in ('gate_up_proj', 'down_proj'))
         experts = self.experts
         linears = (gate_up, down, self.shared_expert_gate)
-        if any(not isinstance(m, Linear) or m.lora is not None or m.weight_scale_inv is not None or m.bias is not None
-               for m in linears) or experts.weight_block_size is not None:
+        if any(not isinstance(m, Linear) or not fusable(m) for m in linears) or experts.weight_block_size is not None:
             return None
         w_gate_up, w_down = gate_up.weight, down.weight
         if (w_gate_up.shape != experts.gate_up_proj.shape[1:] or w_down.shape != experts.down_proj.shape[1:]
