@@ -135,3 +135,30 @@ def print_timeline(prof, on_cuda: bool, wall_ms: float, top: int) -> None:
           f'idle inside the span {(span_us - busy_us) / 1e3:.2f} ms in {len(gaps)} gaps')
     for gap, before, after in gaps[:top]:
         print(f'  gap {gap:9.1f} us  after {before[:50]:50s}  before {after[:50]}')
+
+
+def busy_within(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """us of [start, end] covered by at least one of the (start, end) intervals."""
+    clipped = [(max(a, start), min(b, end)) for a, b in intervals if b > start and a < end]
+    return idle_gaps(clipped)[1]
+
+
+def print_phases(prof, on_cuda: bool) -> None:
+    """The engine's named host phases (`engine/trace.phase`, `lmdeploy.*` ranges) in timeline order: start and end
+    (ms after the window's first record), host duration, and how much of that stretch the device was busy (a phase
+    the device idles through is host time on the critical path)."""
+    records = [e for e in prof.events() if e.time_range.end > e.time_range.start]
+    if not records:
+        return
+    origin = min(float(e.time_range.start) for e in records)
+    device = [(float(e.time_range.start), float(e.time_range.end)) for e in records
+              if (e.device_type == torch.autograd.DeviceType.CUDA) == on_cuda and not e.name.startswith('lmdeploy.')]
+    phases = sorted((float(e.time_range.start), float(e.time_range.end), e.name[len('lmdeploy.'):]) for e in records
+                    if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith('lmdeploy.'))
+    if device:
+        print(f'\ndevice activity from {(min(a for a, _ in device) - origin) / 1e3:.2f} to '
+              f'{(max(b for _, b in device) - origin) / 1e3:.2f} ms')
+    print(f'\n{"host phase":14s} {"from ms":>8s} {"to ms":>8s} {"host ms":>8s} {"device busy ms":>15s}')
+    for start, end, name in phases:
+        print(f'{name:14s} {(start - origin) / 1e3:8.2f} {(end - origin) / 1e3:8.2f} {(end - start) / 1e3:8.2f} '
+              f'{busy_within(device, start, end) / 1e3:15.2f}')

@@ -18,7 +18,8 @@ plus `--tokens` new ones, timed and profiled: the TTFT of a suffix after a cache
 suffix rows run it (pass `--graphs` for their engine). `--host-top` lists the host ops of the profiled run by self
 time too (a host stall, e.g. a synchronisation or an allocation, shows there and not among the kernels), `--gaps N`
 the device's span and busy time in the profiled window and its N longest idle gaps, with the activities around
-each (the H200 run 17 suffix after 32,700 tokens: 19.4 ms TTFT for 11.5 ms of kernels).
+each (the H200 run 17 suffix after 32,700 tokens: 19.4 ms TTFT for 11.5 ms of kernels), `--phases` the engine's
+named host phases (`engine/trace.py`) in order with the device's busy time inside each.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_harness import Bench, engine_run, make_prompt  # noqa: E402
 from bench_real_depth import SHAPES, make_config  # noqa: E402
-from kernel_profile import kernel_events, print_breakdown, print_host_ops, print_timeline  # noqa: E402
+from kernel_profile import kernel_events, print_breakdown, print_host_ops, print_phases, print_timeline  # noqa: E402
 
 
 def build_engine(args, folder: str):
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--top', type=int, default=25)
     p.add_argument('--host-top', type=int, default=0, help='also list this many host ops by self time')
     p.add_argument('--gaps', type=int, default=0, help="also print the device's span, busy time and longest gaps")
+    p.add_argument('--phases', action='store_true', help="also list the engine's host phases and the device's "
+                   'busy time inside each')
     p.add_argument('--graphs', action='store_true', help='capture decode graphs at start-up (eager_mode=False)')
     p.add_argument('--smoke', action='store_true', help='tiny float32 shape on the CPU')
     args = p.parse_args(argv)
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
             print_host_ops(prof, args.host_top)
         if args.gaps:
             print_timeline(prof, args.device == 'cuda', wall_ms, args.gaps)
+        if args.phases:
+            print_phases(prof, args.device == 'cuda')
         engine.close()
 
 

@@ -35,6 +35,13 @@ def test_idle_gaps_union_overlaps_and_measure_the_holes(profile):
     assert idle_gaps([]) == (0.0, 0.0, [])
 
 
+def test_busy_within_clips_intervals_to_the_window(profile):
+    busy_within = sys.modules['kernel_profile'].busy_within
+    intervals = [(10, 20), (15, 30), (40, 45), (60, 70)]
+    assert busy_within(intervals, 18, 42) == 12 + 2  # [18, 30] and [40, 42]
+    assert busy_within(intervals, 30, 40) == 0 and busy_within(intervals, 0, 100) == 35
+
+
 def test_smoke_profiles_full_decode_batches_against_the_weight_roofline(profile):
     summary = profile.main(['--smoke', '--async-scheduling', '--batches', '1', '8', '--steps', '4'])
     floors = sys.modules['real_depth_floors']
@@ -65,9 +72,21 @@ def test_profile_prefill_smoke_still_prints_its_tables(capsys):
 def test_profile_prefill_suffix_after_a_cached_prefix(capsys):
     # --prefix: each timed request resumes after the prefix it cached first, and --host-top adds the host table
     with bench_script('profile_prefill') as module:
-        module.main(['--smoke', '--prefix', '150', '--host-top', '5', '--gaps', '3'])
+        module.main(['--smoke', '--prefix', '150', '--host-top', '5', '--gaps', '3', '--phases'])
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert out.count('(cached 150)') == 3 and 'suffix after a cached 150' in out
     assert 'host op' in out and 'profiled wall' in out
     assert 'device span' in out and ' gaps' in out
+    # --phases: the engine's named host phases of the profiled request, in order, each with a duration
+    rows = [line.split() for line in captured.out[captured.out.index('host phase'):].splitlines()[1:]]
+    rows = [(r[0], *map(float, r[1:])) for r in rows if len(r) == 5]
+    names = [r[0] for r in rows]
+    for name in ('add_request', 'schedule', 'make_inputs', 'upload', 'restore', 'eager', 'save', 'sample',
+                 'resolve', 'deliver', 'commit'):
+        assert name in names, (name, names)
+    assert names[:3] == ['add_request', 'schedule', 'make_inputs']
+    last = len(names) - 1 - names[::-1].index('deliver')  # the step of the first token samples, then delivers
+    assert names.index('sample') < last
+    assert [r[1] for r in rows] == sorted(r[1] for r in rows)
+    assert all(0 <= r[3] == pytest.approx(r[2] - r[1], abs=0.011) for r in rows)

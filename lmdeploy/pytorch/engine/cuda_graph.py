@@ -58,6 +58,7 @@ from torch import nn
 
 from ..kernels.cuda.gated_delta_rule import max_graph_chunks, padded_chunk_indices_host
 from ..model_inputs import ModelInputs, StepContext
+from .trace import phase
 
 logger = logging.getLogger('lmdeploy')
 
@@ -346,7 +347,8 @@ class CUDAGraphRunner:
     def run(self, inputs: ModelInputs, key: GraphKey | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch (`supports(inputs)` must hold; `key`: its `key_of`, if known)."""
         key = key or self.key_of(inputs)
-        self._fill(inputs, key)
+        with phase('graph_fill'):
+            self._fill(inputs, key)
         num_tokens = inputs.input_ids.numel()
         entry = self.graphs.get(key)
         if entry is None:
@@ -358,7 +360,8 @@ class CUDAGraphRunner:
             self.first_use_seconds += time.perf_counter() - began
             return out[:num_tokens]
         graph, out = entry
-        graph.replay()
+        with phase('graph_launch'):
+            graph.replay()
         self.num_replays += 1
         self.num_prefill_replays += not key.decode
         return out[:num_tokens]

@@ -35,6 +35,7 @@ from .request_checks import adapter_identity, check_image_spans, check_prompt
 from .routes_recorder import RoutesRecorder
 from .spec_setup import build_speculative, num_draft_tokens
 from .spec_step import SpeculativeStep
+from .trace import phase
 
 logger = logging.getLogger('lmdeploy')
 
@@ -166,16 +167,17 @@ class Engine(EngineStep):
         image spans (`mm_spans`: the prompt's images, placeholder ranges with pixels, grid and content hash)."""
         if self.fatal_error is not None:
             raise RuntimeError(f'the engine has stopped: {self.fatal_error}')
-        token_ids = list(token_ids)
-        identity = self.adapter_identity(adapter_name)
-        self.validate_prompt(token_ids)
-        self.validate_sampling(sampling)
-        mm_spans = tuple(mm_spans)
-        self.validate_mm_spans(token_ids, mm_spans)
-        seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                                sampling=sampling, adapter_name=identity, mm_spans=mm_spans)
-        self.routes.attach(seq)
-        seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
+        with phase('add_request'):
+            token_ids = list(token_ids)
+            identity = self.adapter_identity(adapter_name)
+            self.validate_prompt(token_ids)
+            self.validate_sampling(sampling)
+            mm_spans = tuple(mm_spans)
+            self.validate_mm_spans(token_ids, mm_spans)
+            seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
+                                    sampling=sampling, adapter_name=identity, mm_spans=mm_spans)
+            self.routes.attach(seq)
+            seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
 
         def command() -> list[EngineOutput]:
             self._seqs[seq.seq_id] = (seq, callback)

@@ -26,6 +26,7 @@ from .inputs_maker import drop_sampled_rows, make_sampling_inputs
 from .request import EngineOutput
 from .spec_step import SpecForwardResult
 from .tp_workers import TensorParallelFailure
+from .trace import phase
 
 logger = logging.getLogger('lmdeploy')
 
@@ -54,7 +55,8 @@ class EngineStep:
             return outputs + self._fail_everything(self.fatal_error)
         if self._inflight is not None and not self.scheduler.can_schedule_ahead():
             outputs += self._settle(self._take_inflight())  # no room to schedule without preempting pending tokens
-        sched = self.scheduler.schedule()
+        with phase('schedule'):
+            sched = self.scheduler.schedule()
         self._batch = step_batch(sched)
         for seq, error in sched.rejected:  # faults while scheduling fail their own requests
             logger.error('request %d: %s', seq.seq_id, error)
@@ -165,9 +167,11 @@ class EngineStep:
                             sampled: list[SchedulerSequence], result) -> list[EngineOutput]:
         """Deliver the updates' outputs, then the bookkeeping the next step needs and no client waits for: commit,
         the reply checkpoints' copies, release. Returns the delivered outputs."""
-        outputs = self._deliver_all([self._update_output(update) for update in updates])
-        plan = self.scheduler.commit(sched, updates, self._prompt_logits(sampled, result))
-        self.scheduler.release(plan, copied=self._copy(plan))
+        with phase('deliver'):
+            outputs = self._deliver_all([self._update_output(update) for update in updates])
+        with phase('commit'):
+            plan = self.scheduler.commit(sched, updates, self._prompt_logits(sampled, result))
+            self.scheduler.release(plan, copied=self._copy(plan))
         for seq, _ in plan.finishing:
             self._forget(seq.seq_id)
         return outputs
@@ -189,17 +193,20 @@ class EngineStep:
         Async scheduling: `prev` is the step in flight whose tokens some pieces feed; `defer` leaves the sampled ids
         on the device (a plain forward only)."""
         sampled, result = [], None
-        cache_inputs = self.inputs_maker.make_cache_inputs(sched)
+        with phase('make_inputs'):
+            cache_inputs = self.inputs_maker.make_cache_inputs(sched)
         if sched.seqs:
-            inputs, sampled = self.inputs_maker.make(sched)
-            inputs.record_routed_experts = self.routes.wants(sched.seqs)
-            sampling, errors = make_sampling_inputs(sampled, self._generators)
-            if errors:  # those requests fail alone after this forward; the others sample as usual
-                rejected += [(sampled[i], error) for i, error in errors.items()]
-                sampled = drop_sampled_rows(inputs, sampled, errors)
-            collected = self._collected_logits
-            collect = [seq.seq_id in collected for seq in sched.seqs] if collected else [False] * len(sched.seqs)
-            feed = build_feed(sched, sampled, prev)
+            with phase('make_inputs'):
+                inputs, sampled = self.inputs_maker.make(sched)
+                inputs.record_routed_experts = self.routes.wants(sched.seqs)
+                sampling, errors = make_sampling_inputs(sampled, self._generators)
+                if errors:  # those requests fail alone after this forward; the others sample as usual
+                    rejected += [(sampled[i], error) for i, error in errors.items()]
+                    sampled = drop_sampled_rows(inputs, sampled, errors)
+                collected = self._collected_logits
+                collect = [seq.seq_id in collected for seq in sched.seqs] if collected else \
+                    [False] * len(sched.seqs)
+                feed = build_feed(sched, sampled, prev)
             if self.speculative is not None:
                 result = self.speculative.forward(sched, inputs, sampled, sampling, cache_inputs, self._generators,
                                                   any(collect))
@@ -217,7 +224,8 @@ class EngineStep:
     def _sampled_rows(result, sampled: list[SchedulerSequence]) -> list[SampledToken]:
         if isinstance(result, SpecForwardResult):
             return result.rows(sampled)
-        ids = result.resolve() if result is not None else []
+        with phase('resolve'):
+            ids = result.resolve() if result is not None else []
         return [SampledToken(seq, ids[i], result.logprobs[i] if result.logprobs else None)
                 for i, seq in enumerate(sampled)]
 

@@ -32,6 +32,7 @@ from .spec_chain import DraftChainGraphs, build_chain_graphs, chain_graph_enable
 from .spec_decode import PendingDrafts, SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
+from .trace import phase
 from .vision_cache import VisionEncoderCache
 from .warm_start import padding_inputs, warm_up_plan, warm_up_sampling
 
@@ -195,12 +196,14 @@ class ModelAgent:
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """restore copies -> image embeddings -> model -> save copies; returns the hidden states and the
         routed-experts record (None unless the inputs asked for it)."""
-        self.restore(cache_inputs)
+        with phase('restore'):
+            self.restore(cache_inputs)
         self.embed_images(inputs)
         key = self.graph_runner.key_of(inputs) if self.graph_runner is not None else None
         routes = None
         if key is not None:
-            hidden = self.graph_runner.run(inputs, key)
+            with phase('graph'):
+                hidden = self.graph_runner.run(inputs, key)
             if self._graphs_pre_norm:
                 hidden = self.model.final_norm(hidden)
             if inputs.record_routed_experts:
@@ -213,8 +216,10 @@ class ModelAgent:
             if inputs.record_routed_experts:
                 routes = torch.empty((inputs.input_ids.numel(), *self.routes_shape), dtype=torch.int16,
                                      device=self.device)
-            hidden = self.model(self._context(inputs, routes))
-        self.save(cache_inputs)
+            with phase('eager'):
+                hidden = self.model(self._context(inputs, routes))
+        with phase('save'):
+            self.save(cache_inputs)
         return hidden, routes
 
     def forward_counts(self) -> dict:
@@ -304,18 +309,20 @@ class ModelAgent:
                 defer: bool = False) -> ForwardOutput:
         """`feed`: tokens sampled by the forward before, written into the inputs on the device (async scheduling).
         `defer`: leave the sampled ids on the device with a pending host copy (`ForwardOutput.resolve`)."""
-        inputs, sampling, cache_inputs, feed = self._upload(inputs, sampling, cache_inputs, feed,
-                                                            packed=self._plain_packed_uploads)
+        with phase('upload'):
+            inputs, sampling, cache_inputs, feed = self._upload(inputs, sampling, cache_inputs, feed,
+                                                                packed=self._plain_packed_uploads)
         with self.streams.forward():
             stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs)
             if inputs.logits_indices.numel() == 0:
                 return ForwardOutput([], None, routed_experts=_routes_to_host(routes))
-            hidden = hidden[inputs.logits_indices]
-            if stopped is not None:
-                hidden = TokenFeed.blank(hidden, feed.logit_rows, stopped)
-            logits = self.model.compute_logits(hidden)
-            next_ids, logprobs = self._sample(logits, sampling)
+            with phase('sample'):
+                hidden = hidden[inputs.logits_indices]
+                if stopped is not None:
+                    hidden = TokenFeed.blank(hidden, feed.logit_rows, stopped)
+                logits = self.model.compute_logits(hidden)
+                next_ids, logprobs = self._sample(logits, sampling)
             if defer:
                 return ForwardOutput(None, logprobs, logits, _routes_to_host(routes), DeviceTokens(next_ids))
             return ForwardOutput(next_ids.tolist(), logprobs, logits, _routes_to_host(routes))
