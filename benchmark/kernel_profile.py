@@ -11,6 +11,8 @@ from collections import defaultdict
 
 import torch
 
+PHASE = 'lmdeploy.'  # the prefix of the engine's host phase ranges (`engine/trace.phase`)
+
 # (category, pattern over the lower-cased kernel name), first match wins
 CATEGORIES = [
     ('attention', r'prefill_kernel|merge_kernel|decode_split|decode_merge|flash|fmha|attention'),
@@ -40,6 +42,8 @@ def kernel_events(prof, on_cuda: bool) -> list[tuple[str, int, float]]:
     """(name, calls, total us) of every device kernel (CPU ops by self time in a CPU run), longest first."""
     rows = []
     for evt in prof.key_averages():
+        if evt.key.startswith(PHASE):  # the engine's phase ranges, not kernels (their GPU-side spans too)
+            continue
         if on_cuda:
             if evt.device_type != torch.autograd.DeviceType.CUDA:
                 continue
@@ -89,7 +93,7 @@ def device_intervals(prof, on_cuda: bool) -> list[tuple[float, float]]:
     out = []
     for evt in prof.events():
         is_device = evt.device_type == torch.autograd.DeviceType.CUDA
-        if is_device == on_cuda and evt.time_range.end > evt.time_range.start:
+        if is_device == on_cuda and evt.time_range.end > evt.time_range.start and not evt.name.startswith(PHASE):
             out.append((float(evt.time_range.start), float(evt.time_range.end)))
     return out
 
@@ -119,7 +123,7 @@ def print_timeline(prof, on_cuda: bool, wall_ms: float, top: int) -> None:
     host, a synchronisation)."""
     events = sorted(((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
                      if (e.device_type == torch.autograd.DeviceType.CUDA) == on_cuda
-                     and e.time_range.end > e.time_range.start), key=lambda e: e[0])
+                     and e.time_range.end > e.time_range.start and not e.name.startswith(PHASE)), key=lambda e: e[0])
     if not events:
         print('\nno device activity recorded')
         return
@@ -151,10 +155,9 @@ def print_phases(prof, on_cuda: bool) -> None:
     if not records:
         return
     origin = min(float(e.time_range.start) for e in records)
-    device = [(float(e.time_range.start), float(e.time_range.end)) for e in records
-              if (e.device_type == torch.autograd.DeviceType.CUDA) == on_cuda and not e.name.startswith('lmdeploy.')]
-    phases = sorted((float(e.time_range.start), float(e.time_range.end), e.name[len('lmdeploy.'):]) for e in records
-                    if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith('lmdeploy.'))
+    device = device_intervals(prof, on_cuda)
+    phases = sorted((float(e.time_range.start), float(e.time_range.end), e.name[len(PHASE):]) for e in records
+                    if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(PHASE))
     if device:
         print(f'\ndevice activity from {(min(a for a, _ in device) - origin) / 1e3:.2f} to '
               f'{(max(b for _, b in device) - origin) / 1e3:.2f} ms')

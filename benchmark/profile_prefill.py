@@ -19,12 +19,17 @@ suffix rows run it (pass `--graphs` for their engine). `--host-top` lists the ho
 time too (a host stall, e.g. a synchronisation or an allocation, shows there and not among the kernels), `--gaps N`
 the device's span and busy time in the profiled window and its N longest idle gaps, with the activities around
 each (the H200 run 17 suffix after 32,700 tokens: 19.4 ms TTFT for 11.5 ms of kernels), `--phases` the engine's
-named host phases (`engine/trace.py`) in order with the device's busy time inside each.
+named host phases (`engine/trace.py`) in order with the device's busy time inside each, `--cprofile N` one more
+request under cProfile (N functions by own time: host costs without CUPTI's), `--launch` the host time of each
+captured graph's launch.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--top', type=int, default=25)
     p.add_argument('--host-top', type=int, default=0, help='also list this many host ops by self time')
     p.add_argument('--gaps', type=int, default=0, help="also print the device's span, busy time and longest gaps")
+    p.add_argument('--cprofile', type=int, default=0, help='also run one more request under cProfile and list this '
+                   'many functions by own time (host time without the CUDA profiler\'s per-launch cost)')
+    p.add_argument('--launch', action='store_true', help='also time the host side of replaying each prefill graph '
+                   'and a few decode graphs (cudaGraphLaunch), after the profiled requests')
     p.add_argument('--phases', action='store_true', help="also list the engine's host phases and the device's "
                    'busy time inside each')
     p.add_argument('--graphs', action='store_true', help='capture decode graphs at start-up (eager_mode=False)')
@@ -72,6 +81,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.tokens, args.max_prefill_token_num, args.block_size = 200, 64, 16
     return args
+
+
+def host_profile(bench: Bench, engine, prompt: list[int], what: str, top: int) -> None:
+    """One more request under cProfile: the host functions by own time (a C call's time includes its waits)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    t0, (rec,) = engine_run(bench, engine, [prompt], 1)
+    profile.disable()
+    bench.log(f'cProfiled: {what}-token TTFT {(rec.first - t0) * 1e3:.1f} ms (cached {rec.num_cached})')
+    pstats.Stats(profile, stream=sys.stdout).sort_stats('tottime').print_stats(top)
+
+
+def print_graph_launches(engine, reps: int = 7) -> None:
+    """Host ms of `graph.replay()` (the launch; the device runs it afterwards) and the replay's whole time, median
+    of `reps`, for every prefill graph and decode graphs of 1, 8, 32 and 128 sequences. Replays rewrite the cache
+    rows of the last filled inputs: run after the measured requests only."""
+    runner = getattr(engine.agent, 'graph_runner', None)
+    if runner is None or not runner.graphs:
+        print('\nno CUDA graphs captured')
+        return
+    print(f'\n{"graph":28s} {"launch host ms":>15s} {"replay ms":>10s}')
+    for key, (graph, _) in sorted(runner.graphs.items(), key=lambda kv: (kv[0].decode, kv[0].num_tokens)):
+        if key.decode and key.num_seqs not in (1, 8, 32, 128):
+            continue
+        launch, total = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            graph.replay()
+            launch.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+            total.append(time.perf_counter() - t)
+        name = f'{"decode" if key.decode else "prefill"} {key.num_tokens} tok / {key.num_seqs} seq'
+        print(f'{name:28s} {statistics.median(launch) * 1e3:15.3f} {statistics.median(total) * 1e3:10.3f}')
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
             print_timeline(prof, args.device == 'cuda', wall_ms, args.gaps)
         if args.phases:
             print_phases(prof, args.device == 'cuda')
+        if args.cprofile:
+            host_profile(bench, engine, request(4), what, args.cprofile)
+        if args.launch:
+            print_graph_launches(engine)
         engine.close()
 
 

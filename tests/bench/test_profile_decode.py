@@ -72,10 +72,12 @@ def test_profile_prefill_smoke_still_prints_its_tables(capsys):
 def test_profile_prefill_suffix_after_a_cached_prefix(capsys):
     # --prefix: each timed request resumes after the prefix it cached first, and --host-top adds the host table
     with bench_script('profile_prefill') as module:
-        module.main(['--smoke', '--prefix', '150', '--host-top', '5', '--gaps', '3', '--phases'])
+        module.main(['--smoke', '--prefix', '150', '--host-top', '5', '--gaps', '3', '--phases', '--cprofile', '4',
+                     '--launch'])
     captured = capsys.readouterr()
     out = captured.out + captured.err
-    assert out.count('(cached 150)') == 3 and 'suffix after a cached 150' in out
+    assert out.count('(cached 150)') == 4 and 'suffix after a cached 150' in out
+    assert 'cProfiled:' in out and 'Ordered by: internal time' in out and 'no CUDA graphs captured' in out
     assert 'host op' in out and 'profiled wall' in out
     assert 'device span' in out and ' gaps' in out
     # --phases: the engine's named host phases of the profiled request, in order, each with a duration
