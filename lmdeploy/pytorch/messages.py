@@ -223,6 +223,13 @@ class SchedulerSequence:
         view.flags.writeable = False
         return view
 
+    def adopt_token_array(self, ids: np.ndarray) -> None:
+        """Take `ids` (a new int64 array equal to `token_ids`, referenced nowhere else) as `token_array()`'s buffer:
+        the conversion that call would make, already made (by the prompt check, `request_checks.prompt_array`)."""
+        assert ids.dtype == np.int64 and ids.ndim == 1 and len(ids) == len(self.token_ids)
+        self._array, self._array_src, self._array_len = ids, self.token_ids, len(ids)
+        self.token_epoch += 1
+
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens

@@ -69,6 +69,25 @@ def test_token_array_follows_appends_and_rebuilds():
     assert seq.token_array().tolist() == [9, 8] and seq.token_epoch == epoch + 3
 
 
+def test_adopted_token_array_is_the_buffer_and_extends_like_a_built_one():
+    # the engine hands the prompt check's int64 array over (`adopt_token_array`): no second conversion
+    ids = [5, 6, 7]
+    seq = SchedulerSequence(seq_id=1, token_ids=list(ids), num_prompt_tokens=3, sampling=SamplingParams())
+    adopted = np.array(ids, dtype=np.int64)
+    seq.adopt_token_array(adopted)
+    epoch = seq.token_epoch
+    first = seq.token_array()
+    assert np.shares_memory(first, adopted)
+    assert first.tolist() == ids and not first.flags.writeable and seq.token_epoch == epoch
+    for t in range(100):                         # appends grow past the adopted buffer, never rebuilding
+        seq.token_ids.append(t)
+        assert seq.token_array()[-1] == t
+    assert seq.token_array().tolist() == seq.token_ids and seq.token_epoch == epoch
+    assert first.tolist() == ids
+    seq.token_ids[-1] = 1                        # a rewritten token still rebuilds
+    assert seq.token_array().tolist() == seq.token_ids and seq.token_epoch == epoch + 1
+
+
 
 # ---- BlockManager ----------------------------------------------------------------------------------------------
 def test_allocate_hands_out_lowest_free_ids_in_order():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from trie_harness import SAMPLED, live, make_scheduler, make_seq, run, step, tokens
 
-from lmdeploy.pytorch.paging.block_trie.eviction_policy import LazyMinHeap
+from lmdeploy.pytorch.paging.block_trie.eviction_policy import LazyMinHeap, ReusePolicy
 
 
 # ---- eviction ---------------------------------------------------------------------------------------------------
@@ -111,6 +111,19 @@ def test_a_reply_checkpoint_computed_again_past_the_prompt_carries_no_hits():
         s.trie.checkpoints.evict(ck, 'state')
     run(s, make_seq(prompt, max_new_tokens=3))
     assert next(ck for ck in live(s) if ck.step == 8).num_hits == 0
+
+
+@pytest.mark.parametrize('lru', [False, True])
+def test_priority_of_size_equals_priority_bit_for_bit(lru):
+    # touch_path prices a whole path of KV blocks with one size's terms: the values must be priority's exactly
+    policy = ReusePolicy(lru=lru)
+    for clock in (0.0, 1e-9, 3.7e-6):
+        policy.clock = clock
+        for size, nbytes in ((16, 1 << 20), (64, 3 << 19), (7, 1), (1, 0)):
+            priced = policy.priority_of_size(size, nbytes)
+            for hits in (0, 1, 2, 5, 1000):
+                for now in (0, 3, 10 ** 6):
+                    assert priced(hits, now) == policy.priority(hits, size, nbytes, now)
 
 
 def test_lazy_min_heap_pops_the_lowest_live_eligible_entry():

@@ -31,7 +31,7 @@ from .engine_stats import EngineStats, StepBatch, collect_stats
 from .engine_step import EngineStep
 from .inputs_maker import InputsMaker
 from .request import EngineOutput, OutputCallback
-from .request_checks import adapter_identity, check_image_spans, check_prompt
+from .request_checks import adapter_identity, check_image_spans, check_prompt, prompt_array
 from .routes_recorder import RoutesRecorder
 from .spec_setup import build_speculative, num_draft_tokens
 from .spec_step import SpeculativeStep
@@ -170,14 +170,14 @@ class Engine(EngineStep):
         with phase('add_request'):
             token_ids = list(token_ids)
             identity = self.adapter_identity(adapter_name)
-            self.validate_prompt(token_ids)
+            ids = prompt_array(token_ids, self.model_config.vocab_size, self.session_len)  # validate_prompt's checks
             self.validate_sampling(sampling)
             mm_spans = tuple(mm_spans)
             self.validate_mm_spans(token_ids, mm_spans)
             seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
                                     sampling=sampling, adapter_name=identity, mm_spans=mm_spans)
             self.routes.attach(seq)
-            seq.token_array()  # the one conversion of the prompt to int64, here in the caller's thread
+            seq.adopt_token_array(ids)  # the one conversion of the prompt to int64 (the check's), in this thread
 
         def command() -> list[EngineOutput]:
             self._seqs[seq.seq_id] = (seq, callback)

@@ -104,6 +104,15 @@ class ReusePolicy:
             return float(last_access)
         return self.clock + max(1, hits) * math.floor(math.log2(1 + tokens)) / max(nbytes, 1)
 
+    def priority_of_size(self, tokens: int, nbytes: int) -> Callable[[int, int], float]:
+        """`priority(hits, tokens, nbytes, last_access)` as a function of (hits, last_access), for many items of
+        one size (a path of KV blocks): the size's terms computed once, the same float operations in the same order,
+        so every value equals `priority`'s; the clock is read per call."""
+        if self.lru:
+            return lambda hits, last_access: float(last_access)
+        size, denom = math.floor(math.log2(1 + tokens)), max(nbytes, 1)
+        return lambda hits, last_access: self.clock + max(1, hits) * size / denom
+
     def on_evicted(self, priority: float) -> None:
         if not self.lru and priority > self.clock:
             self.clock = priority

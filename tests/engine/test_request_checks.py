@@ -1,0 +1,32 @@
+"""`request_checks.prompt_array`: the prompt check that also hands the engine its int64 array (the conversion the
+check makes, adopted by the request instead of a second one), against the list it was given."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmdeploy.pytorch.engine.request_checks import check_prompt, prompt_array
+
+
+@pytest.mark.parametrize('ids', [[0], [3, 1, 2], list(range(1000)), [np.int32(4), 5], [True, 2]])
+def test_prompt_array_is_a_new_int64_copy_of_the_prompt(ids):
+    out = prompt_array(ids, vocab_size=1000, session_len=2000)
+    assert out.dtype == np.int64 and out.tolist() == [int(t) for t in ids]
+    out[0] = 999  # a copy: the caller's list is untouched
+    assert ids[0] != 999
+
+
+@pytest.mark.parametrize(('ids', 'message'), [
+    ([], 'the prompt is empty'),
+    ([1, 1000], r'out of the vocabulary \[0, 1000\): \[1000\]'),
+    ([-1, 2], r'\[-1\]'),
+    ([1.5, 2], r'\[1.5\]'),
+    (['5', 3], r"\['5'\]"),
+    ([2 ** 70], 'out of the vocabulary'),
+    ([[1, 2]], 'out of the vocabulary'),
+    (list(range(20)), 'session_len is 20'),
+])
+def test_prompt_array_rejects_what_check_prompt_rejects(ids, message):
+    for check in (prompt_array, check_prompt):
+        with pytest.raises(ValueError, match=message):
+            check(ids, 1000, 20)
