@@ -94,18 +94,19 @@ def host_profile(bench: Bench, engine, prompt: list[int], what: str, top: int) -
 
 
 def print_graph_launches(engine, reps: int = 7) -> None:
-    """Host ms of `graph.replay()` (the launch; the device runs it afterwards) and the replay's whole time, median
-    of `reps`, for every prefill graph and decode graphs of 1, 8, 32 and 128 sequences. Replays rewrite the cache
-    rows of the last filled inputs: run after the measured requests only."""
+    """Host ms of `graph.replay()` (the launch: a split prefill graph launches its pieces, the device starting on
+    the first while the host launches the rest) and the replay's whole time, median of `reps`, for every prefill
+    graph and decode graphs of 1, 8, 32 and 128 sequences, each on all-padding inputs."""
     runner = getattr(engine.agent, 'graph_runner', None)
     if runner is None or not runner.graphs:
         print('\nno CUDA graphs captured')
         return
-    print(f'\n{"graph":28s} {"launch host ms":>15s} {"replay ms":>10s}')
+    print(f'\n{"graph":28s} {"pieces":>6s} {"launch host ms":>15s} {"replay ms":>10s}')
     for key, (graph, _) in sorted(runner.graphs.items(), key=lambda kv: (kv[0].decode, kv[0].num_tokens)):
         if key.decode and key.num_seqs not in (1, 8, 32, 128):
             continue
         launch, total = [], []
+        runner.fill_padding(key)
         for _ in range(reps):
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -114,7 +115,8 @@ def print_graph_launches(engine, reps: int = 7) -> None:
             torch.cuda.synchronize()
             total.append(time.perf_counter() - t)
         name = f'{"decode" if key.decode else "prefill"} {key.num_tokens} tok / {key.num_seqs} seq'
-        print(f'{name:28s} {statistics.median(launch) * 1e3:15.3f} {statistics.median(total) * 1e3:10.3f}')
+        pieces = len(graph) if hasattr(graph, '__len__') else 1
+        print(f'{name:28s} {pieces:6d} {statistics.median(launch) * 1e3:15.3f} {statistics.median(total) * 1e3:10.3f}')
 
 
 def main(argv: list[str] | None = None) -> None:

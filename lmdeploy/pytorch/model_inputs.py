@@ -6,6 +6,7 @@ Decodes are simply sequences with `q_len == 1`, so prefills and decodes mix free
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -154,6 +155,9 @@ class StepContext:
     # Routed-experts record of this forward, or None (nothing is recorded): [T, num_moe_layers, top_k] int16. MoE
     # layer i writes the top-k expert ids its router chose for every fed token into `[:, i]` (see `routes_of`).
     routed_experts: torch.Tensor | None = None
+    # Called with i after decoder layer i returns, or None: the CUDA graph runner ends one graph's capture and
+    # begins the next one there (`engine/cuda_graph.py`, split prefill graphs). Eager forwards leave it None.
+    after_layer: Callable[[int], None] | None = None
 
     def routes_of(self, moe_index: int) -> torch.Tensor | None:
         """Where MoE layer `moe_index` (its rank among the MoE layers) records its top-k ids, or None."""

@@ -16,10 +16,13 @@ from lmdeploy.pytorch.messages import SamplingParams
 
 @pytest.fixture(scope='module', autouse=True)
 def wide_chunked_prefill_graphs():
-    """Every engine of this file: prefill graphs up to 4096 tokens, fla's chunked kernel inside them."""
+    """Every engine of this file: prefill graphs up to 4096 tokens, fla's chunked kernel inside them, each split
+    into a chain of graphs after layers 1 and 3 (three pieces on the 4-layer hybrids, two on the 2-layer Qwen3;
+    the default split, after 2 and 10 layers, runs in every other gpu test)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv('LMDEPLOY_PREFILL_GRAPH_TOKENS', '4096')
         mp.setenv('LMDEPLOY_GRAPH_GDR', 'chunked')
+        mp.setenv('LMDEPLOY_GRAPH_SPLIT', '1,3')
         yield
 
 
@@ -166,6 +169,10 @@ def test_warm_start_captures_every_prefill_bucket(hybrid_pair):
     warm = set(prefill_warm_keys(runner.token_buckets, runner.seq_buckets))
     assert warm <= set(runner.graphs) and not runner.failed
     assert runner.static.chunk_indices is not None   # hybrids on fla: the chunked kernel inside the graphs
+    # prefill graphs are chains split after layers 1 and 3 (of 4); decode graphs stay whole
+    from lmdeploy.pytorch.engine.cuda_graph import GraphChain
+    for key, (graph, _) in runner.graphs.items():
+        assert (len(graph) if isinstance(graph, GraphChain) else 1) == (1 if key.decode else 3), key
     assert 0 < runner.capture_seconds < startup < 300
 
 

@@ -154,3 +154,51 @@ def test_warm_prefill_keys_cover_the_batches_asked_for(monkeypatch):
         monkeypatch.setenv('LMDEPLOY_WARM_PREFILL_SEQS', bad)
         with pytest.raises(ValueError, match='LMDEPLOY_WARM_PREFILL_SEQS'):
             warm_prefill_seqs()
+
+
+def test_split_layers_reads_its_variable(monkeypatch):
+    """Prefill graphs split after `LMDEPLOY_GRAPH_SPLIT` layer counts (default 2 and 10); '0' or empty: one graph."""
+    from lmdeploy.pytorch.engine.cuda_graph import DEFAULT_GRAPH_SPLIT, split_layers
+    monkeypatch.delenv('LMDEPLOY_GRAPH_SPLIT', raising=False)
+    assert split_layers() == DEFAULT_GRAPH_SPLIT == (2, 10)
+    for raw, want in (('4', (4,)), ('10, 2,2', (2, 10)), ('0', ()), ('', ()), ('0,3', (3,))):
+        monkeypatch.setenv('LMDEPLOY_GRAPH_SPLIT', raw)
+        assert split_layers() == want, raw
+    for bad in ('-1', 'two', '2;10', '1.5'):
+        monkeypatch.setenv('LMDEPLOY_GRAPH_SPLIT', bad)
+        with pytest.raises(ValueError, match='LMDEPLOY_GRAPH_SPLIT'):
+            split_layers()
+
+
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_5', 'qwen3_next'])
+def test_models_call_after_layer_once_per_layer_in_order(tiny_model_factory, arch):
+    """The hook the split capture relies on (`StepContext.after_layer`): every model calls it with each decoder
+    layer's index, in order, after that layer and before the next one; the forward's logits are unchanged."""
+    from lmdeploy.pytorch.messages import SamplingParams
+    engine = Engine(tiny_model_factory(arch), PytorchEngineConfig(
+        device_type='cpu', dtype='float32', block_size=16, num_gpu_blocks=64, max_batch_size=4,
+        enable_prefix_caching=False))
+    agent, calls, starts = engine.agent, [], []
+    layers = agent.model.model.layers
+    for i, layer in enumerate(layers):  # (layer, hooks called before it started), through what the model calls
+        name = 'forward_residual' if hasattr(layer, 'forward_residual') else 'forward'
+        run = getattr(layer, name)
+
+        def probe(*args, _i=i, _run=run, **kwargs):
+            starts.append((_i, len(calls)))
+            return _run(*args, **kwargs)
+        setattr(layer, name, probe)
+
+    def logits() -> torch.Tensor:
+        seq = engine.add_request(list(range(1, 20)), SamplingParams(max_new_tokens=1), collect_logits=True)
+        while engine.has_work:
+            engine.step()
+        return engine.pop_collected_logits(seq)
+    reference = logits()
+    plain = agent._context
+    agent._context = lambda inputs, routes=None: dataclasses.replace(plain(inputs, routes), after_layer=calls.append)
+    starts.clear()
+    hooked = logits()
+    assert calls == list(range(len(layers))) and len(layers) >= 2
+    assert starts == [(i, i) for i in range(len(layers))]  # layer i begins after the hook of layer i - 1
+    torch.testing.assert_close(hooked, reference, rtol=0, atol=0)

@@ -74,8 +74,10 @@ class Qwen3Model(nn.Module):
     def forward(self, ctx: StepContext) -> torch.Tensor:
         x = self.embed_tokens(ctx.inputs.input_ids)
         cos_sin = self.rotary_emb.cos_sin(ctx.inputs.position_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, self.rotary_emb, cos_sin, ctx)
+            if ctx.after_layer is not None:
+                ctx.after_layer(i)
         return self.norm(x)
 
 

@@ -212,8 +212,10 @@ class HybridModel(nn.Module):
         positions = inputs.position_ids if inputs.mrope_position_ids is None else inputs.mrope_position_ids
         cos_sin = self.rotary_emb.cos_sin(positions)
         residual = None
-        for layer in self.layers:  # each layer's residual add runs inside the next layer's input norm
+        for i, layer in enumerate(self.layers):  # each layer's residual add runs inside the next layer's input norm
             x, residual = layer.forward_residual(x, residual, self.rotary_emb, cos_sin, ctx)
+            if ctx.after_layer is not None:
+                ctx.after_layer(i)
         return x if residual is None else x + residual
 
 
