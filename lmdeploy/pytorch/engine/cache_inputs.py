@@ -2,7 +2,8 @@
 
 Built by the InputsMaker from the scheduler's plans (logical ids resolved through
 `BlockManager.resolve_gpu_block_offsets`), consumed by the ModelAgent in this order on the forward stream:
-KV restores, state restores, model forward, KV saves, state saves. Restore = checkpoint -> request,
+KV restores, state restores, model forward (and, in `ModelAgent.forward`, sampling), KV saves, state saves.
+Restore = checkpoint -> request,
 save = request -> checkpoint.
 """
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Runs one forward on the device: copies inputs over, runs the cache copies and the model, samples.
 
 Owns the model and the device side of a step. Order inside `forward`, all on the forward stream: inputs to
-device -> KV restore copies -> state restore copies -> model forward -> KV save copies -> state save copies ->
-logits of the sampled rows -> sampling. It never touches scheduler state.
+device -> KV restore copies -> state restore copies -> model forward -> logits of the sampled rows -> sampling ->
+the sampled ids' copy to the host -> KV save copies -> state save copies (the saves read only the caches, so the
+tokens need not wait for them). It never touches scheduler state.
 
 Routed experts: a forward whose inputs ask (`ModelInputs.record_routed_experts`) gets a `[T, num_moe_layers,
 top_k]` record that the MoE layers fill; it comes back on the host as uint16 in `ForwardOutput.routed_experts`.
@@ -192,10 +193,11 @@ class ModelAgent:
         inputs.mm_embeds = torch.cat([embeds[i.content_hash][i.first_token:i.first_token + i.num_tokens]
                                       for i in items])
 
-    def run_model(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None
+    def run_model(self, inputs: ModelInputs, cache_inputs: CacheCheckpointInputs | None, save: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """restore copies -> image embeddings -> model -> save copies; returns the hidden states and the
-        routed-experts record (None unless the inputs asked for it)."""
+        """restore copies -> image embeddings -> model -> save copies (`save=False`: the caller queues them, after
+        its sampling); returns the hidden states and the routed-experts record (None unless the inputs asked for
+        it)."""
         with phase('restore'):
             self.restore(cache_inputs)
         self.embed_images(inputs)
@@ -218,8 +220,9 @@ class ModelAgent:
                                      device=self.device)
             with phase('eager'):
                 hidden = self.model(self._context(inputs, routes))
-        with phase('save'):
-            self.save(cache_inputs)
+        if save:
+            with phase('save'):
+                self.save(cache_inputs)
         return hidden, routes
 
     def forward_counts(self) -> dict:
@@ -314,8 +317,10 @@ class ModelAgent:
                                                                 packed=self._plain_packed_uploads)
         with self.streams.forward():
             stopped = feed.apply(inputs) if feed is not None else None
-            hidden, routes = self.run_model(inputs, cache_inputs)
+            hidden, routes = self.run_model(inputs, cache_inputs, save=False)
             if inputs.logits_indices.numel() == 0:
+                with phase('save'):
+                    self.save(cache_inputs)
                 return ForwardOutput([], None, routed_experts=_routes_to_host(routes))
             with phase('sample'):
                 hidden = hidden[inputs.logits_indices]
@@ -323,9 +328,14 @@ class ModelAgent:
                     hidden = TokenFeed.blank(hidden, feed.logit_rows, stopped)
                 logits = self.model.compute_logits(hidden)
                 next_ids, logprobs = self._sample(logits, sampling)
+            # The tokens' copy to the host is queued before the checkpoint saves (they read the caches the forward
+            # wrote, which sampling does not touch) and waited for by its own event, so no token waits for them.
+            tokens = DeviceTokens(next_ids)
+            with phase('save'):
+                self.save(cache_inputs)
             if defer:
-                return ForwardOutput(None, logprobs, logits, _routes_to_host(routes), DeviceTokens(next_ids))
-            return ForwardOutput(next_ids.tolist(), logprobs, logits, _routes_to_host(routes))
+                return ForwardOutput(None, logprobs, logits, _routes_to_host(routes), tokens)
+            return ForwardOutput(tokens.tolist(), logprobs, logits, _routes_to_host(routes))
 
     @torch.inference_mode()
     def forward_verify(self, inputs: ModelInputs, sampling: SamplingInputs,
