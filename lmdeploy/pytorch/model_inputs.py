@@ -156,7 +156,7 @@ class StepContext:
     # layer i writes the top-k expert ids its router chose for every fed token into `[:, i]` (see `routes_of`).
     routed_experts: torch.Tensor | None = None
     # Called with i after decoder layer i returns, or None: the CUDA graph runner ends one graph's capture and
-    # begins the next one there (`engine/cuda_graph.py`, split prefill graphs). Eager forwards leave it None.
+    # begins the next one there (`engine/graph_chain.py`, split prefill graphs). Eager forwards leave it None.
     after_layer: Callable[[int], None] | None = None
 
     def routes_of(self, moe_index: int) -> torch.Tensor | None:

@@ -170,7 +170,7 @@ def test_warm_start_captures_every_prefill_bucket(hybrid_pair):
     assert warm <= set(runner.graphs) and not runner.failed
     assert runner.static.chunk_indices is not None   # hybrids on fla: the chunked kernel inside the graphs
     # prefill graphs are chains split after layers 1 and 3 (of 4); decode graphs stay whole
-    from lmdeploy.pytorch.engine.cuda_graph import GraphChain
+    from lmdeploy.pytorch.engine.graph_chain import GraphChain
     for key, (graph, _) in runner.graphs.items():
         assert (len(graph) if isinstance(graph, GraphChain) else 1) == (1 if key.decode else 3), key
     assert 0 < runner.capture_seconds < startup < 300

@@ -158,7 +158,7 @@ def test_warm_prefill_keys_cover_the_batches_asked_for(monkeypatch):
 
 def test_split_layers_reads_its_variable(monkeypatch):
     """Prefill graphs split after `LMDEPLOY_GRAPH_SPLIT` layer counts (default 2 and 10); '0' or empty: one graph."""
-    from lmdeploy.pytorch.engine.cuda_graph import DEFAULT_GRAPH_SPLIT, split_layers
+    from lmdeploy.pytorch.engine.graph_chain import DEFAULT_GRAPH_SPLIT, split_layers
     monkeypatch.delenv('LMDEPLOY_GRAPH_SPLIT', raising=False)
     assert split_layers() == DEFAULT_GRAPH_SPLIT == (2, 10)
     for raw, want in (('4', (4,)), ('10, 2,2', (2, 10)), ('0', ()), ('', ()), ('0,3', (3,))):

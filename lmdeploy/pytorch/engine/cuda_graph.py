@@ -40,12 +40,8 @@ eagerly from then on (the step's eager result stands). Every capture shares one 
 the caller's current stream (the forward stream). `capture_all` logs the start-up capture time and the memory
 the graphs took.
 
-Prefill graphs are captured as a chain (`GraphChain`), split after `split_layers()` decoder layers (default 2 and
-10; `LMDEPLOY_GRAPH_SPLIT`): the model calls `StepContext.after_layer(i)` after layer i, and the capture ends one
-graph there and begins the next in the same pool. The device starts a graph only when its launch returns, and a
-launch costs the host about 1 us per node, so one whole-model graph left the device idle for the whole launch
-(~1 ms on the Qwen3.5-9B shape); split, the device waits only for the first two layers' launch and the rest is
-launched while it runs. Decode graphs stay whole (under async scheduling their launch overlaps the step before).
+Prefill graphs are captured as a chain of graphs split at decoder-layer boundaries (`graph_chain.py`: why, and
+how); decode graphs stay whole.
 
 With `routes_shape` (routed experts on for the engine) every graph records the routed experts of its tokens into
 one static `[max_tokens, num_moe_layers, top_k]` buffer (`routes_of` reads a batch's rows after a replay); the
@@ -53,8 +49,6 @@ MoE layers then do one small copy each, whether or not the batch asked.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -67,6 +61,7 @@ from torch import nn
 
 from ..kernels.cuda.gated_delta_rule import max_graph_chunks, padded_chunk_indices_host
 from ..model_inputs import ModelInputs, StepContext
+from .graph_chain import GraphChain, capture_chain, split_layers
 from .trace import phase
 
 logger = logging.getLogger('lmdeploy')
@@ -85,12 +80,6 @@ MAX_PREFILL_GRAPHS = 48
 # prefill graphs off). 4096 with the chunked gated delta rule inside the graphs passed the H200 run of 2026-12-01
 # (run 2) once the pad sequence's block-table row was wide enough (see `table_width`).
 DEFAULT_PREFILL_GRAPH_TOKENS = 4096
-# Decoder layers after which a prefill graph ends and the next one begins (`split_layers`). A graph's launch costs
-# the host about 1 us per kernel node, and the device starts a graph only once its launch returns: one graph of the
-# Qwen3.5-9B shape (~1,080 nodes) kept the device idle ~1 ms before every replayed prefill (H200 run 19). Split
-# after 2 and 10 layers, the device starts after a ~2-layer launch and each later launch runs while the device
-# works through the graph before it (2 layers' work hides an 8-layer launch, 8 layers' work the rest).
-DEFAULT_GRAPH_SPLIT = (2, 10)
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -106,36 +95,6 @@ def prefill_graph_tokens(max_forward_tokens: int) -> int:
     turns prefill graphs off)."""
     cap = int(os.environ.get('LMDEPLOY_PREFILL_GRAPH_TOKENS', DEFAULT_PREFILL_GRAPH_TOKENS))
     return max(0, min(cap, max_forward_tokens))
-
-
-def split_layers() -> tuple[int, ...]:
-    """Layer counts after which prefill graphs split: `LMDEPLOY_GRAPH_SPLIT` (comma-separated positive ints,
-    e.g. '2,10'; '0' or empty: one graph per key), default `DEFAULT_GRAPH_SPLIT`. Decode graphs never split (their
-    launch overlaps the step before under async scheduling)."""
-    raw = os.environ.get('LMDEPLOY_GRAPH_SPLIT')
-    if raw is None:
-        return DEFAULT_GRAPH_SPLIT
-    parts = [p.strip() for p in raw.split(',') if p.strip()]
-    if not all(p.isdigit() for p in parts):
-        raise ValueError(f'LMDEPLOY_GRAPH_SPLIT must be comma-separated layer counts (e.g. 2,10), got {raw!r}')
-    return tuple(sorted({int(p) for p in parts} - {0}))
-
-
-class GraphChain:
-    """Graphs captured back to back in one memory pool that replay in order as one forward (a prefill graph split
-    at layer boundaries, `split_layers`). Each one's outputs that the next reads stay allocated in the pool while
-    the next is captured, and later replays of other keys may reuse them only after the whole chain ran: the same
-    rule as one graph's temporaries, since replays never interleave."""
-
-    def __init__(self, graphs: list[torch.cuda.CUDAGraph]):
-        self.graphs = graphs
-
-    def replay(self) -> None:
-        for graph in self.graphs:
-            graph.replay()
-
-    def __len__(self) -> int:
-        return len(self.graphs)
 
 
 def prefill_token_buckets(max_prefill_tokens: int) -> tuple[int, ...]:
@@ -486,36 +445,11 @@ class CUDAGraphRunner:
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode='thread_local'):
                     out = self.model(self._context(static_inputs))
             else:
-                graph, out = self._capture_split(self._context(static_inputs), stream)
+                graph, out = capture_chain(self.model, self._context(static_inputs), self.pool, stream,
+                                           self.split_layers)
         finally:
             if gc_enabled:
                 gc.enable()
         self.graphs[key] = (graph, out)
         logger.info('captured a CUDA graph for %s%s', key,
                     f' as {len(graph)} graphs' if isinstance(graph, GraphChain) else '')
-
-    def _capture_split(self, ctx: StepContext, stream: torch.cuda.Stream) -> tuple[GraphChain, torch.Tensor]:
-        """One forward captured as a chain of graphs, split after `split_layers` layers (`StepContext.after_layer`;
-        the model calls it after each decoder layer). Begins as `torch.cuda.graph` does: synchronise, empty the
-        allocator's cache, capture on `stream` into the shared pool."""
-        graphs = [torch.cuda.CUDAGraph()]
-        splits = set(self.split_layers)
-
-        def after_layer(i: int) -> None:
-            if i + 1 in splits:
-                graphs[-1].capture_end()
-                graphs.append(torch.cuda.CUDAGraph())
-                graphs[-1].capture_begin(self.pool, capture_error_mode='thread_local')
-
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        with torch.cuda.stream(stream):
-            graphs[0].capture_begin(self.pool, capture_error_mode='thread_local')
-            try:
-                out = self.model(dataclasses.replace(ctx, after_layer=after_layer))
-            except BaseException:
-                with contextlib.suppress(Exception):  # leave the stream out of capture; the model's error stands
-                    graphs[-1].capture_end()
-                raise
-            graphs[-1].capture_end()
-        return GraphChain(graphs), out

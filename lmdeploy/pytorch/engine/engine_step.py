@@ -195,8 +195,7 @@ class EngineStep:
         sampled, result = [], None
         with phase('make_inputs'):
             cache_inputs = self.inputs_maker.make_cache_inputs(sched)
-        if sched.seqs:
-            with phase('make_inputs'):
+            if sched.seqs:
                 inputs, sampled = self.inputs_maker.make(sched)
                 inputs.record_routed_experts = self.routes.wants(sched.seqs)
                 sampling, errors = make_sampling_inputs(sampled, self._generators)
@@ -204,9 +203,9 @@ class EngineStep:
                     rejected += [(sampled[i], error) for i, error in errors.items()]
                     sampled = drop_sampled_rows(inputs, sampled, errors)
                 collected = self._collected_logits
-                collect = [seq.seq_id in collected for seq in sched.seqs] if collected else \
-                    [False] * len(sched.seqs)
+                collect = [seq.seq_id in collected for seq in sched.seqs] if collected else [False] * len(sched.seqs)
                 feed = build_feed(sched, sampled, prev)
+        if sched.seqs:
             if self.speculative is not None:
                 result = self.speculative.forward(sched, inputs, sampled, sampling, cache_inputs, self._generators,
                                                   any(collect))
