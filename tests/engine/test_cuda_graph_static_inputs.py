@@ -8,13 +8,13 @@ import pytest
 import torch
 from graph_inputs import decode_inputs, prefill_inputs
 
-from lmdeploy.pytorch.engine.cuda_graph import GraphKey, _StaticInputs
+from lmdeploy.pytorch.engine.static_inputs import GraphKey, StaticInputs
 from lmdeploy.pytorch.model_inputs import ModelInputs
 
 
 def test_static_inputs_pad_rows_are_inert():
     """Rows past the batch must be padding the kernels ignore: kv_len 0, KV slot -1, dummy state row 0."""
-    static = _StaticInputs(max_tokens=8, max_seqs=8, max_pages=6, device=torch.device('cpu'))
+    static = StaticInputs(max_tokens=8, max_seqs=8, max_pages=6, device=torch.device('cpu'))
     static.fill_decode(decode_inputs(7, 6), 8)     # a large batch first leaves non-padding values behind
     static.fill_decode(decode_inputs(3, 2), 4)
     view = static.view(GraphKey(4, 4, True))
@@ -29,7 +29,7 @@ def test_static_inputs_pad_rows_are_inert():
 
 def test_static_inputs_prefill_padding():
     """A prefill bucket: real sequences, then one pad sequence with the pad tokens, then empty sequences."""
-    static = _StaticInputs(max_tokens=32, max_seqs=8, max_pages=6, device=torch.device('cpu'))
+    static = StaticInputs(max_tokens=32, max_seqs=8, max_pages=6, device=torch.device('cpu'))
     static.fill_decode(decode_inputs(7, 6), 8)   # leave non-padding values behind
     inputs = prefill_inputs([5, 9], kv_lens=[8, 20])
     key = GraphKey(16, 4, False)
@@ -60,7 +60,7 @@ def test_static_inputs_fill_padded_chunk_indices():
     then rows naming chunk 0 of the last, empty sequence, up to the bucket's fixed row count; a smaller batch
     after a larger one leaves no stale row in its view."""
     from lmdeploy.pytorch.kernels.cuda.gated_delta_rule import max_graph_chunks
-    static = _StaticInputs(max_tokens=512, max_seqs=8, max_pages=6, device=torch.device('cpu'),
+    static = StaticInputs(max_tokens=512, max_seqs=8, max_pages=6, device=torch.device('cpu'),
                            max_chunks=max_graph_chunks(512, 8))
     static.fill_prefill(prefill_inputs([200, 130, 1, 64, 65]), GraphKey(512, 8, False))
     for lens, key in (([100, 9], GraphKey(128, 4, False)), ([63, 65, 128], GraphKey(512, 8, False)),

@@ -1,8 +1,9 @@
 """CUDA graphs: capture the model once per padded batch shape, then replay (decode batches and prefills up to a
 few thousand tokens, mixed prefill + decode batches included).
 
-Owns: static input buffers (one set, sized for the largest graph), the captured graphs and their output buffers.
-Used by `ModelAgent.run_model` on CUDA unless `eager_mode`; never touches scheduler state.
+Owns: the static input buffers (one set, sized for the largest graph: `static_inputs.StaticInputs`, which also
+stages a plain forward's host inputs into them with one copy), the captured graphs and their output buffers. Used
+by `ModelAgent.run_model` on CUDA unless `eager_mode`; never touches scheduler state.
 
 A graph is keyed by `(tokens, sequences)`:
 
@@ -35,10 +36,10 @@ the illegal memory accesses seen on the H200.)
 The first run at a key runs eagerly *through the static buffers*: at start-up on all-padding inputs (it compiles /
 autotunes every kernel for exactly the captured shapes and writes nothing a sequence owns), on first use with the
 real step itself (capture executes nothing, so the step is not applied twice). Then the graph is captured; later
-runs copy their inputs into the buffers and replay. A prefill capture that fails is logged and its key runs
-eagerly from then on (the step's eager result stands). Every capture shares one memory pool; everything runs on
-the caller's current stream (the forward stream). `capture_all` logs the start-up capture time and the memory
-the graphs took.
+runs write their inputs into the buffers (`stage` from the host, else `_fill` on the device) and replay. A prefill
+capture that fails is logged and its key runs eagerly from then on (the step's eager result stands). Every
+capture shares one memory pool; everything runs on the caller's current stream (the forward stream).
+`capture_all` logs the start-up capture time and the memory the graphs took.
 
 Prefill graphs are captured as a chain of graphs split at decoder-layer boundaries (`graph_chain.py`: why, and
 how); decode graphs stay whole.
@@ -54,14 +55,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from ..kernels.cuda.gated_delta_rule import max_graph_chunks, padded_chunk_indices_host
+from ..kernels.cuda.gated_delta_rule import max_graph_chunks
 from ..model_inputs import ModelInputs, StepContext
 from .graph_chain import GraphChain, capture_chain, split_layers
+from .static_inputs import EXTRA_BYTES, GraphKey, StaticInputs
 from .trace import phase
 
 logger = logging.getLogger('lmdeploy')
@@ -115,12 +116,6 @@ def prefill_seq_buckets(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sorted({s for s in powers if s < cap} | {cap}))
 
 
-class GraphKey(NamedTuple):
-    num_tokens: int
-    num_seqs: int
-    decode: bool
-
-
 def prefill_key(num_tokens: int, num_seqs: int, token_buckets: tuple[int, ...],
                 seq_buckets: tuple[int, ...]) -> GraphKey | None:
     """The prefill graph for `num_tokens` tokens of `num_seqs` sequences: the smallest sequence bucket with room
@@ -152,118 +147,6 @@ def prefill_warm_keys(token_buckets: tuple[int, ...], seq_buckets: tuple[int, ..
     return sorted((k for k in keys if k is not None), reverse=True)
 
 
-def table_width(max_pages: int, max_tokens: int, kernel_block_size: int) -> int:
-    """Columns of the static block-table buffer: `max_pages` (a real sequence's table) and at least the pages a
-    pad sequence of up to `max_tokens` tokens reads (see the module docstring)."""
-    return max(max_pages, -(-max_tokens // kernel_block_size))
-
-
-class _StaticInputs:
-    """Device buffers the captured graphs read; `view(key)` is the `ModelInputs` of the graph at `key`.
-    `max_chunks > 0`: a chunk-index buffer for the chunked gated delta rule (hybrids on fla). `max_pages`: the
-    widest block table a batch may bring; the buffer is `table_width` columns wide."""
-
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device,
-                 has_lora: bool = False, max_chunks: int = 0, kernel_block_size: int = 1):
-        def zeros(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-        self.device = device
-        self.input_ids = zeros(max_tokens)
-        self.position_ids = zeros(max_tokens)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.q_lens = zeros(max_seqs)
-        self.kv_lens = zeros(max_seqs)
-        self.cu_seqlens_q = zeros(max_seqs + 1)
-        self.state_ids = zeros(max_seqs)
-        self.is_fresh = zeros(max_seqs, dtype=torch.bool)
-        self.block_tables = zeros(max_seqs, table_width(max_pages, max_tokens, kernel_block_size))
-        # LoRA slots per sequence (0 = base model) when adapters are loaded: graphs then always run the LoRA op,
-        # whose programs exit at once for base rows and padding.
-        self.has_lora = has_lora
-        self.lora_ids = zeros(max_seqs)
-        self.logits_indices = torch.arange(max_tokens, dtype=torch.int64, device=device)
-        self._arange = torch.arange(max(max_tokens, max_seqs) + 1, dtype=torch.int64, device=device)
-        self.max_pages = max_pages
-        self.chunk_indices = zeros(max_chunks, 2) if max_chunks > 0 else None
-
-    def view(self, key: GraphKey) -> ModelInputs:
-        t, s = key.num_tokens, key.num_seqs
-        chunked = self.chunk_indices is not None and not key.decode
-        return ModelInputs(
-            input_ids=self.input_ids[:t], position_ids=self.position_ids[:t], q_lens=self.q_lens[:s],
-            kv_lens=self.kv_lens[:s], cu_seqlens_q=self.cu_seqlens_q[:s + 1], block_tables=self.block_tables[:s],
-            slot_mapping=self.slot_mapping[:t], logits_indices=self.logits_indices[:t],
-            state_ids=self.state_ids[:s], is_fresh=self.is_fresh[:s],
-            lora_ids=self.lora_ids[:s] if self.has_lora else None,
-            # host copies are shape placeholders here (upper bounds): a graph's kernels read device tensors only
-            q_lens_list=[1 if key.decode else t] * s, kv_lens_list=[self.max_pages] * s,
-            max_seqlen_q=1 if key.decode else t, max_seqlen_k=t, host_lens_exact=False,
-            use_recurrent_kernel=not key.decode and not chunked,
-            graph_chunk_indices=self.chunk_indices[:max_graph_chunks(t, s)] if chunked else None)
-    def _copy_batch(self, inputs: ModelInputs) -> None:
-        t, b = inputs.input_ids.numel(), inputs.batch_size
-        width = inputs.block_tables.size(1)
-        self.input_ids[:t].copy_(inputs.input_ids, non_blocking=True)
-        self.position_ids[:t].copy_(inputs.position_ids, non_blocking=True)
-        self.slot_mapping[:t].copy_(inputs.slot_mapping, non_blocking=True)
-        self.q_lens[:b].copy_(inputs.q_lens, non_blocking=True)
-        self.kv_lens[:b].copy_(inputs.kv_lens, non_blocking=True)
-        self.cu_seqlens_q[:b + 1].copy_(inputs.cu_seqlens_q, non_blocking=True)
-        self.state_ids[:b].copy_(inputs.state_ids, non_blocking=True)
-        self.is_fresh[:b].copy_(inputs.is_fresh, non_blocking=True)
-        self.block_tables[:b, :width].copy_(inputs.block_tables, non_blocking=True)
-        if inputs.lora_ids is not None:
-            self.lora_ids[:b].copy_(inputs.lora_ids, non_blocking=True)
-        else:
-            self.lora_ids[:b].zero_()
-
-    def _pad_tokens(self, start: int, end: int) -> None:
-        if end > start:
-            self.input_ids[start:end].zero_()
-            self.position_ids[start:end].zero_()
-            self.slot_mapping[start:end].fill_(-1)
-
-    def fill_decode(self, inputs: ModelInputs | None, size: int) -> None:
-        """Rows [0, B) from a decode batch, rows [B, size) padding (`inputs=None`: all padding)."""
-        b = 0
-        if inputs is not None:
-            b = inputs.batch_size
-            self._copy_batch(inputs)
-        self._pad_tokens(b, size)
-        if size > b:
-            self.q_lens[b:size].fill_(1)
-            self.cu_seqlens_q[b + 1:size + 1].copy_(self._arange[b + 1:size + 1])
-            self.kv_lens[b:size].zero_()
-            self.state_ids[b:size].zero_()
-            self.is_fresh[b:size].zero_()
-            self.lora_ids[b:size].zero_()
-
-    def fill_prefill(self, inputs: ModelInputs | None, key: GraphKey) -> None:
-        """Sequences [0, B) from the batch, then one pad sequence holding the pad tokens [T, Tg) (attending to
-        itself, on the dummy state row), then empty sequences up to the bucket (`inputs=None`: all padding)."""
-        t = b = 0
-        if inputs is not None:
-            t, b = inputs.input_ids.numel(), inputs.batch_size
-            self._copy_batch(inputs)
-        tg, sg = key.num_tokens, key.num_seqs
-        self._pad_tokens(t, tg)
-        self.q_lens[b:sg].zero_()
-        self.q_lens[b].fill_(tg - t)
-        self.kv_lens[b:sg].zero_()
-        self.kv_lens[b].fill_(tg - t)
-        self.cu_seqlens_q[b + 1:sg + 1].fill_(tg)
-        self.state_ids[b:sg].zero_()
-        self.is_fresh[b:sg].fill_(True)
-        self.lora_ids[b:sg].zero_()
-        self.block_tables[b:sg].zero_()  # the pad sequence reads page 0 only, within its (wide enough) row
-        if self.chunk_indices is not None:
-            lens = (inputs.q_lens_list if inputs is not None else []) + [tg - t]
-            host = padded_chunk_indices_host(lens, max_graph_chunks(tg, sg), pad_seq=sg - 1)
-            if self.device.type == 'cuda':
-                host = host.pin_memory()  # a non-blocking copy from pageable memory would synchronise the stream
-            self.chunk_indices[:host.shape[0]].copy_(host, non_blocking=True)
-
-
 class CUDAGraphRunner:
     """Runs forwards of `model` through captured CUDA graphs (see the module docstring)."""
 
@@ -286,9 +169,9 @@ class CUDAGraphRunner:
         max_seqs = max(max_batch_size, self.seq_buckets[-1])
         max_tokens = max((max_batch_size, *self.token_buckets))
         max_chunks = max((max_graph_chunks(t, self.seq_buckets[-1]) for t in self.token_buckets), default=0)
-        self.static = _StaticInputs(max_tokens, max_seqs, max_pages, device, has_lora=has_lora,
-                                    max_chunks=max_chunks if chunk_indices else 0,
-                                    kernel_block_size=kernel_block_size)
+        self.static = StaticInputs(max_tokens, max_seqs, max_pages, device, has_lora=has_lora,
+                                   max_chunks=max_chunks if chunk_indices else 0,
+                                   kernel_block_size=kernel_block_size, extra_bytes=EXTRA_BYTES + 8 * max_tokens)
         self.static_routes = None if routes_shape is None else \
             torch.zeros((max_tokens, *routes_shape), dtype=torch.int16, device=device)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -303,6 +186,8 @@ class CUDAGraphRunner:
         self.num_first_uses = 0      # keys first met by a request: its step ran eagerly, then the key was captured
         self.first_use_seconds = 0.0  # host time of those steps (the eager run and the capture)
         self.capture_bytes = 0       # device memory the start-up captures reserved
+        self._staged: tuple[ModelInputs, GraphKey] | None = None  # `stage`'s inputs: `run` skips their fill
+        self.num_staged = 0          # forwards whose inputs `stage` wrote into the static buffers
 
     def padded_size(self, batch_size: int) -> int:
         return next(s for s in self.sizes if s >= batch_size)
@@ -349,11 +234,27 @@ class CUDAGraphRunner:
             raise ValueError('routed experts were asked for, but the graphs were captured without recording them')
         return self.static_routes[:inputs.input_ids.numel()]
 
+    def stage(self, inputs: ModelInputs, payloads: list) -> tuple[ModelInputs, list] | None:
+        """Host `inputs` of a forward a graph runs, written into the static buffers with one copy together with the
+        step's other `payloads` (`StaticInputs.stage`, on the current stream): the device inputs and payloads, or
+        None (no graph runs these inputs, or the payloads do not fit; nothing was queued). `run` of the returned
+        inputs then skips the fill."""
+        key = self.key_of(inputs)
+        if key is None:
+            return None
+        staged = self.static.stage(inputs, key, payloads)
+        if staged is not None:
+            self._staged = (staged[0], key)
+            self.num_staged += 1
+        return staged
+
     def run(self, inputs: ModelInputs, key: GraphKey | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch (`supports(inputs)` must hold; `key`: its `key_of`, if known)."""
         key = key or self.key_of(inputs)
-        with phase('graph_fill'):
-            self._fill(inputs, key)
+        staged, self._staged = self._staged, None
+        if staged is None or staged[0] is not inputs or staged[1] != key:
+            with phase('graph_fill'):
+                self._fill(inputs, key)
         num_tokens = inputs.input_ids.numel()
         entry = self.graphs.get(key)
         if entry is None:

@@ -33,6 +33,7 @@ from .spec_chain import DraftChainGraphs, build_chain_graphs, chain_graph_enable
 from .spec_decode import PendingDrafts, SampleParams, SpeculativeDecoder, VerifyOutput
 from .spec_graphs import HeadGraphs, VerifyGraphRunner, build_spec_graphs
 from .spec_inputs import HeadPlan, VerifyPlan
+from .static_inputs import graph_staging_enabled
 from .trace import phase
 from .vision_cache import VisionEncoderCache
 from .warm_start import padding_inputs, warm_up_plan, warm_up_sampling
@@ -101,6 +102,7 @@ class ModelAgent:
         self.chain_graphs: DraftChainGraphs | None = None
         self._packed_uploads = chain_graph_enabled()
         self._plain_packed_uploads = packed_uploads_enabled()
+        self._staged_uploads = graph_staging_enabled()
         if num_draft_tokens:
             self.enable_speculative(num_draft_tokens)
         # with speculation the target's graphs end before the final norm (`spec.verify` / `run_model` apply it)
@@ -313,8 +315,7 @@ class ModelAgent:
         """`feed`: tokens sampled by the forward before, written into the inputs on the device (async scheduling).
         `defer`: leave the sampled ids on the device with a pending host copy (`ForwardOutput.resolve`)."""
         with phase('upload'):
-            inputs, sampling, cache_inputs, feed = self._upload(inputs, sampling, cache_inputs, feed,
-                                                                packed=self._plain_packed_uploads)
+            inputs, (sampling, cache_inputs), feed = self._upload_plain(inputs, (sampling, cache_inputs), feed)
         with self.streams.forward():
             stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs, save=False)
@@ -385,6 +386,27 @@ class ModelAgent:
             packed = upload_packed([p if f else None for f, p in zip(flat, payloads)], self.device)
         return tuple(q if f else m for f, m, q in zip(flat, moved, packed))
 
+    def _upload_plain(self, inputs: ModelInputs, payloads: tuple, feed: TokenFeed | None
+                      ) -> tuple[ModelInputs, tuple, TokenFeed | None]:
+        """A plain forward's inputs on the device. One that replays a CUDA graph is staged: its inputs and the
+        packable payloads go straight into the graph's static buffers in one copy (`StaticInputs.stage`; the feed
+        and any other payload through `streams.to_device`). Otherwise, and with `LMDEPLOY_GRAPH_STAGING=0`, they go
+        through `_upload` (`packed_uploads_enabled()`)."""
+        runner = self.graph_runner
+        if runner is not None and self._staged_uploads:
+            flat = [p is not None and packable(p) for p in payloads]
+            with self.streams.forward():
+                staged = runner.stage(inputs, [p if f else None for f, p in zip(flat, payloads)])
+            if staged is not None:
+                inputs, packed = staged
+                rest = [None if f else p for f, p in zip(flat, payloads)] + [feed]
+                if any(p is not None for p in rest):
+                    rest = list(self.streams.to_device(*rest))
+                moved = tuple(q if f else m for f, q, m in zip(flat, packed, rest))
+                return inputs, moved, rest[-1]
+        *moved, feed = self._upload(inputs, *payloads, feed, packed=self._plain_packed_uploads)
+        return moved[0], tuple(moved[1:]), feed
+
     def greedy_chain_fits(self, first: ModelInputs) -> bool:
         """Whether the greedy chain of the drafting sequences whose chained step 1 is `first` (host inputs) replays
         as one graph (`spec_chain.DraftChainGraphs`)."""
@@ -415,7 +437,7 @@ class ModelAgent:
         record (None unless asked); caches are updated as usual. The copies to the host are queued on the forward
         stream: the forward stream does not synchronise with the default stream, so a copy queued there could read
         the logits before a replayed graph has written them."""
-        inputs, cache_inputs, feed = self._upload(inputs, cache_inputs, feed, packed=self._plain_packed_uploads)
+        inputs, (cache_inputs,), feed = self._upload_plain(inputs, (cache_inputs,), feed)
         with self.streams.forward():
             stopped = feed.apply(inputs) if feed is not None else None
             hidden, routes = self.run_model(inputs, cache_inputs)

@@ -48,25 +48,54 @@ def upload_packed(payloads: list, device: torch.device, pack: bool | None = None
     one packed buffer (default: on CUDA only; the CPU tests pack to check the byte layout)."""
     if not (device.type == 'cuda' if pack is None else pack):
         return [None if p is None else p.to(device) for p in payloads]
-    fields = [(i, name, t) for i, p in enumerate(payloads) if p is not None for name, t in _host_tensors(p).items()]
+    fields, spans, size = _layout(payloads)
     if not fields:
         return list(payloads)
-    pieces, spans, at = [], [], 0
-    for _, _, t in fields:  # numpy views: a few microseconds a tensor on the host
-        raw = t.reshape(-1).view(torch.uint8).numpy()
-        pad = -raw.nbytes % _ALIGN
-        pieces.append(raw)
-        if pad:
-            pieces.append(np.zeros(pad, dtype=np.uint8))
-        spans.append((at, raw.nbytes))
-        at += raw.nbytes + pad
-    packed = torch.from_numpy(np.concatenate(pieces))
+    host = np.zeros(size, dtype=np.uint8)
+    _write(host, fields, spans)
+    packed = torch.from_numpy(host)
     if device.type == 'cuda':
         packed = packed.pin_memory()
-    packed = packed.to(device, non_blocking=True)
+    return _views(payloads, fields, spans, packed.to(device, non_blocking=True))
+
+
+def pack_into(payloads: list, host: np.ndarray, device_bytes: torch.Tensor,
+              skip: dict[int, frozenset[str]] | None = None) -> list | None:
+    """The payloads' host tensors written into `host` (uint8) as `upload_packed` lays them out, and the payloads
+    with those tensors replaced by views of `device_bytes` (uint8, as long as `host`; the caller copies `host`
+    there). None if they do not fit. `skip`: fields left as they are, by payload index."""
+    fields, spans, size = _layout(payloads, skip)
+    if size > host.size:
+        return None
+    _write(host, fields, spans)
+    return _views(payloads, fields, spans, device_bytes)
+
+
+def _layout(payloads: list, skip: dict[int, frozenset[str]] | None = None
+            ) -> tuple[list, list[tuple[int, int]], int]:
+    """(payload index, field, tensor) of every host tensor (less `skip`), each one's (start, bytes) in the packed
+    buffer, and the buffer's size: each piece starts at a multiple of `_ALIGN`, so its view keeps its dtype's
+    alignment."""
+    skip = skip or {}
+    fields = [(i, name, t) for i, p in enumerate(payloads) if p is not None
+              for name, t in _host_tensors(p).items() if name not in skip.get(i, ())]
+    spans, at = [], 0
+    for _, _, t in fields:
+        nbytes = t.numel() * t.element_size()
+        spans.append((at, nbytes))
+        at += nbytes + (-nbytes % _ALIGN)
+    return fields, spans, at
+
+
+def _write(host: np.ndarray, fields: list, spans: list[tuple[int, int]]) -> None:
+    for (_, _, t), (start, size) in zip(fields, spans):  # numpy views: a few microseconds a tensor on the host
+        host[start:start + size] = t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _views(payloads: list, fields: list, spans: list[tuple[int, int]], device_bytes: torch.Tensor) -> list:
     moved: list[dict[str, torch.Tensor]] = [{} for _ in payloads]
     for (i, name, t), (start, size) in zip(fields, spans):
-        moved[i][name] = packed[start:start + size].view(t.dtype).view(t.shape)
+        moved[i][name] = device_bytes[start:start + size].view(t.dtype).view(t.shape)
     return [None if p is None else dataclasses.replace(p, **moved[i]) for i, p in enumerate(payloads)]
 
 

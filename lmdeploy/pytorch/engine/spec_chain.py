@@ -28,8 +28,9 @@ import time
 import torch
 
 from ..model_inputs import ModelInputs
-from .cuda_graph import GraphKey, _StaticInputs, capture_sizes
+from .cuda_graph import capture_sizes
 from .spec_graphs import capture_graph
+from .static_inputs import GraphKey, StaticInputs
 
 logger = logging.getLogger('lmdeploy')
 
@@ -49,7 +50,7 @@ class DraftChainGraphs:
         self.model, self.make_context, self.k, self.device = model, make_context, num_draft_tokens, device
         self.kbs, self.max_batch_size = kernel_block_size, max_batch_size
         self.sizes = capture_sizes(max_batch_size)
-        self.static = _StaticInputs(max_batch_size, max_batch_size, max_pages, device,
+        self.static = StaticInputs(max_batch_size, max_batch_size, max_pages, device,
                                     kernel_block_size=kernel_block_size)
         self.prev = torch.zeros(max_batch_size, hidden_size, dtype=dtype, device=device)
         self.base = torch.zeros(max_batch_size, dtype=torch.int64, device=device)  # chained step 1's positions

@@ -31,7 +31,8 @@ from collections.abc import Callable
 import torch
 
 from ..model_inputs import ModelInputs, StepContext
-from .cuda_graph import CUDAGraphRunner, _StaticInputs, capture_sizes, prefill_key
+from .cuda_graph import CUDAGraphRunner, capture_sizes, prefill_key
+from .static_inputs import StaticInputs
 
 logger = logging.getLogger('lmdeploy')
 
@@ -73,7 +74,7 @@ class VerifyGraphRunner:
         self.k, self.rows = num_draft_tokens, num_draft_tokens + 1
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size, self.max_pages, self.device = max_batch_size, max_pages, device
-        self.static = _StaticInputs(max_batch_size * self.rows, max_batch_size, max_pages, device, has_lora=has_lora,
+        self.static = StaticInputs(max_batch_size * self.rows, max_batch_size, max_pages, device, has_lora=has_lora,
                                     kernel_block_size=kernel_block_size)
         self.draft_slots = torch.zeros(max_batch_size, self.k, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
