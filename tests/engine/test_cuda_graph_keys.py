@@ -124,9 +124,10 @@ def test_prefill_graph_limit_and_failed_keys_run_eagerly():
 
 
 def test_warm_prefill_keys_cover_the_batches_asked_for(monkeypatch):
-    """Start-up prefill graphs: by default every token bucket at sequence bucket 4 (one or two sequences);
-    `LMDEPLOY_WARM_PREFILL_SEQS=n` adds every sequence bucket up to the one of n sequences, so a mixed batch of a
-    prompt beside up to n - 1 decodes replays a graph captured at start-up instead of capturing on first use."""
+    """Start-up prefill graphs for batches of up to n sequences: every token bucket at every sequence bucket up
+    to the one of n sequences (n = 2: sequence bucket 4 only), so a mixed batch of a prompt beside up to n - 1
+    decodes replays a graph captured at start-up instead of capturing on first use. The engine's n is its
+    `max_batch_size` (every bucket) unless `LMDEPLOY_WARM_PREFILL_SEQS` says otherwise."""
     from lmdeploy.pytorch.engine.cuda_graph import (
         prefill_key,
         prefill_seq_buckets,
@@ -147,13 +148,16 @@ def test_warm_prefill_keys_cover_the_batches_asked_for(monkeypatch):
                 key = prefill_key(max(num_tokens, num_seqs), num_seqs, tokens, seqs)
                 assert key is None or key in keys, (n, num_seqs, num_tokens)
     assert {k.num_seqs for k in prefill_warm_keys(tokens, seqs, 20)} == {4, 8, 16, 32}
-    assert warm_prefill_seqs() == 2
+    monkeypatch.delenv('LMDEPLOY_WARM_PREFILL_SEQS', raising=False)
+    assert warm_prefill_seqs(128) == 128
+    all_keys = set(prefill_warm_keys(tokens, seqs, 128))
+    assert {k.num_seqs for k in all_keys} == set(seqs)
     monkeypatch.setenv('LMDEPLOY_WARM_PREFILL_SEQS', '64')
-    assert warm_prefill_seqs() == 64
+    assert warm_prefill_seqs(128) == 64
     for bad in ('0', '-3', 'all'):
         monkeypatch.setenv('LMDEPLOY_WARM_PREFILL_SEQS', bad)
         with pytest.raises(ValueError, match='LMDEPLOY_WARM_PREFILL_SEQS'):
-            warm_prefill_seqs()
+            warm_prefill_seqs(128)
 
 
 def test_split_layers_reads_its_variable(monkeypatch):

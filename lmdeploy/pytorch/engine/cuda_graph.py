@@ -71,11 +71,14 @@ logger = logging.getLogger('lmdeploy')
 # octave: a prompt just past an edge pads by at most 50% (256..1024) or 25% (1024..4096), where the device time
 # of the pad tokens starts to count.
 PREFILL_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
-# Sequence counts of the prefill graphs captured at start-up: one or two sequences (a lone prompt, or a prompt
-# beside one decode), i.e. sequence bucket 4, unless `LMDEPLOY_WARM_PREFILL_SEQS` asks for more (every sequence
-# bucket up to the one that holds that many: `warm_prefill_seqs`). Mixed batches with more decodes capture on first
-# use: that step runs eagerly and then captures (`ModelAgent.forward_counts` counts them).
-WARM_PREFILL_SEQS = 2
+# Sequence counts of the prefill graphs captured at start-up: every sequence bucket up to `max_batch_size + 2`
+# unless `LMDEPLOY_WARM_PREFILL_SEQS=n` asks for fewer (the buckets up to the one that holds n: `warm_prefill_seqs`;
+# 2, the default before H200 run 29: a lone prompt, or a prompt beside one decode). A key first met by a request
+# runs that step eagerly and then captures (`ModelAgent.forward_counts` counts them): in the 9B continuous-batching
+# run with the old default, 26 first uses cost 5.2 s of host time in a 21 s run (busy share 0.86); with every
+# bucket warm, none (0.976), for 13 s more start-up (docs/benchmarks.md, "H200 runs 26-29"). The cost in memory:
+# each prefill graph keeps its output buffer ([bucket tokens, hidden]; estimated ~1.3 GB over every key of the 9B
+# shape at max_batch_size 128, against ~0.2 GB for sequence bucket 4 alone; the start-up log gives the total).
 MAX_PREFILL_GRAPHS = 48
 # The prefill-graph limit unless LMDEPLOY_PREFILL_GRAPH_TOKENS says otherwise (256 restores the old limit, 0 turns
 # prefill graphs off). 4096 with the chunked gated delta rule inside the graphs passed the H200 run of 2026-12-01
@@ -128,19 +131,22 @@ def prefill_key(num_tokens: int, num_seqs: int, token_buckets: tuple[int, ...],
     return None if tokens is None else GraphKey(tokens, seqs, False)
 
 
-def warm_prefill_seqs() -> int:
-    """Sequences of the largest batch the start-up prefill graphs cover: `LMDEPLOY_WARM_PREFILL_SEQS` (default
-    `WARM_PREFILL_SEQS`; a positive int)."""
-    raw = os.environ.get('LMDEPLOY_WARM_PREFILL_SEQS', str(WARM_PREFILL_SEQS))
+def warm_prefill_seqs(max_batch_size: int) -> int:
+    """Sequences of the largest batch the start-up prefill graphs cover: `LMDEPLOY_WARM_PREFILL_SEQS` (a positive
+    int), by default `max_batch_size` (every sequence bucket)."""
+    raw = os.environ.get('LMDEPLOY_WARM_PREFILL_SEQS')
+    if raw is None:
+        return max_batch_size
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f'LMDEPLOY_WARM_PREFILL_SEQS must be a positive integer, got {raw!r}')
     return int(raw)
 
 
 def prefill_warm_keys(token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
-                      max_seqs: int = WARM_PREFILL_SEQS) -> list[GraphKey]:
+                      max_seqs: int = 2) -> list[GraphKey]:
     """Prefill graphs captured at start-up, largest first: every token bucket at every sequence bucket up to the
-    one of `max_seqs` sequences (each bucket's key for the most sequences it holds, at most `max_seqs`)."""
+    one of `max_seqs` sequences (each bucket's key for the most sequences it holds, at most `max_seqs`; the
+    default, 2: sequence bucket 4 only)."""
     buckets = {next((s for s in seq_buckets if s >= n + 2), None) for n in range(1, max_seqs + 1)} - {None}
     counts = {min(max_seqs, s - 2) for s in buckets}
     keys = {prefill_key(t, min(n, t), token_buckets, seq_buckets) for t in token_buckets for n in counts}
@@ -289,7 +295,7 @@ class CUDAGraphRunner:
         owns: no KV (slot -1), only the dummy state row. Logs the time and memory this took."""
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         keys = [GraphKey(size, size, True) for size in reversed(self.sizes)]
-        keys += prefill_warm_keys(self.token_buckets, self.seq_buckets, warm_prefill_seqs())
+        keys += prefill_warm_keys(self.token_buckets, self.seq_buckets, warm_prefill_seqs(self.max_batch_size))
         for key in keys:
             if key in self.graphs or key in self.failed:
                 continue
