@@ -89,6 +89,7 @@ def test_fuse_rows_refuses_what_it_cannot_stack():
     c = Linear(6, 2)
     assert fuse_rows([a, c]) is None  # another input width
     d = Linear(8, 5)
+    torch.nn.init.normal_(d.weight)  # not left uninitialised: stray NaNs made torch.equal fail at random
     before = (a.weight.clone(), d.weight.clone())
     stacked = fuse_rows([a, d])
     assert stacked.shape == (9, 8) and torch.equal(stacked, torch.cat(before))
