@@ -217,8 +217,7 @@ class StaticInputs:
             _pad_decode(mirror.views, inputs.batch_size, key.num_seqs)
         else:
             _pad_prefill(mirror.views, inputs, key, self.chunk_indices is not None)
-        start, dtype, _ = self.regions['block_tables']
-        end = start + key.num_seqs * self.width * torch.empty((), dtype=dtype).element_size()
+        end = self.regions['block_tables'][0] + key.num_seqs * self.width * 8   # int64 rows, the arena's last
         self.arena[:end].copy_(mirror.bytes[:end], non_blocking=True)
         if mirror.event is not None:
             mirror.event.record()
