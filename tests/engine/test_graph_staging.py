@@ -1,7 +1,8 @@
 """`StaticInputs.stage` (CPU): one host-side write and copy fills a graph key's static buffers exactly as the
 device-side fill does (against `fill_decode` / `fill_prefill` of a second set of buffers), across mirrors left
 stale by larger batches; the staged inputs and payloads come back with every value; payloads that do not fit are
-refused with nothing written; and `CUDAGraphRunner.stage` stages only what a graph runs."""
+refused with nothing written; `CUDAGraphRunner.stage` stages only what a graph runs; `ModelAgent._upload_plain`
+stages or uploads every payload; on the GPU, staged forwards equal the upload and fill."""
 from __future__ import annotations
 
 import dataclasses
@@ -186,3 +187,34 @@ def test_staged_graph_forwards_equal_the_upload_and_fill(tiny_model_factory, mon
     for (tokens, logits), (ref_tokens, ref_logits) in zip(*results):
         assert tokens == ref_tokens
         assert torch.equal(logits, ref_logits)
+
+
+def test_agent_stages_plain_forwards_and_uploads_the_rest(tiny_model_factory, make_engine, monkeypatch):
+    """`ModelAgent._upload_plain` on the CPU with a graph runner's buffers: a forward a graph runs is staged (the
+    packable payloads in the scratch, a sampling payload with per-row lists and the feed uploaded on their own); one
+    no graph runs, and any forward with `LMDEPLOY_GRAPH_STAGING=0`, goes through the plain upload. Every value
+    comes back either way."""
+    from lmdeploy.pytorch.engine.async_scheduling import TokenFeed
+    from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
+    agent = make_engine(tiny_model_factory('qwen3_next')).agent
+    runner = CUDAGraphRunner(None, None, max_batch_size=4, max_pages=MAX_PAGES, device=CPU,
+                             max_prefill_tokens=256, kernel_block_size=KBS)
+    monkeypatch.setattr(agent, 'graph_runner', runner)
+    sampling, _, plans = _payloads()
+    listed = dataclasses.replace(sampling, penalty_ids=[None, torch.tensor([3, 4])])   # not packable
+    feed = TokenFeed(torch.arange(4), torch.tensor([[0], [1], [0], [-1], [0]]))
+    rng = random.Random(11)
+    for staging, lens, staged in ((True, [100, 20], True), (True, [300], False), (False, [100, 20], False)):
+        monkeypatch.setattr(agent, '_staged_uploads', staging)
+        inputs = _batch(rng, lens, False, lora=False)
+        before = runner.num_staged
+        for payloads in ((sampling, plans), (listed, plans)):
+            got, moved, fed = agent._upload_plain(inputs, payloads, feed)
+            assert (runner.num_staged > before) == staged and (runner._staged is not None) == staged
+            runner._staged, before = None, runner.num_staged
+            _same(got, inputs)
+            _same(moved[1], plans)
+            assert torch.equal(moved[0].temperature, sampling.temperature)
+            assert [None if t is None else t.tolist() for t in moved[0].penalty_ids] == \
+                [None if t is None else t.tolist() for t in payloads[0].penalty_ids]
+            assert torch.equal(fed.table, feed.table) and fed.source is feed.source

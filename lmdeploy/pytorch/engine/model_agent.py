@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -379,12 +380,20 @@ class ModelAgent:
         (see `spec_chain`) turns it off; plain forwards pass `packed_uploads_enabled()` (on by default)."""
         if not (self._packed_uploads if packed is None else packed) or self.device.type != 'cuda':
             return self.streams.to_device(*payloads)  # (off CUDA a packed upload is the same `.to(device)`)
+        return self._upload_with(payloads, lambda flat: upload_packed(flat, self.device))
+
+    def _upload_with(self, payloads: tuple, pack: Callable[[list], list | None]) -> tuple | None:
+        """`payloads` on the device: the packable ones through `pack` (called on the forward stream with the others
+        as None; it returns them moved, or None to decline: nothing moved then, and this returns None), the rest
+        through `streams.to_device`."""
         flat = [p is not None and packable(p) for p in payloads]
+        with self.streams.forward():
+            packed = pack([p if f else None for f, p in zip(flat, payloads)])
+        if packed is None:
+            return None
         rest = [None if f else p for f, p in zip(flat, payloads)]
         moved = self.streams.to_device(*rest) if any(p is not None for p in rest) else rest
-        with self.streams.forward():
-            packed = upload_packed([p if f else None for f, p in zip(flat, payloads)], self.device)
-        return tuple(q if f else m for f, m, q in zip(flat, moved, packed))
+        return tuple(q if f else m for f, q, m in zip(flat, packed, moved))
 
     def _upload_plain(self, inputs: ModelInputs, payloads: tuple, feed: TokenFeed | None
                       ) -> tuple[ModelInputs, tuple, TokenFeed | None]:
@@ -394,16 +403,12 @@ class ModelAgent:
         through `_upload` (`packed_uploads_enabled()`)."""
         runner = self.graph_runner
         if runner is not None and self._staged_uploads:
-            flat = [p is not None and packable(p) for p in payloads]
-            with self.streams.forward():
-                staged = runner.stage(inputs, [p if f else None for f, p in zip(flat, payloads)])
-            if staged is not None:
-                inputs, packed = staged
-                rest = [None if f else p for f, p in zip(flat, payloads)] + [feed]
-                if any(p is not None for p in rest):
-                    rest = list(self.streams.to_device(*rest))
-                moved = tuple(q if f else m for f, q, m in zip(flat, packed, rest))
-                return inputs, moved, rest[-1]
+            def stage(flat: list) -> list | None:   # flat: inputs, the payloads, the feed (never packable)
+                staged = None if flat[0] is None else runner.stage(flat[0], flat[1:-1])
+                return None if staged is None else [staged[0], *staged[1], None]
+            moved = self._upload_with((inputs, *payloads, feed), stage)
+            if moved is not None:
+                return moved[0], moved[1:-1], moved[-1]
         *moved, feed = self._upload(inputs, *payloads, feed, packed=self._plain_packed_uploads)
         return moved[0], tuple(moved[1:]), feed
 
