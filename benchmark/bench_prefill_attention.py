@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -174,8 +175,7 @@ def cold_case(pool: Pool, total: int, args, cfgs, results: dict) -> None:
         ref = sdpa_flash(pool.q[h:h + n], k, v, pool.scale).float()
     del k, v
     for cfg in cfgs:
-        name = 'triton ' + ('default' if cfg is None else 'M{BLOCK_M} N{BLOCK_N} w{num_warps} s{num_stages}'.format(
-            **cfg))
+        name = 'triton ' + cfg_name(cfg)
         try:
             err = (pool.triton(slice(h, h + n), h + n, config=cfg).float() - ref).abs().max().item()
             ms = timed(lambda cfg=cfg: run_triton(cfg), args.reps)
@@ -213,14 +213,51 @@ def suffix_case(pool: Pool, args) -> None:
     ref = pool.triton(rows, prefix + suffix, num_splits=1).float()
     with contextlib.suppress(Exception):
         ref = sdpa_flash(pool.q[rows], k, v, pool.scale).float()
-    for name, kwargs in (('triton split rule', {}), ('triton S=1', {'num_splits': 1})):
-        err = (pool.triton(rows, prefix + suffix, **kwargs).float() - ref).abs().max().item()
-        report(label, name, timed(lambda kw=kwargs: pool.triton(rows, prefix + suffix, **kw), args.reps), flops,
-               args, f'max err {err:.1e}')
+    variants = [('triton split rule', {}), ('triton S=1', {'num_splits': 1})]
+    if not args.no_sweep:  # split launches: tile configs x split counts (the rule's count first)
+        block_d = max(16, 1 << (pool.head_dim - 1).bit_length())
+        cfgs = [None] + [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_D=block_d, num_warps=w, num_stages=st)
+                         for m, n, w, st in SWEEP.get(block_d, [])]
+        variants += [(f'triton {cfg_name(cfg)} S={splits or "rule"}', dict(
+            config=cfg, **({'num_splits': splits} if splits else {})))
+            for cfg in cfgs for splits in (0, 8, 16, 64) if cfg is not None or splits]
+    for name, kwargs in variants:
+        try:
+            err = (pool.triton(rows, prefix + suffix, **kwargs).float() - ref).abs().max().item()
+            call = functools.partial(pool.triton, rows, prefix + suffix, **kwargs)
+            ms = timed(call, args.reps)
+        except Exception as exc:  # out of shared memory / registers for this tile: report and go on
+            print(f'{label:18s} {name:28s} failed: {type(exc).__name__}: {str(exc)[:80]}', flush=True)
+            continue
+        report(label, name, ms, flops, args, f'max err {err:.1e}{kernel_split(call)}')
     for name, fn in BACKENDS:
         guarded(label, name, lambda name=name, fn=fn: report(
             label, name + ' (no gather)', timed(lambda: fn(pool.q[rows], k, v, pool.scale), args.reps), flops, args,
             '(expanded K/V)' if fn.state['expand'] else ''))
+
+
+def cfg_name(cfg: dict | None) -> str:
+    return 'default' if cfg is None else 'M{BLOCK_M} N{BLOCK_N} w{num_warps} s{num_stages}'.format(**cfg)
+
+
+def kernel_split(fn, reps: int = 5) -> str:
+    """'; per kernel: name us, ...': device time per call of each kernel `fn` launches (torch.profiler; '' on the
+    CPU)."""
+    if DEVICE == 'cpu':
+        return ''
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for evt in prof.key_averages():
+        if evt.device_type.name == 'CUDA' or getattr(evt, 'self_device_time_total', 0):
+            per[evt.key] = getattr(evt, 'self_device_time_total', 0) / reps
+    return '; ' + ', '.join(f'{key[:24]} {us:.0f} us' for key, us in sorted(per.items(), key=lambda kv: -kv[1])
+                            if us > 0)
 
 
 def report(label: str, name: str, ms: float, flops: float, args, note: str) -> None:
@@ -242,6 +279,7 @@ def main() -> None:
     parser.add_argument('--reps', type=int, default=3)
     parser.add_argument('--no-sweep', action='store_true')
     parser.add_argument('--smoke', action='store_true', help='CPU, TRITON_INTERPRET=1, tiny shapes')
+    parser.add_argument('--suffix-only', action='store_true', help='the suffix case alone (no cold prompts)')
     args = parser.parse_args()
     if args.smoke:
         global DEVICE
@@ -259,8 +297,10 @@ def main() -> None:
           f'GB/s; flash-attn {"importable" if flash_attn_fn() else "not importable"}', flush=True)
     results: dict = {}
     for head_dim in args.head_dims:
-        pool = Pool(max(max(args.seq_lens), args.prefix + args.suffix), args, head_dim)
+        pool = Pool(max(max(args.seq_lens) * (not args.suffix_only), args.prefix + args.suffix), args, head_dim)
         suffix_case(pool, args)
+        if args.suffix_only:
+            continue
         cfgs = [None]
         if not args.no_sweep:
             block_d = max(16, 1 << (head_dim - 1).bit_length())

@@ -127,6 +127,7 @@ PREFILL_CASES_CPU = [
     AttnCase((70, 3), (200, 0), 2, 1, 16, 4, 'fp32', num_splits=3, min_split=32),  # two tiles, 6 and 8 splits' worth
     AttnCase((9,), (130,), 4, 2, 80, 8, 'fp32', num_splits=5, min_split=64),        # 2 of 5 splits active; D 80
     AttnCase((5, 2), (100, 9), 2, 2, 32, 8, 'fp16', num_splits=2, min_split=32),
+    AttnCase((9, 3), (700, 40), 4, 2, 16, 4, 'fp32', num_splits=11, min_split=32),  # 11 / 1 active: 2 merge steps
     AttnCase((7, 1, 20), (0, 5, 30), 4, 2, 16, 4, 'fp32', num_splits=1),           # the unsplit launch
     AttnCase((70, 3), (60, 0), 2, 1, 16, 4, 'fp32', num_splits=1),
 ]
@@ -255,17 +256,20 @@ def test_gathered_prefill_only_for_long_eager_chunks_of_few_sequences():
 
 
 def test_prefill_split_rule_fills_the_gpu_only_for_short_queries():
-    # 100 tokens (graph bucket 128) x 16 heads, BLOCK_M 128: 16 tiles want ceil(4 x 132 / 16) = 33 splits; the
-    # partials' cap (128 x 16 x (256 + 1) x 4 bytes per split, 64 MiB in all) allows 31
-    assert prefill_num_splits(128, 16, 256, 128, 132) == 31
-    assert prefill_num_splits(128, 16, 256, 64, 132) == 17          # 32 tiles: ceil(528 / 32)
+    # 100 tokens (graph bucket 128) x 16 heads, BLOCK_M 128: 16 tiles, 132 // 16 = 8 splits fill one wave of the
+    # 132 SMs (the partials' cap, 128 x 16 x (256 + 1) x 4 bytes per split in 64 MiB, would allow 31)
+    assert prefill_num_splits(128, 16, 256, 128, 132) == 8
+    assert prefill_num_splits(128, 16, 256, 64, 132) == 4           # 32 tiles
     assert prefill_num_splits(128, 2, 128, 128, 132) == prefill_mod.MAX_SPLITS
-    assert prefill_num_splits(1024, 16, 256, 128, 132) == 3         # 5 wanted, 3 fit the cap
+    assert prefill_num_splits(512, 16, 256, 128, 132) == 2          # 64 tiles: two splits just fit
+    assert prefill_num_splits(1024, 16, 256, 128, 132) == 1         # 128 tiles: already one wave
     assert prefill_num_splits(8192, 16, 256, 128, 132) == 1         # cold chunks: enough tiles already
     assert prefill_num_splits(2048, 64, 256, 128, 132) == 1
-    # 64 tiles want ceil(528 / 64) = 9 splits; 4096 x 2 heads x (256 + 1) x 4 bytes is just over 8 MiB per
-    # split, so 7 fit in 64 MiB
-    assert prefill_num_splits(4096, 2, 256, 128, 132) == 7
+    assert prefill_num_splits(4096, 2, 256, 128, 132) == 2          # 64 tiles
+    assert prefill_num_splits(4096, 1, 256, 128, 132) == 4          # 32 tiles: 132 // 32 (memory allows 15)
+    assert prefill_num_splits(128, 1, 256, 128, 132) == prefill_mod.MAX_SPLITS  # 1 tile: 132 capped
+    # 8 tiles would take 16 splits; a split's partial is 1024 x 4096 x 4 bytes = 16 MiB, so 4 fit in 64 MiB
+    assert prefill_num_splits(1024, 1, 4095, 128, 132) == 4
 
 
 def capture(launch: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -15,9 +15,13 @@ Two launch shapes, chosen on the host from static shapes only (`prefill_num_spli
   takes split `s` of the tile's unmasked keys: `split_len = max(min_split, cdiv(full_end, S))` rounded up to
   `BLOCK_N`, computed on the device, so `cdiv(full_end, split_len) <= S` splits are active and the rest exit at
   once; the last active split also runs the masked stretch. Each writes its normalised partial output and its
-  log-sum-exp (base 2) in fp32; a merge kernel, program `(m', h, b)` over `MERGE_M`-row slices, combines the
-  active splits. Invariant: every split starts at or before `full_end <= ` every row's position, so each row
-  sees at least one key in every split it is part of (finite lse, no NaN), exactly as in the unsplit loop.
+  log-sum-exp (base 2) in fp32; splits past the active ones write only a log-sum-exp of -inf for their rows. A
+  merge kernel over the packed rows, program `(r, h, d)` for `MERGE_M` rows, one head and `MERGE_D` dims, reads
+  every split's log-sum-exp and weighs the partials by it, `MERGE_S` splits a step (a -inf one weighs 0 and its
+  partial is not read): it needs no sequence bookkeeping, and its grid follows the token count, not the batch
+  (a mixed prefill graph of many sequence slots launches no idle programs). Invariant: every split starts at or
+  before `full_end <= ` every row's position, so each row sees at least one key in every active split (finite
+  lse, no NaN), exactly as in the unsplit loop; split 0 is active for every row.
 The grids depend on (T, Hq, B, S) only and the split lengths on device `q_lens` / `kv_lens`: CUDA-graph safe, and
 eager and graph runs of the same shapes make the same split decision (identical numerics).
 """
@@ -34,15 +38,18 @@ from .launch import fast_kernel
 from .paged_attention import LOG2E, attend_block, check_cache, dot_precision
 
 # Split rule (work per program): a split reads at least MIN_SPLIT_KEYS keys, so its fp32 partial (BLOCK_M x D x 4
-# bytes, written once and read once by the merge) stays <= 1/8 of the K/V bytes it reads (2 x 512 x D x 2); and
-# splits are added only until the fewest live programs a shape can have (all T tokens in one sequence: cdiv(T,
-# BLOCK_M) tiles per head) fill TARGET_WAVES waves of one program per SM (the D 128 / 256 tiles hold one program
-# per SM: ~190 KiB of shared memory). Partials are capped at PARTIAL_BYTES.
+# bytes, written once and read once by the merge) stays <= 1/8 of the K/V bytes it reads (2 x 512 x D x 2); and a
+# shape whose fewest live programs (all T tokens in one sequence: cdiv(T, BLOCK_M) tiles per head) leave SMs idle
+# is split into as many splits as keep them within one wave of one program per SM (the D 128 / 256 tiles hold one
+# program per SM: ~190 KiB of shared memory). One full wave beat more splits on the H200 (bench_prefill_attention.py
+# run 32, 100 tokens after 32,700, 16 tiles: 8 splits 192 us with the merge, 16 splits 206, 31 splits 233).
+# Partials are capped at PARTIAL_BYTES.
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 32
-TARGET_WAVES = 4
 PARTIAL_BYTES = 64 << 20
-MERGE_M = 16
+MERGE_M = 8   # merge tile: rows x splits a step x dims (fp32, 4096 values)
+MERGE_S = 8
+MERGE_D = 64
 _DEFAULT_SMS = 132  # the H200's SM count: the split decision of interpreted (CPU) runs
 
 
@@ -71,23 +78,25 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
     # Keys < history + m_start precede every row of the tile; the rest, up to the last row's position, is diagonal.
     full_end = (history + m_start) // BLOCK_N * BLOCK_N
     causal_end = history + tl.minimum(m_start + BLOCK_M, q_len)
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    rows = m_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
     lo = 0
     hi = full_end
     diag_start = full_end
     if SPLIT:
         split_len = tl.maximum(min_split, tl.cdiv(tl.cdiv(full_end, num_splits), BLOCK_N) * BLOCK_N)
         num_active = tl.maximum(1, tl.cdiv(full_end, split_len))
-        if split >= num_active:
+        if split >= num_active:  # weighs nothing in the merge, which then never reads this split's partial
+            tl.store(lse_ptr + (q_start + rows) * stride_lt + head, tl.full([BLOCK_M], float('-inf'), tl.float32),
+                     mask=row_mask)
             return
         lo = split * split_len
         hi = tl.minimum(lo + split_len, full_end)
         # Only the last active split runs the masked stretch.
         diag_start = tl.where(split < num_active - 1, causal_end, full_end)
 
-    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
-    rows = m_start + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_mask = rows < q_len
     dim_mask = dims < head_dim
     q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
@@ -118,49 +127,41 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
 
 
 @fast_kernel
-@triton.jit(do_not_specialize=['num_splits'])
-def _merge_kernel(part_ptr, lse_ptr, o_ptr, cu_seqlens_q_ptr, q_lens_ptr, kv_lens_ptr,
-                  stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                  head_dim, num_splits, min_split,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows `[r, r + MERGE_M)` of one sequence and head; `MERGE_M` divides `BLOCK_M`, so they share one attention
-    tile and its active split count (the same formula as `_prefill_kernel`)."""
-    r_start = tl.program_id(0) * MERGE_M
+@triton.jit(do_not_specialize=['num_splits', 'batch_size'])
+def _merge_kernel(part_ptr, lse_ptr, o_ptr, cu_seqlens_q_ptr, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  stride_ot, stride_oh, head_dim, num_splits, batch_size,
+                  MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, MERGE_D: tl.constexpr):
+    """Packed rows `[r, r + MERGE_M)` (any sequences; rows past the last sequence's are padding and left alone), one
+    head, dims `[d, d + MERGE_D)`: out = sum_s 2^(lse_s - m) part_s / sum_s 2^(lse_s - m), m the rows' max lse."""
+    rows = tl.program_id(0) * MERGE_M + tl.arange(0, MERGE_M)
     head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
-    q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
-    if r_start >= q_len:
-        return
-    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
-    full_end = (kv_len - q_len + r_start // BLOCK_M * BLOCK_M) // BLOCK_N * BLOCK_N
-    split_len = tl.maximum(min_split, tl.cdiv(tl.cdiv(full_end, num_splits), BLOCK_N) * BLOCK_N)
-    num_active = tl.maximum(1, tl.cdiv(full_end, split_len))
-
-    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
-    rows = r_start + tl.arange(0, MERGE_M)
-    dims = tl.arange(0, BLOCK_D)
-    row_mask = rows < q_len
-    io_mask = row_mask[:, None] & (dims < head_dim)[None, :]
-    tokens = q_start + rows
+    dims = tl.program_id(2) * MERGE_D + tl.arange(0, MERGE_D)
+    row_mask = rows < tl.load(cu_seqlens_q_ptr + batch_size)
+    dim_mask = dims < head_dim
+    tokens = rows.to(tl.int64)
+    splits = tl.arange(0, MERGE_S)
     m_i = tl.full([MERGE_M], float('-inf'), dtype=tl.float32)
     w_i = tl.zeros([MERGE_M], dtype=tl.float32)
-    acc = tl.zeros([MERGE_M, BLOCK_D], dtype=tl.float32)
-    lse_ptrs = lse_ptr + tokens * stride_lt + head
-    part_ptrs = part_ptr + tokens[:, None] * stride_pt + head * stride_ph + dims[None, :]
-    for _ in range(0, num_active):  # split s at lse_ptrs / part_ptrs + s * stride (pointer steps: 64-bit)
-        lse = tl.load(lse_ptrs, mask=row_mask, other=0.0)
-        part = tl.load(part_ptrs, mask=io_mask, other=0.0)
-        m_new = tl.maximum(m_i, lse)
+    acc = tl.zeros([MERGE_M, MERGE_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, MERGE_S):
+        split_mask = (s0 + splits) < num_splits
+        lse_mask = row_mask[:, None] & split_mask[None, :]
+        lse = tl.load(lse_ptr + (s0 + splits)[None, :].to(tl.int64) * stride_ls + tokens[:, None] * stride_lt + head,
+                      mask=lse_mask, other=float('-inf'))
+        # Split 0 is active for every real row: m_new is finite from the first step on; padding rows use 0.
+        m_new = tl.where(row_mask, tl.maximum(m_i, tl.max(lse, 1)), 0.0)
         alpha = tl.exp2(m_i - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + part * weight[:, None]
-        w_i = w_i * alpha + weight
+        weight = tl.exp2(lse - m_new[:, None])  # 0 where lse is -inf (inactive split, masked load)
+        live = weight > 0
+        part_offs = ((s0 + splits)[None, :, None].to(tl.int64) * stride_ps + tokens[:, None, None] * stride_pt
+                     + head * stride_ph + dims[None, None, :])
+        part = tl.load(part_ptr + part_offs, mask=live[:, :, None] & dim_mask[None, None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 1)
+        w_i = w_i * alpha + tl.sum(weight, 1)
         m_i = m_new
-        lse_ptrs += stride_ls
-        part_ptrs += stride_ps
-    out = acc / w_i[:, None]
-    tl.store(o_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=io_mask)
+    out = acc / tl.where(row_mask, w_i, 1.0)[:, None]
+    tl.store(o_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & dim_mask[None, :])
 
 
 def prefill_attention_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -191,11 +192,10 @@ def prefill_num_splits(num_tokens: int, num_heads: int, head_dim: int, block_m: 
     """Key splits per query tile for a forward of `num_tokens` packed query rows (static shapes only; see the
     constants above for the rule)."""
     tiles = triton.cdiv(num_tokens, block_m) * num_heads
-    target = TARGET_WAVES * num_sms
-    if tiles >= target:
+    if 2 * tiles > num_sms:  # a second split would not fit the wave
         return 1
     by_memory = PARTIAL_BYTES // (num_tokens * num_heads * (head_dim + 1) * 4)
-    return max(1, min(MAX_SPLITS, triton.cdiv(target, tiles), by_memory))
+    return max(1, min(MAX_SPLITS, num_sms // tiles, by_memory))
 
 
 def _split_buffer(num_splits: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -230,7 +230,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m, block_n = cfg['BLOCK_M'], cfg['BLOCK_N']
     if num_splits is None:
         num_splits = prefill_num_splits(num_tokens, num_heads, head_dim, block_m, _num_sms(q.device))
-    assert num_splits >= 1 and block_m % MERGE_M == 0
+    assert num_splits >= 1
     split = num_splits > 1
     min_split = triton.cdiv(max(min_split_keys, 1), block_n) * block_n
     if split:
@@ -249,10 +249,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         min_split=min_split, PAGE_SIZE=k_cache.size(1), GROUP=num_heads // k_cache.size(2),
         EVEN_D=cfg['BLOCK_D'] == head_dim, PRECISION=dot_precision(q.dtype), SPLIT=split, **cfg)
     if split:
-        _merge_kernel[(triton.cdiv(max_seqlen_q, MERGE_M), num_heads, batch_size)](
-            part_ptr=part, lse_ptr=lse, o_ptr=out, cu_seqlens_q_ptr=cu_seqlens_q, q_lens_ptr=q_lens,
-            kv_lens_ptr=kv_lens, stride_ps=part.stride(0), stride_pt=part.stride(1), stride_ph=part.stride(2),
-            stride_ls=lse.stride(0), stride_lt=lse.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-            head_dim=head_dim, num_splits=num_splits, min_split=min_split, BLOCK_M=block_m, BLOCK_N=block_n,
-            MERGE_M=MERGE_M, BLOCK_D=cfg['BLOCK_D'], num_warps=4)
+        merge_d = min(MERGE_D, cfg['BLOCK_D'])
+        _merge_kernel[(triton.cdiv(num_tokens, MERGE_M), num_heads, triton.cdiv(head_dim, merge_d))](
+            part_ptr=part, lse_ptr=lse, o_ptr=out, cu_seqlens_q_ptr=cu_seqlens_q, stride_ps=part.stride(0),
+            stride_pt=part.stride(1), stride_ph=part.stride(2), stride_ls=lse.stride(0), stride_lt=lse.stride(1),
+            stride_ot=out.stride(0), stride_oh=out.stride(1), head_dim=head_dim, num_splits=num_splits,
+            batch_size=batch_size, MERGE_M=MERGE_M, MERGE_S=MERGE_S, MERGE_D=merge_d, num_warps=4)
     return out
