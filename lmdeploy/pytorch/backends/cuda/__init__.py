@@ -12,12 +12,16 @@ output gate in one pass each (`kernels/cuda/activation.py`; off: torch's pairs),
 rows in place and packs short rows into one program (`kernels/cuda/rms_norm_rows.py`; off: `rms_norm.py`, which
 copies z), and the gated DeltaNet conv writing q / k / v as contiguous tensors (`causal_conv1d_planes`; off: views
 of one [T, C] output, which fla's input guard copies). Off, the CUDA path runs the kernels verified at 3d77198.
+
+Opt-in `LMDEPLOY_TRITON_GEMV=1` (read at import): linears of one half-precision row (batch-1 decode) run the Triton
+GEMV of `kernels/cuda/gemv.py` instead of cuBLAS (not yet timed on a GPU: `benchmark/bench_decode_gemms.py`).
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ...kernels.cuda import blocked_fp8 as _fp8
 from ...kernels.cuda import causal_conv1d as _conv
@@ -30,6 +34,7 @@ from ...kernels.cuda.fill_kv_cache import fill_kv_cache
 from ...kernels.cuda.fused_recurrent_gated_delta import fused_recurrent_gated_delta_rule
 from ...kernels.cuda.gated_delta_gating import gated_delta_gating
 from ...kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
+from ...kernels.cuda.gemv import gemv
 from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.moe import warm_up_tiles as warm_up_moe_tiles  # noqa: F401 (ModelAgent.tune_kernels)
@@ -49,6 +54,7 @@ from ..default.elementwise import silu_and_mul as default_silu_and_mul
 from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
+_TRITON_GEMV = os.environ.get('LMDEPLOY_TRITON_GEMV', '0') == '1'
 
 
 def fused_prefill_enabled() -> bool:
@@ -245,6 +251,14 @@ def tune_fp8_gemms(shapes: set[tuple[int, int, tuple[int, int]]], max_rows: int,
     return _fp8.tune_blocked_gemm_fp8(shapes, max_rows, dtype, device)
 
 
+def triton_gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through the one-row GEMV (`kernels/cuda/gemv.py`) for one contiguous half-precision row."""
+    if (x.dim() == 2 and x.size(0) == 1 and x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous()
+            and weight.dtype == x.dtype and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
@@ -266,5 +280,7 @@ _BUILDERS = {
     OpType.MoEBlockedF8: blocked_fp8_builder(fused_moe_blocked_fp8),
     OpType.LoRA: _build_lora,
 }
+if _TRITON_GEMV:
+    _BUILDERS[OpType.Linear] = _const(triton_gemv_linear)
 
 BACKEND = Backend('cuda', _BUILDERS, parent=DEFAULT_BACKEND)

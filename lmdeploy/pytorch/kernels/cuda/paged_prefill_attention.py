@@ -182,7 +182,8 @@ def prefill_attention_config(head_dim: int, dtype: torch.dtype) -> dict:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (132, the H200's, for the CPU: interpreted runs decide as on that GPU)."""
     if device.type != 'cuda':
         return _DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -229,7 +230,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cfg = dict(config or prefill_attention_config(head_dim, q.dtype))
     block_m, block_n = cfg['BLOCK_M'], cfg['BLOCK_N']
     if num_splits is None:
-        num_splits = prefill_num_splits(num_tokens, num_heads, head_dim, block_m, _num_sms(q.device))
+        num_splits = prefill_num_splits(num_tokens, num_heads, head_dim, block_m, num_sms(q.device))
     assert num_splits >= 1
     split = num_splits > 1
     min_split = triton.cdiv(max(min_split_keys, 1), block_n) * block_n
