@@ -1,0 +1,72 @@
+"""The engine on CUDA with the opt-in one-row Triton GEMV (`LMDEPLOY_TRITON_GEMV=1`, read when the `cuda` backend
+is imported: so in a child process) against the default backend on the CPU in float32: one request at a time, so
+every decode step's linears (the head included) are one-row GEMVs; its bf16 logits must be no less accurate than
+the default backend's in bf16 (the margin of `test_cuda_engine.py`), and a float16 run too."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.messages import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+COMMON = dict(block_size=16, kernel_block_size=8, num_gpu_blocks=256, max_prefill_token_num=64)
+PROMPTS = [[5, 9, 13], list(range(40, 110)), [700, 3, 3, 81, 2, 19, 640], list(range(900, 870, -1))]
+NEW_TOKENS = 6
+
+_CHILD = '''
+import sys, torch
+from lmdeploy.pytorch.backends.base import OpType
+from lmdeploy.pytorch.backends.cuda import BACKEND, triton_gemv_linear
+import tests.engine.test_triton_gemv_engine as t
+assert BACKEND.build(OpType.Linear) is triton_gemv_linear, 'LMDEPLOY_TRITON_GEMV=1 did not select the GEMV'
+path, dtype, out = sys.argv[1:4]
+torch.save(t.run_one_by_one(path, dict(device_type='cuda', dtype=dtype)), out)
+'''
+
+
+def run_one_by_one(path: str, config: dict) -> list[torch.Tensor]:
+    """Each prompt alone (decode batch 1), greedy: its collected logits (prompt end and every decode step)."""
+    engine = Engine(path, PytorchEngineConfig(**config, **COMMON))
+    logits = []
+    for prompt in PROMPTS:
+        seq = engine.add_request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS), collect_logits=True)
+        while engine.has_work:
+            engine.step()
+        logits.append(engine.pop_collected_logits(seq).float().cpu())
+    return logits
+
+
+@pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_next'])
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+def test_engine_with_triton_gemv_matches_default_backend(tiny_model_factory, tmp_path, arch, dtype):
+    path = tiny_model_factory(arch)
+    truth = run_one_by_one(path, dict(device_type='cpu', dtype='float32'))
+    base = run_one_by_one(path, dict(device_type='cpu', dtype=dtype))
+    out = tmp_path / 'logits.pt'
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, 'LMDEPLOY_TRITON_GEMV': '1', 'PYTHONPATH': os.pathsep.join(
+        [root, os.environ.get('PYTHONPATH', '')])}
+    proc = subprocess.run([sys.executable, '-c', _CHILD, path, dtype, str(out)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(out)
+    decode_rows = 0
+    for prompt, ref, b, g in zip(PROMPTS, truth, base, got):
+        # Rows fed the same tokens in every run: the prompt's, then the decode steps while every run's greedy token
+        # equals the truth's, and the first step where one differs (its own inputs still agree).
+        n = len(prompt)
+        agree = (b.argmax(-1) == ref.argmax(-1))[n - 1:] & (g.argmax(-1) == ref.argmax(-1))[n - 1:]
+        rows = min(n + int(agree.cumprod(0).sum()), len(ref), len(b), len(g))
+        decode_rows += rows - n
+        err = (g[:rows] - ref[:rows]).abs().max().item()
+        base_err = (b[:rows] - ref[:rows]).abs().max().item()
+        assert err <= 2 * base_err + 1e-2, f'{arch} {dtype}: max abs err {err} vs default backend {base_err}'
+    assert decode_rows > 0, f'{arch} {dtype}: every run left the truth at the prompt end: no GEMV step compared'
