@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
-from .paged_prefill_attention import num_sms
+from .launch import device_sm_count, fast_kernel
 
 
 @fast_kernel
@@ -68,7 +67,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    cfg = dict(config or gemv_config(n, k, num_sms(x.device)))
+    cfg = dict(config or gemv_config(n, k, device_sm_count(x.device)))
     _gemv_kernel[(triton.cdiv(n, cfg['BLOCK_N']),)](
         x, weight, bias if bias is not None else out, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
         EVEN_K=k % cfg['BLOCK_K'] == 0, **cfg)

@@ -24,6 +24,7 @@ before/after measurements, `benchmark/bench_host_per_layer.py`).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -33,6 +34,16 @@ from triton.runtime.jit import JITFunction
 
 _INT32_MIN, _INT32_MAX, _UINT64_MIN = -(2 ** 31), 2 ** 31 - 1, 2 ** 63
 _ENABLED = os.environ.get('LMDEPLOY_FAST_LAUNCH', '1') != '0'
+_DEFAULT_SMS = 132  # the H200's SM count: what interpreted (CPU) runs size their grids for
+
+
+@functools.cache
+def device_sm_count(device: torch.device) -> int:
+    """The device's SM count, which launch rules size grids by (132, the H200's, off CUDA: interpreted runs then
+    decide as on that GPU)."""
+    if device.type != 'cuda':
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def arg_key(arg: Any, specialize: bool = True) -> Any:

@@ -27,14 +27,13 @@ eager and graph runs of the same shapes make the same split decision (identical 
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import device_sm_count, fast_kernel
 from .paged_attention import LOG2E, attend_block, check_cache, dot_precision
 
 # Split rule (work per program): a split reads at least MIN_SPLIT_KEYS keys, so its fp32 partial (BLOCK_M x D x 4
@@ -50,7 +49,6 @@ PARTIAL_BYTES = 64 << 20
 MERGE_M = 8   # merge tile: rows x splits a step x dims (fp32, 4096 values)
 MERGE_S = 8
 MERGE_D = 64
-_DEFAULT_SMS = 132  # the H200's SM count: the split decision of interpreted (CPU) runs
 
 
 @fast_kernel
@@ -181,14 +179,6 @@ def prefill_attention_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=2)
 
 
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """The device's SM count (132, the H200's, for the CPU: interpreted runs decide as on that GPU)."""
-    if device.type != 'cuda':
-        return _DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def prefill_num_splits(num_tokens: int, num_heads: int, head_dim: int, block_m: int, num_sms: int) -> int:
     """Key splits per query tile for a forward of `num_tokens` packed query rows (static shapes only; see the
     constants above for the rule)."""
@@ -230,7 +220,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cfg = dict(config or prefill_attention_config(head_dim, q.dtype))
     block_m, block_n = cfg['BLOCK_M'], cfg['BLOCK_N']
     if num_splits is None:
-        num_splits = prefill_num_splits(num_tokens, num_heads, head_dim, block_m, num_sms(q.device))
+        num_splits = prefill_num_splits(num_tokens, num_heads, head_dim, block_m, device_sm_count(q.device))
     assert num_splits >= 1
     split = num_splits > 1
     min_split = triton.cdiv(max(min_split_keys, 1), block_n) * block_n
