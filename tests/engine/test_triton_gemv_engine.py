@@ -1,7 +1,10 @@
-"""The engine on CUDA with the opt-in one-row Triton GEMV (`LMDEPLOY_TRITON_GEMV=1`, read when the `cuda` backend
-is imported: so in a child process) against the default backend on the CPU in float32: one request at a time, so
-every decode step's linears (the head included) are one-row GEMVs; its bf16 logits must be no less accurate than
-the default backend's in bf16 (the margin of `test_cuda_engine.py`), and a float16 run too."""
+"""The engine on CUDA with the one-row Triton GEMV (the default; `LMDEPLOY_TRITON_GEMV`, read when the `cuda`
+backend is imported, so each run is a child process) against the same backend with `LMDEPLOY_TRITON_GEMV=0`
+(cuBLAS), both measured against the default backend on the CPU in float32: one request at a time, so every decode
+step's linears (the head included) are one-row GEMVs. The GEMV run's logits must be no less accurate than the
+cuBLAS run's (the margin of `test_cuda_engine.py`): the two differ only in the linears, so the other CUDA kernels'
+own half-precision error (which in float16 exceeds the CPU backend's) is in both.
+"""
 from __future__ import annotations
 
 import os
@@ -26,8 +29,8 @@ import sys, torch
 from lmdeploy.pytorch.backends.base import OpType
 from lmdeploy.pytorch.backends.cuda import BACKEND, triton_gemv_linear
 import tests.engine.test_triton_gemv_engine as t
-assert BACKEND.build(OpType.Linear) is triton_gemv_linear, 'LMDEPLOY_TRITON_GEMV=1 did not select the GEMV'
-path, dtype, out = sys.argv[1:4]
+path, dtype, out, on = sys.argv[1:5]
+assert (BACKEND.build(OpType.Linear) is triton_gemv_linear) == (on == '1'), f'LMDEPLOY_TRITON_GEMV={on} ignored'
 torch.save(t.run_one_by_one(path, dict(device_type='cuda', dtype=dtype)), out)
 '''
 
@@ -44,20 +47,23 @@ def run_one_by_one(path: str, config: dict) -> list[torch.Tensor]:
     return logits
 
 
+def run_child(path: str, dtype: str, out, on: str) -> list[torch.Tensor]:
+    """`run_one_by_one` on CUDA in a child process with `LMDEPLOY_TRITON_GEMV=on`."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, 'LMDEPLOY_TRITON_GEMV': on, 'PYTHONPATH': os.pathsep.join(
+        [root, os.environ.get('PYTHONPATH', '')])}
+    proc = subprocess.run([sys.executable, '-c', _CHILD, path, dtype, str(out), on], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out)
+
+
 @pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_next'])
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_engine_with_triton_gemv_matches_default_backend(tiny_model_factory, tmp_path, arch, dtype):
     path = tiny_model_factory(arch)
     truth = run_one_by_one(path, dict(device_type='cpu', dtype='float32'))
-    base = run_one_by_one(path, dict(device_type='cpu', dtype=dtype))
-    out = tmp_path / 'logits.pt'
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, 'LMDEPLOY_TRITON_GEMV': '1', 'PYTHONPATH': os.pathsep.join(
-        [root, os.environ.get('PYTHONPATH', '')])}
-    proc = subprocess.run([sys.executable, '-c', _CHILD, path, dtype, str(out)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = torch.load(out)
+    base, got = (run_child(path, dtype, tmp_path / f'logits{on}.pt', on) for on in ('0', '1'))
     decode_rows = 0
     for prompt, ref, b, g in zip(PROMPTS, truth, base, got):
         # Rows fed the same tokens in every run: the prompt's, then the decode steps while every run's greedy token
@@ -68,5 +74,5 @@ def test_engine_with_triton_gemv_matches_default_backend(tiny_model_factory, tmp
         decode_rows += rows - n
         err = (g[:rows] - ref[:rows]).abs().max().item()
         base_err = (b[:rows] - ref[:rows]).abs().max().item()
-        assert err <= 2 * base_err + 1e-2, f'{arch} {dtype}: max abs err {err} vs default backend {base_err}'
+        assert err <= 2 * base_err + 1e-2, f'{arch} {dtype}: GEMV max abs err {err} vs cuBLAS {base_err}'
     assert decode_rows > 0, f'{arch} {dtype}: every run left the truth at the prompt end: no GEMV step compared'

@@ -1,5 +1,5 @@
 """The one-row linear (`kernels/cuda/gemv.py`) against `torch.nn.functional.linear` in float64, and the `cuda`
-backend's opt-in dispatch to it (`LMDEPLOY_TRITON_GEMV=1`: one-row half-precision inputs only).
+backend's dispatch to it (one-row half-precision inputs only; `LMDEPLOY_TRITON_GEMV=0` turns it off).
 
 Shapes on purpose: widths K that are a multiple of the kernel's step and ones that leave a masked tail (or are
 smaller than one step), row counts N that are not a multiple of `BLOCK_N`, N = 1, and a weight that is a row
@@ -77,12 +77,18 @@ def test_gemv_kernel_interpreted():
     run_cpu_tests_interpreted(__file__)
 
 
-def test_gemv_config_keeps_two_programs_per_sm():
-    assert gemv_config(24576, 4096, 132) == dict(BLOCK_N=16, BLOCK_K=512, num_warps=4)   # 1536 programs
-    assert gemv_config(4096, 4096, 132)['BLOCK_N'] == 8                                  # 512
-    assert gemv_config(2048, 4096, 132)['BLOCK_N'] == 4                                  # 512
-    assert gemv_config(64, 2048, 132)['BLOCK_N'] == 1                                    # 64: all it has
-    assert gemv_config(9, 40, 132)['BLOCK_K'] == 64
+def test_gemv_config_follows_the_sweep():
+    # the H200's best tiles per shape (run 34): wide weights 16 x 256, narrow ones a row of 512-column steps,
+    # weights of at most 4M elements 1024-column steps on 8 warps, short rows (k = 512) four to a program
+    assert gemv_config(248320, 4096, 132) == dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
+    assert gemv_config(12288, 2048, 132) == dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
+    assert gemv_config(4096, 12288, 132) == dict(BLOCK_N=1, BLOCK_K=512, num_warps=4)
+    assert gemv_config(2048, 4096, 132) == dict(BLOCK_N=1, BLOCK_K=512, num_warps=4)
+    assert gemv_config(64, 4096, 132) == dict(BLOCK_N=1, BLOCK_K=1024, num_warps=8)
+    assert gemv_config(1024, 2048, 132) == dict(BLOCK_N=1, BLOCK_K=1024, num_warps=8)
+    assert gemv_config(2048, 512, 132) == dict(BLOCK_N=4, BLOCK_K=512, num_warps=8)
+    assert gemv_config(9, 40, 132) == dict(BLOCK_N=16, BLOCK_K=64, num_warps=8)
+    assert gemv_config(12288, 4096, 16)['BLOCK_N'] == 16                              # "wide" counts SMs
 
 
 @pytest.mark.gpu

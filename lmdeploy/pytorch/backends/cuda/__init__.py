@@ -13,8 +13,9 @@ rows in place and packs short rows into one program (`kernels/cuda/rms_norm_rows
 copies z), and the gated DeltaNet conv writing q / k / v as contiguous tensors (`causal_conv1d_planes`; off: views
 of one [T, C] output, which fla's input guard copies). Off, the CUDA path runs the kernels verified at 3d77198.
 
-Opt-in `LMDEPLOY_TRITON_GEMV=1` (read at import): linears of one half-precision row (batch-1 decode) run the Triton
-GEMV of `kernels/cuda/gemv.py` instead of cuBLAS (not yet timed on a GPU: `benchmark/bench_decode_gemms.py`).
+Linears of one half-precision row (batch-1 decode, one sequence's logits) run the Triton GEMV of
+`kernels/cuda/gemv.py`, which reads the weights faster than cuBLAS at one row on the H200 (run 34:
+`benchmark/bench_decode_gemms.py`); `LMDEPLOY_TRITON_GEMV=0` (read at import) keeps cuBLAS for them.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ from ..default.elementwise import silu_and_mul as default_silu_and_mul
 from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
-_TRITON_GEMV = os.environ.get('LMDEPLOY_TRITON_GEMV', '0') == '1'
+_TRITON_GEMV = os.environ.get('LMDEPLOY_TRITON_GEMV', '1') != '0'
 
 
 def fused_prefill_enabled() -> bool:

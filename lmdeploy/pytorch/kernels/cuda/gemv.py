@@ -1,15 +1,15 @@
 """One-row linear, `y = x @ W^T (+ b)` for x [1, K] and W [N, K] (reference: `torch.nn.functional.linear`).
 
 A batch-1 decode step reads every weight once for one row, so its GEMMs are matrix-vector products bound by the
-weight read. cuBLAS reaches 83-86% of the H200's copy rate on the 9B shape's large projections and 40-76% on the
-MoE shapes' (2048-wide) ones, and a tiny weight costs it ~4-5 us whatever its bytes (`docs/benchmarks.md`,
-`benchmark/bench_decode_gemms.py`). This kernel streams W once: program `n` owns `BLOCK_N` rows and walks K in
-`BLOCK_K` steps, multiplying in fp32 into a `[BLOCK_N, BLOCK_K]` accumulator that is reduced once at the end (no
-cross-lane reduction per step). `BLOCK_N` is the largest power of two (at most 16) that still leaves two programs
-per SM, so narrow weights (N of a few thousand rows) keep the GPU busy.
+weight read. This kernel streams W once: program `n` owns `BLOCK_N` rows and walks K in `BLOCK_K` steps,
+multiplying in fp32 into a `[BLOCK_N, BLOCK_K]` accumulator that is reduced once at the end (no cross-lane
+reduction per step). On the H200 (run 34, `docs/benchmarks.md`, `benchmark/bench_decode_gemms.py --gemv-sweep`),
+with the sweep's best tiles, it beats cuBLAS's `F.linear` on every one-row weight shape of the real-depth models,
+by the most on the narrow and tiny weights (a 64-row weight: 2.4 us against 5.8); the 9B shape's 153 linears a
+forward take 4.04 ms against 4.66 (their floor 3.77). `gemv_config` is the rule those best tiles follow.
 
-Opt-in (`LMDEPLOY_TRITON_GEMV=1`, read at the backend's import): not yet timed against cuBLAS on a GPU
-(`bench_decode_gemms.py` has the column); the backend uses it for one-row half-precision inputs only.
+The `cuda` backend's `OpType.Linear` runs it for one contiguous half-precision row (`LMDEPLOY_TRITON_GEMV=0`, read
+at the backend's import, keeps cuBLAS).
 """
 from __future__ import annotations
 
@@ -46,13 +46,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 
 
 def gemv_config(n: int, k: int, sms: int) -> dict:
-    """Tiles for an [n, k] weight: `BLOCK_N` rows a program (a power of two in [1, 16], at least two programs per
-    SM where n allows), `BLOCK_K` columns a step (512, or k's power of two if smaller)."""
-    block_n = 16
-    while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
-        block_n //= 2
-    block_k = min(512, max(16, triton.next_power_of_2(k)))
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    """Tiles for an [n, k] weight on `sms` SMs, the rule of the H200 sweep's best tiles (run 34): a wide weight (at
+    least 64 rows an SM) takes 16 rows x 256 columns a program; a narrower one gives a program the rows of 2048
+    columns (one row where k >= 2048, four for k = 512), 512 columns a step, or 1024 columns and 8 warps where the
+    whole weight is at most 4M elements (the 64- to 1024-row weights, which need long steps to hide latency)."""
+    kp = max(16, triton.next_power_of_2(k))
+    if n >= 64 * sms:
+        return dict(BLOCK_N=16, BLOCK_K=min(256, kp), num_warps=4)
+    small = n * k <= 1 << 22
+    return dict(BLOCK_N=max(1, min(16, 2048 // kp)), BLOCK_K=min(1024 if small else 512, kp),
+                num_warps=8 if small else 4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
