@@ -8,7 +8,7 @@ stored transposed, [in, out]: cuBLAS picks other kernels for that layout), devic
 of calls over enough weight copies that none is read from L2 twice; GB/s of the weight bytes and the share of the
 copy rate (`real_depth_floors.measure_device`). The last lines sum count x time per forward against the weights'
 floor, so the table says which projections lose the decode step's GEMM time. At batch 1 the Triton GEMV
-(`kernels/cuda/gemv.py`, the opt-in `LMDEPLOY_TRITON_GEMV=1`) is timed beside cuBLAS, with its default tiles and,
+(`kernels/cuda/gemv.py`, the `cuda` backend's default for one row) is timed beside cuBLAS, with its default tiles and,
 with `--gemv-sweep`, the best of BLOCK_N x BLOCK_K x warps (printed, to tune `gemv_config`).
 
     python benchmark/bench_decode_gemms.py --shape qwen3.5-35b-a3b          # ~1 minute on an H200
