@@ -121,8 +121,11 @@ def forced_acceptance_states(path: str, prepare: Callable = lambda engine: None)
         for seq, _ in engine._seqs.values():
             if seq.state_slot is None or seq.num_computed not in plain_states:
                 continue
+            # The verification forward sums the K + 1 tokens in another order than one-token steps: on some CPUs
+            # (float32, states up to ~2.4 here) that leaves ~1.1e-5 after 24 steps, about 5e-6 of the largest
+            # state; a state not rolled back, or one restored from the wrong step, is off by orders more.
             for got, want in zip(state_rows(engine, seq.state_slot), plain_states[seq.num_computed]):
-                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got, want, atol=4e-5, rtol=1e-5)
             advances.append(seq.num_computed)
 
     (spec,) = run_to_idle(engine, [prompt], greedy(steps), after_step=check_state)
