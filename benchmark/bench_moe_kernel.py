@@ -14,7 +14,12 @@ alignment against the torch one (`LMDEPLOY_MOE_ALIGN=torch`), eager and replayed
 each replay, and the device time of each. `--write-config DIR` writes the best configs as this shape's table
 (`moe.config_file_name`, keyed by (token, expert) pair counts), the file `kernels/cuda/moe_configs/` ships.
 
+`--gemv`: also the few-token path of `kernels/cuda/moe_gemv.py` (opt-in `LMDEPLOY_MOE_GEMV=1`, which `fused_moe` takes
+for up to `moe_gemv.MAX_TOKENS` tokens), called directly for every count up to 16 tokens (the crossover), its
+output checked against the untuned `fused_moe`'s.
+
     python benchmark/bench_moe_kernel.py                           # Qwen3.5-35B-A3B experts (64 kept), ~2 min, H200
+    python benchmark/bench_moe_kernel.py --tokens 1 2 4 8 16 --no-sweep --gemv    # the decode counts, both paths
     python benchmark/bench_moe_kernel.py --top-k 10 --no-sweep     # Qwen3-Next-80B routing, the table only
 """
 from __future__ import annotations
@@ -32,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graph_timing import graph_us  # noqa: E402
 from real_depth_floors import measure_device  # noqa: E402
 
-from lmdeploy.pytorch.kernels.cuda import moe, moe_align  # noqa: E402
+from lmdeploy.pytorch.kernels.cuda import moe, moe_align, moe_gemv  # noqa: E402
 
 
 class Case:
@@ -50,6 +55,10 @@ class Case:
     def run(self, config=None, i: int = 0) -> torch.Tensor:
         gate_up, down = self.weights[i % len(self.weights)]
         return moe.fused_moe(self.x, gate_up, down, self.w, self.ids, config)
+
+    def run_gemv(self, i: int = 0) -> torch.Tensor:
+        gate_up, down = self.weights[i % len(self.weights)]
+        return moe_gemv.fused_moe_gemv(self.x, gate_up, down, self.w, self.ids)
 
 
 def up_grid(block_m: int):
@@ -147,6 +156,7 @@ def main() -> None:
     p.add_argument('--layers', type=int, default=6, help='weight copies rotated through')
     p.add_argument('--sweep', action=argparse.BooleanOptionalAction, default=True)
     p.add_argument('--write-config', default=None, metavar='DIR', help="write the best configs as this shape's table")
+    p.add_argument('--gemv', action='store_true', help='also time moe_gemv.fused_moe_gemv up to 16 tokens')
     a = p.parse_args()
     rates = measure_device(torch.device('cuda'), torch.bfloat16)
     name = moe.cuda_device_name(torch.cuda.current_device())
@@ -160,7 +170,7 @@ def main() -> None:
                for _ in range(a.layers)]
     has_table = bool(moe.table_pair_counts(a.experts, a.hidden, a.inter, name))
     print('tokens | untuned us | table us | best us | best config (BLOCK_M, up, down) | floor us | bmm us | '
-          'best/floor | untuned/best', flush=True)
+          'best/floor | untuned/best' + (' | gemv us | gemv/floor' if a.gemv else ''), flush=True)
     best_configs = {}
     for tokens in a.tokens:
         case = Case(a, tokens, weights)
@@ -173,8 +183,18 @@ def main() -> None:
         t_best, cfg = sweep(case, a, untuned, want) if a.sweep else (t_untuned, untuned)
         floor, t_bmm = floor_us(a, case, rates), bmm_us(a, tokens)
         best_configs[pairs] = [cfg.block_m, list(cfg.up), list(cfg.down)]
+        gemv = ''
+        if a.gemv:
+            t_gemv = float('nan')
+            if tokens <= 16:
+                got = case.run_gemv().float()
+                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+                    raise SystemExit(f'moe_gemv differs from fused_moe at {tokens} tokens: '
+                                     f'{(got - want).abs().max().item():.3g}')
+                t_gemv = graph_us(case.run_gemv, a.layers)
+            gemv = f' | {t_gemv:7.1f} | {t_gemv / floor:5.2f}x'
         print(f'{tokens:6d} | {t_untuned:9.1f} | {t_table:8.1f} | {t_best:8.1f} | {tuple(cfg)} | {floor:7.1f} | '
-              f'{t_bmm:7.1f} | {t_best / floor:5.2f}x | {t_untuned / t_best:5.2f}x', flush=True)
+              f'{t_bmm:7.1f} | {t_best / floor:5.2f}x | {t_untuned / t_best:5.2f}x{gemv}', flush=True)
     table = {'device': name, 'commit': os.environ.get('LMDEPLOY_COMMIT', '?'), 'top_k': a.top_k,
              'how': 'benchmark/bench_moe_kernel.py: best of a sweep, device time in CUDA graphs',
              'configs': {str(k): v for k, v in best_configs.items()}}

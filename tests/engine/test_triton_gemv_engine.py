@@ -3,7 +3,8 @@ backend is imported, so each run is a child process) against the same backend wi
 (cuBLAS), both measured against the default backend on the CPU in float32: one request at a time, so every decode
 step's linears (the head included) are one-row GEMVs. The GEMV run's logits must be no less accurate than the
 cuBLAS run's (the margin of `test_cuda_engine.py`): the two differ only in the linears, so the other CUDA kernels'
-own half-precision error (which in float16 exceeds the CPU backend's) is in both.
+own half-precision error (which in float16 exceeds the CPU backend's) is in both. The MoE GEMV
+(`LMDEPLOY_MOE_GEMV=1`, `kernels/cuda/moe_gemv.py`) is checked the same way on Qwen3-Next's sparse layers.
 """
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ _CHILD = '''
 import sys, torch
 from lmdeploy.pytorch.backends.base import OpType
 from lmdeploy.pytorch.backends.cuda import BACKEND, triton_gemv_linear
+from lmdeploy.pytorch.kernels.cuda import moe
 import tests.engine.test_triton_gemv_engine as t
-path, dtype, out, on = sys.argv[1:5]
-assert (BACKEND.build(OpType.Linear) is triton_gemv_linear) == (on == '1'), f'LMDEPLOY_TRITON_GEMV={on} ignored'
+path, dtype, out, switch, on = sys.argv[1:6]
+used = {'LMDEPLOY_TRITON_GEMV': BACKEND.build(OpType.Linear) is triton_gemv_linear,
+        'LMDEPLOY_MOE_GEMV': moe._MOE_GEMV}[switch]
+assert used == (on == '1'), f'{switch}={on} ignored'
 torch.save(t.run_one_by_one(path, dict(device_type='cuda', dtype=dtype)), out)
 '''
 
@@ -47,23 +51,21 @@ def run_one_by_one(path: str, config: dict) -> list[torch.Tensor]:
     return logits
 
 
-def run_child(path: str, dtype: str, out, on: str) -> list[torch.Tensor]:
-    """`run_one_by_one` on CUDA in a child process with `LMDEPLOY_TRITON_GEMV=on`."""
+def run_child(path: str, dtype: str, out, switch: str, on: str) -> list[torch.Tensor]:
+    """`run_one_by_one` on CUDA in a child process with the environment variable `switch` set to `on`."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, 'LMDEPLOY_TRITON_GEMV': on, 'PYTHONPATH': os.pathsep.join(
-        [root, os.environ.get('PYTHONPATH', '')])}
-    proc = subprocess.run([sys.executable, '-c', _CHILD, path, dtype, str(out), on], env=env, cwd=root,
+    env = {**os.environ, switch: on, 'PYTHONPATH': os.pathsep.join([root, os.environ.get('PYTHONPATH', '')])}
+    proc = subprocess.run([sys.executable, '-c', _CHILD, path, dtype, str(out), switch, on], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
 
 
-@pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_next'])
-@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
-def test_engine_with_triton_gemv_matches_default_backend(tiny_model_factory, tmp_path, arch, dtype):
-    path = tiny_model_factory(arch)
+def compare_switch(path: str, tmp_path, dtype: str, switch: str) -> None:
+    """The run with `switch=1` no less accurate than with `switch=0`, both against the CPU backend in float32, on
+    the rows every run was fed alike."""
     truth = run_one_by_one(path, dict(device_type='cpu', dtype='float32'))
-    base, got = (run_child(path, dtype, tmp_path / f'logits{on}.pt', on) for on in ('0', '1'))
+    base, got = (run_child(path, dtype, tmp_path / f'logits{on}.pt', switch, on) for on in ('0', '1'))
     decode_rows = 0
     for prompt, ref, b, g in zip(PROMPTS, truth, base, got):
         # Rows fed the same tokens in every run: the prompt's, then the decode steps while every run's greedy token
@@ -74,5 +76,18 @@ def test_engine_with_triton_gemv_matches_default_backend(tiny_model_factory, tmp
         decode_rows += rows - n
         err = (g[:rows] - ref[:rows]).abs().max().item()
         base_err = (b[:rows] - ref[:rows]).abs().max().item()
-        assert err <= 2 * base_err + 1e-2, f'{arch} {dtype}: GEMV max abs err {err} vs cuBLAS {base_err}'
-    assert decode_rows > 0, f'{arch} {dtype}: every run left the truth at the prompt end: no GEMV step compared'
+        assert err <= 2 * base_err + 1e-2, f'{dtype} {switch}=1: max abs err {err} vs {base_err} with it 0'
+    assert decode_rows > 0, f'{dtype}: every run left the truth at the prompt end: no decode step compared'
+
+
+@pytest.mark.parametrize('arch', ['qwen3_5', 'qwen3_next'])
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+def test_engine_with_triton_gemv_matches_default_backend(tiny_model_factory, tmp_path, arch, dtype):
+    compare_switch(tiny_model_factory(arch), tmp_path, dtype, 'LMDEPLOY_TRITON_GEMV')
+
+
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+def test_engine_with_moe_gemv_matches_fused_moe(tiny_model_factory, tmp_path, dtype):
+    """Qwen3-Next's sparse MoE layers at batch 1 through `moe_gemv.py` (`LMDEPLOY_MOE_GEMV=1`) against
+    `fused_moe`'s launches."""
+    compare_switch(tiny_model_factory('qwen3_next'), tmp_path, dtype, 'LMDEPLOY_MOE_GEMV')

@@ -31,6 +31,8 @@ from .moe_align import align_pairs, align_pairs_reference
 
 # The alignment: three Triton launches (default), or `moe_align.py`'s ~20 torch ops with LMDEPLOY_MOE_ALIGN=torch.
 _TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'triton') != 'torch'
+# Opt-in (not yet timed on a GPU): forwards of up to `moe_gemv.MAX_TOKENS` tokens take `moe_gemv.py`'s two launches.
+_MOE_GEMV = os.environ.get('LMDEPLOY_MOE_GEMV', '0') == '1'
 # Tuned tile tables (`benchmark/bench_moe_kernel.py --write-config`): this package's `moe_configs/`, or the
 # folder LMDEPLOY_MOE_CONFIG_DIR names (searched first).
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'moe_configs')
@@ -221,9 +223,11 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
     x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
     float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype. `config` overrides
-    the tile sizes `default_config` picks (`benchmark/bench_moe_kernel.py` sweeps them). `shared` (gate_up [2I, H],
-    down [H, I], the strides of one routed expert): a shared expert run as expert id E in the same launches; the
-    last column of `topk_ids` is then E for every token and that of `topk_weights` its scale (the sigmoid gate).
+    the tile sizes `default_config` picks (`benchmark/bench_moe_kernel.py` sweeps them); without one, and with
+    `LMDEPLOY_MOE_GEMV=1`, forwards of up to `moe_gemv.MAX_TOKENS` tokens run `moe_gemv.fused_moe_gemv`. `shared`
+    (gate_up [2I, H], down [H, I], the strides of one routed expert): a shared expert run as expert id E in the
+    same launches; the last column of `topk_ids` is then E for every token and that of `topk_weights` its scale (the
+    sigmoid gate).
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -244,6 +248,10 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         assert shared_gate_up.stride() == gate_up_proj.stride()[1:] and shared_down.stride() == down_proj.stride()[1:]
         assert shared_gate_up.dtype == gate_up_proj.dtype and shared_down.dtype == down_proj.dtype
     has_shared = int(shared is not None)
+    if _MOE_GEMV and config is None:
+        from .moe_gemv import MAX_TOKENS, fused_moe_gemv  # imports this module: not at the top
+        if num_tokens <= MAX_TOKENS:
+            return fused_moe_gemv(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
     num_pairs = num_tokens * top_k
     if config is None:
         name = _device_name(x.device)

@@ -1,0 +1,134 @@
+"""Fused MoE for a few tokens (decode), in two launches that stream each routed expert's weights like `gemv.py`.
+
+`moe.fused_moe` groups the (token, expert) pairs by expert (three alignment launches), multiplies row blocks of
+at least 16 rows with `tl.dot` (a decode token's pair fills one of them), writes one output row per pair and sums
+a token's `top_k` rows in torch: six launches a MoE layer, each of a few microseconds at batch 1, where the H200
+profile of the 35B-A3B shape's decode step counts ~27 kernels a layer (`docs/benchmarks.md`, run 12). Here:
+
+1. Up: program (pair, column block of I) reads the pair's expert id, streams `BLOCK_N` gate rows and the matching
+   up rows of that expert's `gate_up_proj` against the token's row (fp32 `[BLOCK_N, BLOCK_K]` accumulators
+   reduced once) and stores `silu(gate) * up` for the pair.
+2. Down: program (token, column block of H) loops over the token's `top_k` pairs, streams `BLOCK_N` rows of each
+   expert's `down_proj` against the pair's intermediate and adds it times the routing weight: the token's output
+   row, with no per-pair buffer and no sum launch (deterministic: a fixed order over k).
+
+Same semantics as `fused_moe` (`backends/default/moe.py`): the gate and up projections and each pair's down
+projection are rounded to `x.dtype`, the routing weight is applied in that dtype; the sum over k is accumulated in
+fp32 and rounded once (`fused_moe` rounds each weighted pair first). A shared expert runs as expert id E, as there.
+
+No argument or tile depends on the token count (the grid does), so one binary per expert shape serves every batch
+and the start-up warm-up's first call (`moe.warm_up_tiles`, one token) compiles it. `fused_moe` takes this path for
+up to `MAX_TOKENS` tokens when `LMDEPLOY_MOE_GEMV=1` (opt-in: not yet timed on a GPU; `benchmark/bench_moe_kernel.py
+--gemv` times both).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import device_sm_count, fast_kernel
+from .moe import expert_weights
+
+MAX_TOKENS = 4  # fused_moe's dispatch bound: pairs of a few tokens rarely share an expert, so each streams its own
+
+
+@fast_kernel
+@triton.jit
+def _moe_gemv_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, act_ptr, hidden, inter, stride_xt, stride_we, stride_wn,
+                        stride_at, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS, HAS_SHARED)
+    gate_ptrs = w_base + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    x_ptrs = x_ptr + token * stride_xt + offs_k
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        acc_gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    dtype = act_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, 1).to(dtype).to(tl.float32)
+    up = tl.sum(acc_up, 1).to(dtype).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_at + cols, (gate * tl.sigmoid(gate) * up).to(dtype), mask=col_mask)
+
+
+@fast_kernel
+@triton.jit
+def _moe_gemv_down_kernel(act_ptr, w_ptr, shared_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, stride_at,
+                          stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                          HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        route = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
+        w_ptrs = (expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS, HAS_SHARED)
+                  + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
+        a_ptrs = act_ptr + pair * stride_at + offs_k
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_mask = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32) * a
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        out += tl.sum(acc, 1).to(dtype).to(tl.float32) * route
+    tl.store(out_ptr + token * stride_ot + cols, out.to(dtype), mask=col_mask)
+
+
+def gemv_tiles(groups: int, rows: int, k: int, sms: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for `groups` x `rows` output rows of width `k`: the largest power-of-two BLOCK_N up to 16
+    that leaves two programs per SM where the rows allow, and 512-column steps (k's power of two if smaller)."""
+    block_n = 16
+    while block_n > 1 and groups * triton.cdiv(rows, block_n) < 2 * sms:
+        block_n //= 2
+    return block_n, min(512, max(16, triton.next_power_of_2(k)))
+
+
+def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`moe.fused_moe`'s contract (x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], topk_* [T, K], `shared`
+    as expert id E), for few tokens: weights contiguous in their last dim, x rows contiguous."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, double_inter, _ = gate_up_proj.shape
+    inter = double_inter // 2
+    out = torch.empty_like(x)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    assert x.stride(-1) == 1 and gate_up_proj.stride(-1) == 1 and down_proj.stride(-1) == 1
+    shared_gate_up, shared_down = shared if shared is not None else (gate_up_proj, down_proj)
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    num_pairs = num_tokens * top_k
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    sms = device_sm_count(x.device)
+    block_n, block_k = gemv_tiles(top_k, inter, hidden, sms)  # one token's count: tiles do not move with T
+    _moe_gemv_up_kernel[(num_pairs, triton.cdiv(inter, block_n))](
+        x, gate_up_proj, shared_gate_up, ids, act, hidden, inter, x.stride(0), gate_up_proj.stride(0),
+        gate_up_proj.stride(1), act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts, HAS_SHARED=int(shared is not None),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    block_n, block_k = gemv_tiles(1, hidden, inter, sms)
+    _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        act, down_proj, shared_down, ids, weights, out, hidden, inter, act.stride(0), down_proj.stride(0),
+        down_proj.stride(1), out.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts, HAS_SHARED=int(shared is not None),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out

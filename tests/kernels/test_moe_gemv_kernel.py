@@ -1,0 +1,151 @@
+"""The few-token fused MoE (`kernels/cuda/moe_gemv.py`) against the default backend's `fused_moe` in float32 (the
+torch reference of `tests/kernels/test_cuda_kernels_ops.py`'s MoE checks), and `moe.fused_moe`'s opt-in dispatch
+to it (`LMDEPLOY_MOE_GEMV=1`: up to `MAX_TOKENS` tokens, no explicit tile config).
+
+Shapes on purpose: hidden and intermediate widths that leave a masked tail of the 512-column step or are smaller
+than one step, rows not a multiple of `BLOCK_N`, top-1 and top-8, tokens that share an expert, a shared expert as
+id E, and a token row stride wider than the hidden size. `test_cpu_*` run under the Triton interpreter in the
+subprocess `test_moe_gemv_kernel_interpreted` starts; `@pytest.mark.gpu` tests run on CUDA, one inside a graph.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+from interpreted import run_cpu_tests_interpreted
+from kernel_inputs import randn, strided_copy, tol
+from numeric import assert_close
+
+from lmdeploy.pytorch.backends.default.moe import fused_moe as ref_fused_moe
+from lmdeploy.pytorch.kernels.cuda import moe as cuda_moe
+from lmdeploy.pytorch.kernels.cuda.moe_gemv import MAX_TOKENS, fused_moe_gemv, gemv_tiles
+
+INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
+interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_moe_gemv_kernel_interpreted')
+
+
+@dataclass
+class Case:
+    tokens: int
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    shared: bool = False
+    same_experts: bool = False  # every token routed to the same experts (pairs of one expert in several programs)
+
+    def __str__(self) -> str:
+        extra = ('-shared' if self.shared else '') + ('-same' if self.same_experts else '')
+        return f'T{self.tokens}-H{self.hidden}-I{self.inter}-E{self.experts}-K{self.top_k}{extra}'
+
+
+CPU_CASES = [Case(1, 32, 16, 4, 2), Case(3, 48, 40, 6, 2, same_experts=True), Case(4, 600, 24, 8, 3, shared=True),
+             Case(2, 40, 520, 5, 1), Case(0, 32, 16, 4, 2)]
+GPU_CASES = CPU_CASES + [Case(1, 2048, 512, 64, 8), Case(4, 2048, 512, 64, 10, shared=True),
+                         Case(2, 4096, 1536, 32, 8, same_experts=True)]
+
+
+def make_inputs(case: Case, dtype: torch.dtype, gen: torch.Generator):
+    t, e, k = case.tokens, case.experts, case.top_k
+    x = randn(t, case.hidden, gen=gen, dtype=dtype)
+    gate_up = (randn(e, 2 * case.inter, case.hidden, gen=gen) / case.hidden ** 0.5).to(dtype)
+    down = (randn(e, case.hidden, case.inter, gen=gen) / case.inter ** 0.5).to(dtype)
+    if case.same_experts:
+        ids = torch.randperm(e, generator=gen)[:k].repeat(t, 1)
+    else:
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    ids = ids.to(torch.int64)
+    weights = torch.rand(t, k, generator=gen).softmax(-1).to(dtype)
+    shared = None
+    if case.shared:
+        shared = ((randn(2 * case.inter, case.hidden, gen=gen) / case.hidden ** 0.5).to(dtype),
+                  (randn(case.hidden, case.inter, gen=gen) / case.inter ** 0.5).to(dtype))
+        ids = torch.cat([ids, torch.full((t, 1), e, dtype=torch.int64)], dim=1)
+        weights = torch.cat([weights, torch.rand(t, 1, generator=gen).to(dtype)], dim=1)
+    return x, gate_up, down, weights, ids, shared
+
+
+def reference(x, gate_up, down, weights, ids, shared) -> torch.Tensor:
+    return ref_fused_moe(x.float(), gate_up.float(), down.float(), weights.float(), ids,
+                         shared=None if shared is None else tuple(w.float() for w in shared))
+
+
+def check(case: Case, dtype: torch.dtype, device: str, strided: bool = False) -> None:
+    gen = torch.Generator().manual_seed(case.tokens * 31 + case.hidden)
+    x, gate_up, down, weights, ids, shared = make_inputs(case, dtype, gen)
+    ref = reference(x, gate_up, down, weights, ids, shared)
+    x_dev = strided_copy(x.to(device)) if strided else x.to(device)  # rows of a wider, NaN-padded buffer
+    out = fused_moe_gemv(x_dev, gate_up.to(device), down.to(device), weights.to(device), ids.to(device),
+                         None if shared is None else tuple(w.to(device) for w in shared))
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out.cpu(), ref, what=f'moe gemv {case}', **tol(dtype, fp32=1e-4, bf16=3e-2))
+
+
+@interpreted
+@pytest.mark.parametrize('case', CPU_CASES, ids=str)
+def test_cpu_moe_gemv_matches_reference(case):
+    check(case, torch.float32, 'cpu')
+
+
+@interpreted
+def test_cpu_moe_gemv_half_and_strided_rows():
+    check(CPU_CASES[1], torch.bfloat16, 'cpu', strided=True)
+    check(CPU_CASES[2], torch.float16, 'cpu')
+
+
+@interpreted
+def test_cpu_fused_moe_dispatches_few_tokens_only(monkeypatch):
+    import lmdeploy.pytorch.kernels.cuda.moe_gemv as moe_gemv
+    calls = []
+    monkeypatch.setattr(cuda_moe, '_MOE_GEMV', True)
+    monkeypatch.setattr(moe_gemv, 'fused_moe_gemv', lambda *a: calls.append(a[0].shape[0]) or fused_moe_gemv(*a))
+    gen = torch.Generator().manual_seed(3)
+    for tokens, config, used in ((1, None, True), (MAX_TOKENS, None, True), (MAX_TOKENS + 1, None, False),
+                                 (2, cuda_moe.default_config(4, 4), False)):
+        calls.clear()
+        x, gate_up, down, weights, ids, shared = make_inputs(Case(tokens, 32, 16, 4, 2), torch.float32, gen)
+        out = cuda_moe.fused_moe(x, gate_up, down, weights, ids, config)
+        assert bool(calls) == used, (tokens, config)
+        assert_close(out, reference(x, gate_up, down, weights, ids, shared), what='dispatch', atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(cuda_moe, '_MOE_GEMV', False)
+    calls.clear()
+    x, gate_up, down, weights, ids, _ = make_inputs(Case(1, 32, 16, 4, 2), torch.float32, gen)
+    cuda_moe.fused_moe(x, gate_up, down, weights, ids)
+    assert not calls, 'LMDEPLOY_MOE_GEMV off: fused_moe must keep its own launches'
+
+
+def test_moe_gemv_kernel_interpreted():
+    run_cpu_tests_interpreted(__file__)
+
+
+def test_gemv_tiles_keep_two_programs_per_sm_and_ignore_the_token_count():
+    assert gemv_tiles(8, 512, 2048, 132) == (8, 512)      # 8 pairs x 64 column blocks = 512 programs
+    assert gemv_tiles(1, 2048, 512, 132) == (4, 512)      # the down launch: 512 programs for one token
+    assert gemv_tiles(1, 7, 40, 132) == (1, 64)           # all the rows there are
+    assert gemv_tiles(10, 4096, 1536, 132) == (16, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', GPU_CASES, ids=str)
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16, torch.float32], ids=['bf16', 'fp16', 'fp32'])
+def test_moe_gemv_matches_reference_gpu(case, dtype):
+    check(case, dtype, 'cuda', strided=case.tokens == 3)
+
+
+@pytest.mark.gpu
+def test_moe_gemv_replays_in_cuda_graph_gpu():
+    gen = torch.Generator().manual_seed(5)
+    case = Case(1, 2048, 512, 64, 8)
+    x, gate_up, down, weights, ids, _ = (t.cuda() if t is not None else t
+                                         for t in make_inputs(case, torch.bfloat16, gen))
+    fused_moe_gemv(x, gate_up, down, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_gemv(x, gate_up, down, weights, ids)
+    x.copy_(torch.randn_like(x))
+    ids.copy_(torch.randperm(64, device='cuda')[:8][None])
+    graph.replay()
+    ref = reference(x.cpu(), gate_up.cpu(), down.cpu(), weights.cpu(), ids.cpu(), None)
+    assert_close(out.cpu(), ref, what='moe gemv in a graph', **tol(torch.bfloat16, fp32=1e-4, bf16=3e-2))
