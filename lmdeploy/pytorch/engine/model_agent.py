@@ -23,7 +23,7 @@ from torch import nn
 from ..backends.base import Backend, OpType
 from ..model_inputs import ModelInputs, SamplingInputs, StepContext
 from ..nn.blocked_fp8 import fp8_linear_shapes
-from ..nn.moe import FOLD_MAX_TOKENS, SparseMoeBlock
+from ..nn.moe import SparseMoeBlock
 from .async_scheduling import DeviceTokens, TokenFeed
 from .cache_engine import CacheEngine
 from .cache_inputs import CacheCheckpointInputs
@@ -264,7 +264,7 @@ class ModelAgent:
             if key not in seen:
                 seen.add(key)
                 calls += warm_up_moe_tiles(experts.gate_up_proj, experts.down_proj, block.gate.top_k, max_tokens,
-                                           shared, FOLD_MAX_TOKENS)
+                                           shared, block.fold_max_tokens())
         if calls:
             logger.info('fused MoE tile warm-up: %d calls in %.1f s', calls, time.perf_counter() - began)
 

@@ -5,12 +5,16 @@ and `down_proj` [E, H, I]. Checkpoints with per-expert keys (`experts.{e}.gate_p
 `FusedExperts.load_weight`. The expert computation comes from the backend (`OpType.MoE`, or `OpType.MoEBlockedF8`
 for block-wise FP8 experts: `use_blocked_fp8`, scales `gate_up_proj_scale_inv` / `down_proj_scale_inv`).
 
-With `LMDEPLOY_MOE_FOLD_SHARED=1` (opt-in; H200 run 13: the kernels' tests pass, an engine's start-up with it did
-not finish within 100 s, not yet understood) a forward of at most `FOLD_MAX_TOKENS` tokens runs
-the shared expert inside the routed experts' op as one more expert (id E, its scale the sigmoid gate, one more
-column from the router), when its per-rank shapes equal one routed expert's and neither it nor the experts carry
-LoRA or FP8: the shared expert's two GEMMs, SiLU-and-mul, gate multiply and add are then no launches of their own.
-Larger forwards (prefill, where a plain GEMM runs the shared rows faster) keep the separate shared expert.
+A forward of at most `SparseMoeBlock.fold_max_tokens()` tokens runs the shared expert inside the routed experts'
+op as one more expert (id E, its scale the sigmoid gate, one more column from the router), when its per-rank
+shapes equal one routed expert's and neither it nor the experts carry LoRA or FP8: the shared expert's two GEMMs,
+SiLU-and-mul, gate multiply and add are then no launches of their own. The bound is the backend op's own
+(`fold_shared_max_tokens`: the cuda backend's few-token MoE, `LMDEPLOY_MOE_GEMV=1`, runs the shared expert as one
+more pair of its two launches, up to 4 tokens), or `FOLD_MAX_TOKENS` with `LMDEPLOY_MOE_FOLD_SHARED=1` (opt-in; H200
+run 13: the kernels' tests pass, an engine's start-up with it did not finish within 100 s, not yet understood), else
+none. Larger forwards (prefill, where a plain GEMM runs the shared rows faster) keep the separate shared expert.
+When the input projections are stacked (below), a folded forward takes the router's and the shared gate's logits
+from one GEMM over their adjacent rows of the stack.
 
 Otherwise, after loading, the shared expert's `gate_up_proj`, the router and the shared-expert gate read the input
 through one stacked GEMM (`SparseMoeBlock.fuse_input_projections`, `nn.linear.fuse_rows`) while none of them carries
@@ -64,6 +68,8 @@ class FusedExperts(nn.Module):
         self.down_proj_scale_inv: nn.Parameter | None = None
         self.weight_block_size: tuple[int, int] | None = None  # set when the experts are block-wise FP8
         self._impl = current_backend().build(OpType.MoE)
+        # tokens up to which the backend's op runs a folded shared expert best (`SparseMoeBlock.fold_max_tokens`)
+        self.fold_shared_max_tokens = int(getattr(self._impl, 'fold_shared_max_tokens', 0))
 
     def use_blocked_fp8(self, block_size: tuple[int, int]) -> None:
         """FP8 expert weights with block scales; call before the parameters are materialised. The gate and up rows
@@ -77,6 +83,7 @@ class FusedExperts(nn.Module):
         self.gate_up_proj_scale_inv = scale_parameter(self.gate_up_proj, self.weight_block_size)
         self.down_proj_scale_inv = scale_parameter(self.down_proj, self.weight_block_size)
         self._impl = current_backend().build(OpType.MoEBlockedF8, block_size=self.weight_block_size)
+        self.fold_shared_max_tokens = 0
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -174,12 +181,24 @@ class SparseMoeBlock(nn.Module):
         sizes = (gate_up.weight.shape[0], self.gate.weight.shape[0], 1)
         return gate_up._impl(x, self._fused_in, None).split(sizes, dim=-1)
 
+    def _fused_gate_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[T, E + 1]: the router's logits and the shared gate's, from their adjacent rows of the stacked input
+        projection (one GEMM), or None when the projections are not stacked."""
+        if self._fused_in is None:
+            return None
+        gate_up = self.shared_expert.gate_up_proj
+        return gate_up._impl(x, self._fused_in[gate_up.weight.shape[0]:], None)
+
     def forward(self, x: torch.Tensor, routes_out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `routes_out` [T, top_k] (any integer dtype), when given, receives the expert ids the
         router chose for each token (the routed-experts record; it costs one small copy)."""
         shared = self.foldable_shared(x.shape[0])
         if shared is not None:
-            weights, ids = self.gate(x, shared_logit=self.shared_expert_gate(x))
+            logits = self._fused_gate_logits(x)
+            if logits is not None:
+                weights, ids = self.gate.route(*logits.split((logits.shape[-1] - 1, 1), dim=-1))
+            else:
+                weights, ids = self.gate(x, shared_logit=self.shared_expert_gate(x))
             if routes_out is not None:
                 routes_out.copy_(ids[:, :-1])
             return self.experts(x, weights, ids, shared=shared)
@@ -199,10 +218,15 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
+    def fold_max_tokens(self) -> int:
+        """Forwards of up to this many tokens fold the shared expert in where they can (`foldable_shared`): 0 none."""
+        return FOLD_MAX_TOKENS if _FOLD_SHARED else self.experts.fold_shared_max_tokens
+
     def foldable_shared(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared expert's (gate_up, down) weights when a forward of `num_tokens` tokens runs it inside the
         experts' op (see the module docstring), else None."""
-        if not _FOLD_SHARED or num_tokens > FOLD_MAX_TOKENS or self.shared_expert is None:
+        limit = self.fold_max_tokens()
+        if not limit or num_tokens > limit or self.shared_expert is None:
             return None
         gate_up, down = (getattr(self.shared_expert, name, None) for name in ('gate_up_proj', 'down_proj'))
         experts = self.experts

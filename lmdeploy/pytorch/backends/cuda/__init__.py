@@ -19,6 +19,7 @@ Linears of one half-precision row (batch-1 decode, one sequence's logits) run th
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from ...kernels.cuda import blocked_fp8 as _fp8
 from ...kernels.cuda import causal_conv1d as _conv
 from ...kernels.cuda import gated_delta_rule as _gdr
+from ...kernels.cuda import moe as _moe
 from ...kernels.cuda import rms_norm_rows as _norm_rows
 from ...kernels.cuda.activation import sigmoid_gate_mul, silu_and_mul
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
@@ -39,6 +41,7 @@ from ...kernels.cuda.gemv import gemv
 from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.moe import warm_up_tiles as warm_up_moe_tiles  # noqa: F401 (ModelAgent.tune_kernels)
+from ...kernels.cuda.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from ...kernels.cuda.moe_routing import softmax_topk
 from ...kernels.cuda.paged_attention import paged_decode_attention
 from ...kernels.cuda.paged_prefill_attention import paged_prefill_attention
@@ -228,6 +231,15 @@ def _build_causal_conv1d(**_kwargs):
     return forward
 
 
+def _build_moe(**_kwargs):
+    """`fused_moe`; with its few-token path on (`LMDEPLOY_MOE_GEMV=1`) its `fold_shared_max_tokens` asks
+    `nn.moe.SparseMoeBlock` to fold a shared expert into it for forwards of up to `moe_gemv.MAX_TOKENS` tokens (one
+    more pair of its two launches instead of five kernels of its own)."""
+    impl = functools.partial(fused_moe)
+    impl.fold_shared_max_tokens = MOE_GEMV_MAX_TOKENS if _moe.few_token_path_enabled() else 0
+    return impl
+
+
 def _build_lora(**_kwargs):
     def forward(x, out, lora_a, lora_b, slice_sizes, inputs):
         return sgmv_lora(x, out, lora_a, lora_b, slice_sizes, inputs.lora_ids, inputs.cu_seqlens_q,
@@ -276,7 +288,7 @@ _BUILDERS = {
     OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),
-    OpType.MoE: _const(fused_moe),
+    OpType.MoE: _build_moe,
     OpType.LinearBlockedF8: _build_linear_blocked_f8,
     OpType.MoEBlockedF8: blocked_fp8_builder(fused_moe_blocked_fp8),
     OpType.LoRA: _build_lora,

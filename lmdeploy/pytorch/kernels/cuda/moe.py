@@ -141,6 +141,11 @@ def _moe_down_kernel(a_ptr, w_ptr, shared_ptr, out_ptr, weights_ptr, sorted_pair
     store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, stride_ot)
 
 
+def few_token_path_enabled() -> bool:
+    """Whether `fused_moe` takes `moe_gemv.py` for forwards of up to `moe_gemv.MAX_TOKENS` tokens."""
+    return _MOE_GEMV
+
+
 def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring:
     `moe_align.py`'s three Triton launches, or its torch form with `LMDEPLOY_MOE_ALIGN=torch`."""
