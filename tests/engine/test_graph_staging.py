@@ -135,14 +135,19 @@ def test_payloads_that_do_not_fit_the_scratch_are_refused_untouched():
     assert static.stage(inputs, _key(inputs, False), [None]) is not None   # the logits rows alone fit
 
 
-def test_runner_stages_only_what_a_graph_runs():
+def test_runner_stages_only_what_a_graph_runs(monkeypatch):
     from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner
     runner = CUDAGraphRunner(None, None, max_batch_size=4, max_pages=MAX_PAGES, device=CPU,
                              max_prefill_tokens=256, kernel_block_size=KBS)
     rng = random.Random(5)
     fits = _batch(rng, [100, 20], False, lora=False)
+    key = runner.key_of(fits)
     staged, _ = runner.stage(fits, [])
-    assert runner._staged == (staged, runner.key_of(fits))
+    assert runner._staged == (staged, key)
+    # the staged device inputs keep their key: `run` does not compute it again
+    monkeypatch.setattr('lmdeploy.pytorch.engine.cuda_graph.prefill_key', lambda *a: pytest.fail('key computed'))
+    assert runner.key_of(staged) == key
+    monkeypatch.undo()
     too_long = _batch(rng, [300], False, lora=False)
     assert runner.key_of(too_long) is None and runner.stage(too_long, []) is None
 

@@ -199,7 +199,11 @@ class CUDAGraphRunner:
         return next(s for s in self.sizes if s >= batch_size)
 
     def key_of(self, inputs: ModelInputs) -> GraphKey | None:
-        """The graph that can run `inputs`, or None (eager)."""
+        """The graph that can run `inputs`, or None (eager). The inputs `stage` wrote this step have their key
+        already (nothing captures between the two)."""
+        staged = self._staged
+        if staged is not None and staged[0] is inputs:
+            return staged[1]
         if inputs.state_cuts is not None or inputs.block_tables.size(1) > self.static.max_pages:
             return None
         if inputs.mm_token_rows is not None or inputs.mrope_position_ids is not None:
