@@ -392,9 +392,11 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_bench(config: BenchConfig, log=sys.stderr) -> list[RunResult]:
+def run_bench(config: BenchConfig, log=None) -> list[RunResult]:
     """Every (workload, mode); with a pressure axis, `full` runs unbounded first (its peaks are the working set),
-    the other modes unbounded too, then every pressure mode (pressure.py) at each pressure level."""
+    the other modes unbounded too, then every pressure mode (pressure.py) at each pressure level. Progress goes to
+    `log` (default: `sys.stderr` as it is at the call, not at import, which a test's capture may have replaced)."""
+    log = sys.stderr if log is None else log
     results = []
     for name in config.workloads:
         workload = None
