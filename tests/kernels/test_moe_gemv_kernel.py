@@ -124,7 +124,7 @@ def test_gemv_tiles_keep_two_programs_per_sm_and_ignore_the_token_count():
     assert gemv_tiles(8, 512, 2048, 132) == (8, 512)      # 8 pairs x 64 column blocks = 512 programs
     assert gemv_tiles(1, 2048, 512, 132) == (4, 512)      # the down launch: 512 programs for one token
     assert gemv_tiles(1, 7, 40, 132) == (1, 64)           # all the rows there are
-    assert gemv_tiles(10, 4096, 1536, 132) == (16, 512)
+    assert gemv_tiles(10, 4096, 1536, 132) == (16, 256)    # wide: 16 rows x 256 columns, as gemv_config's
 
 
 @pytest.mark.gpu

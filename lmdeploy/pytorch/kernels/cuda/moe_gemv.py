@@ -96,11 +96,13 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, shared_ptr, ids_ptr, weights_ptr, out_
 
 def gemv_tiles(groups: int, rows: int, k: int, sms: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) for `groups` x `rows` output rows of width `k`: the largest power-of-two BLOCK_N up to 16
-    that leaves two programs per SM where the rows allow, and 512-column steps (k's power of two if smaller)."""
+    that leaves two programs per SM where the rows allow, and 512-column steps (k's power of two if smaller), 256
+    at 16 rows (the tile `gemv.gemv_config` gives wide weights: 4K fp32 accumulators a program, twice in the up
+    launch)."""
     block_n = 16
     while block_n > 1 and groups * triton.cdiv(rows, block_n) < 2 * sms:
         block_n //= 2
-    return block_n, min(512, max(16, triton.next_power_of_2(k)))
+    return block_n, min(512 if block_n < 16 else 256, max(16, triton.next_power_of_2(k)))
 
 
 def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
