@@ -16,11 +16,13 @@ each replay, and the device time of each. `--write-config DIR` writes the best c
 
 `--gemv`: also the few-token path of `kernels/cuda/moe_gemv.py` (opt-in `LMDEPLOY_MOE_GEMV=1`, which `fused_moe` takes
 for up to `moe_gemv.MAX_TOKENS` tokens), called directly for every count up to 16 tokens (the crossover), its
-output checked against the untuned `fused_moe`'s.
+output checked against the untuned `fused_moe`'s. `--gemv-sweep`: also its tiles swept (`moe_gemv.default_tiles`'
+form, the up launch's then the down launch's), the best printed per count as a GEMV_SWEEP line.
 
     python benchmark/bench_moe_kernel.py                           # Qwen3.5-35B-A3B experts (64 kept), ~2 min, H200
     python benchmark/bench_moe_kernel.py --tokens 1 2 4 8 16 --no-sweep --gemv    # the decode counts, both paths
     python benchmark/bench_moe_kernel.py --top-k 10 --no-sweep     # Qwen3-Next-80B routing, the table only
+    python benchmark/bench_moe_kernel.py --tokens 1 4 --no-sweep --gemv --gemv-sweep   # the few-token path's tiles
 """
 from __future__ import annotations
 
@@ -56,9 +58,9 @@ class Case:
         gate_up, down = self.weights[i % len(self.weights)]
         return moe.fused_moe(self.x, gate_up, down, self.w, self.ids, config)
 
-    def run_gemv(self, i: int = 0) -> torch.Tensor:
+    def run_gemv(self, i: int = 0, config: dict | None = None) -> torch.Tensor:
         gate_up, down = self.weights[i % len(self.weights)]
-        return moe_gemv.fused_moe_gemv(self.x, gate_up, down, self.w, self.ids)
+        return moe_gemv.fused_moe_gemv(self.x, gate_up, down, self.w, self.ids, config=config)
 
 
 def up_grid(block_m: int):
@@ -101,6 +103,36 @@ def sweep(case: Case, a, untuned, want: torch.Tensor):
     for down in down_grid(bm):
         cfg = moe.MoeConfig(bm, up, down)
         best = min(best, (try_time(case, cfg, a.layers, want), cfg))
+    return best
+
+
+def gemv_time(case: Case, config: dict, layers: int, want: torch.Tensor) -> float:
+    try:
+        if not torch.allclose(case.run_gemv(0, config).float(), want, rtol=2e-2, atol=2e-2):
+            print(f'  refused {config}: output differs from fused_moe', flush=True)
+            return float('inf')
+        return graph_us(lambda i: case.run_gemv(i, config), layers)
+    except Exception as exc:
+        if 'out of resource' in str(exc).lower() or 'OutOfResources' in type(exc).__name__:
+            return float('inf')
+        raise
+
+
+def gemv_sweep(case: Case, a, want: torch.Tensor) -> tuple[float, dict]:
+    """The few-token path's tiles: the up launch's (BLOCK_N, BLOCK_K, num_warps) with the default down tiles, then
+    the down launch's (and its top-k loop unrolled or not) with the best up; at most 8K fp32 accumulators a program."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = moe_gemv.default_tiles(a.top_k, a.hidden, a.inter, sms)
+    best = (gemv_time(case, base, a.layers, want), base)
+    tiles = itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024), (4, 8))
+    grid = [(n, k, w) for n, k, w in tiles if n * k <= 8192]
+    for n, k, w in grid:
+        cfg = dict(up=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w), down=base['down'])
+        best = min(best, (gemv_time(case, cfg, a.layers, want), cfg), key=lambda b: b[0])
+    up = best[1]['up']
+    for (n, k, w), unroll in itertools.product(grid, sorted({1, a.top_k})):
+        cfg = dict(up=up, down=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, UNROLL=unroll))
+        best = min(best, (gemv_time(case, cfg, a.layers, want), cfg), key=lambda b: b[0])
     return best
 
 
@@ -157,6 +189,7 @@ def main() -> None:
     p.add_argument('--sweep', action=argparse.BooleanOptionalAction, default=True)
     p.add_argument('--write-config', default=None, metavar='DIR', help="write the best configs as this shape's table")
     p.add_argument('--gemv', action='store_true', help='also time moe_gemv.fused_moe_gemv up to 16 tokens')
+    p.add_argument('--gemv-sweep', action='store_true', help='with --gemv: also sweep its tiles (prints the best)')
     a = p.parse_args()
     rates = measure_device(torch.device('cuda'), torch.bfloat16)
     name = moe.cuda_device_name(torch.cuda.current_device())
@@ -192,6 +225,10 @@ def main() -> None:
                     raise SystemExit(f'moe_gemv differs from fused_moe at {tokens} tokens: '
                                      f'{(got - want).abs().max().item():.3g}')
                 t_gemv = graph_us(case.run_gemv, a.layers)
+                if a.gemv_sweep:
+                    t_swept, tiles = gemv_sweep(case, a, want)
+                    print(f'GEMV_SWEEP tokens {tokens}: default {t_gemv:.1f} us, best {t_swept:.1f} us '
+                          f'({t_swept / floor:.2f}x floor) {json.dumps(tiles)}', flush=True)
             gemv = f' | {t_gemv:7.1f} | {t_gemv / floor:5.2f}x'
         print(f'{tokens:6d} | {t_untuned:9.1f} | {t_table:8.1f} | {t_best:8.1f} | {tuple(cfg)} | {floor:7.1f} | '
               f'{t_bmm:7.1f} | {t_best / floor:5.2f}x | {t_untuned / t_best:5.2f}x{gemv}', flush=True)

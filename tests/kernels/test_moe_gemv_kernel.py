@@ -20,7 +20,7 @@ from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default.moe import fused_moe as ref_fused_moe
 from lmdeploy.pytorch.kernels.cuda import moe as cuda_moe
-from lmdeploy.pytorch.kernels.cuda.moe_gemv import MAX_TOKENS, fused_moe_gemv, gemv_tiles
+from lmdeploy.pytorch.kernels.cuda.moe_gemv import MAX_TOKENS, default_tiles, fused_moe_gemv, gemv_tiles
 
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_moe_gemv_kernel_interpreted')
@@ -73,13 +73,17 @@ def reference(x, gate_up, down, weights, ids, shared) -> torch.Tensor:
                          shared=None if shared is None else tuple(w.float() for w in shared))
 
 
-def check(case: Case, dtype: torch.dtype, device: str, strided: bool = False) -> None:
+# a benchmark's explicit tiles: masked tails in both dims, 8 warps, the down launch's top-k loop unrolled
+SWEPT_TILES = dict(up=dict(BLOCK_N=4, BLOCK_K=32, num_warps=8), down=dict(BLOCK_N=8, BLOCK_K=16, num_warps=4, UNROLL=3))
+
+
+def check(case: Case, dtype: torch.dtype, device: str, strided: bool = False, config: dict | None = None) -> None:
     gen = torch.Generator().manual_seed(case.tokens * 31 + case.hidden)
     x, gate_up, down, weights, ids, shared = make_inputs(case, dtype, gen)
     ref = reference(x, gate_up, down, weights, ids, shared)
     x_dev = strided_copy(x.to(device)) if strided else x.to(device)  # rows of a wider, NaN-padded buffer
     out = fused_moe_gemv(x_dev, gate_up.to(device), down.to(device), weights.to(device), ids.to(device),
-                         None if shared is None else tuple(w.to(device) for w in shared))
+                         None if shared is None else tuple(w.to(device) for w in shared), config)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out.cpu(), ref, what=f'moe gemv {case}', **tol(dtype, fp32=1e-4, bf16=3e-2))
 
@@ -94,6 +98,7 @@ def test_cpu_moe_gemv_matches_reference(case):
 def test_cpu_moe_gemv_half_and_strided_rows():
     check(CPU_CASES[1], torch.bfloat16, 'cpu', strided=True)
     check(CPU_CASES[0], torch.float16, 'cpu')
+    check(Case(2, 40, 20, 6, 3, shared=True), torch.float32, 'cpu', config=SWEPT_TILES)
 
 
 @interpreted
@@ -126,6 +131,8 @@ def test_gemv_tiles_keep_two_programs_per_sm_and_ignore_the_token_count():
     assert gemv_tiles(1, 2048, 512, 132) == (4, 512)      # the down launch: 512 programs for one token
     assert gemv_tiles(1, 7, 40, 132) == (1, 64)           # all the rows there are
     assert gemv_tiles(10, 4096, 1536, 132) == (16, 256)    # wide: 16 rows x 256 columns, as gemv_config's
+    assert default_tiles(8, 2048, 512, 132) == dict(up=dict(BLOCK_N=8, BLOCK_K=512, num_warps=4),
+                                                    down=dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, UNROLL=1))
 
 
 @pytest.mark.gpu
@@ -133,6 +140,12 @@ def test_gemv_tiles_keep_two_programs_per_sm_and_ignore_the_token_count():
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16, torch.float32], ids=['bf16', 'fp16', 'fp32'])
 def test_moe_gemv_matches_reference_gpu(case, dtype):
     check(case, dtype, 'cuda', strided=case.tokens == 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', GPU_CASES[-4:], ids=str)
+def test_moe_gemv_swept_tiles_match_reference_gpu(case):
+    check(case, torch.bfloat16, 'cuda', config=SWEPT_TILES)
 
 
 @pytest.mark.gpu

@@ -69,14 +69,15 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, act_ptr, hidden, inte
 @triton.jit
 def _moe_gemv_down_kernel(act_ptr, w_ptr, shared_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, stride_at,
                           stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                          HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          UNROLL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden
     offs_k = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
+    for j in tl.range(TOP_K, loop_unroll_factor=UNROLL):   # unrolled: the experts' loads issue together
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         route = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
@@ -105,10 +106,21 @@ def gemv_tiles(groups: int, rows: int, k: int, sms: int) -> tuple[int, int]:
     return block_n, min(512 if block_n < 16 else 256, max(16, triton.next_power_of_2(k)))
 
 
+def default_tiles(top_k: int, hidden: int, inter: int, sms: int) -> dict:
+    """Both launches' tiles (`fused_moe_gemv`'s `config`): `up` / `down` dicts of BLOCK_N, BLOCK_K, num_warps (and
+    the down launch's UNROLL of its top-k loop), from one token's shape so they do not move with the count."""
+    up_n, up_k = gemv_tiles(top_k, inter, hidden, sms)
+    down_n, down_k = gemv_tiles(1, hidden, inter, sms)
+    return dict(up=dict(BLOCK_N=up_n, BLOCK_K=up_k, num_warps=4),
+                down=dict(BLOCK_N=down_n, BLOCK_K=down_k, num_warps=4, UNROLL=1))
+
+
 def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   topk_ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   config: dict | None = None) -> torch.Tensor:
     """`moe.fused_moe`'s contract (x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], topk_* [T, K], `shared`
-    as expert id E), for few tokens: weights contiguous in their last dim, x rows contiguous."""
+    as expert id E), for few tokens: weights contiguous in their last dim, x rows contiguous. `config`:
+    `default_tiles`' form, for benchmarks."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, double_inter, _ = gate_up_proj.shape
@@ -122,15 +134,14 @@ def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
     weights = topk_weights.reshape(-1).contiguous()
     num_pairs = num_tokens * top_k
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    sms = device_sm_count(x.device)
-    block_n, block_k = gemv_tiles(top_k, inter, hidden, sms)  # one token's count: tiles do not move with T
-    _moe_gemv_up_kernel[(num_pairs, triton.cdiv(inter, block_n))](
+    tiles = config or default_tiles(top_k, hidden, inter, device_sm_count(x.device))
+    up, down = tiles['up'], tiles['down']
+    _moe_gemv_up_kernel[(num_pairs, triton.cdiv(inter, up['BLOCK_N']))](
         x, gate_up_proj, shared_gate_up, ids, act, hidden, inter, x.stride(0), gate_up_proj.stride(0),
         gate_up_proj.stride(1), act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts, HAS_SHARED=int(shared is not None),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    block_n, block_k = gemv_tiles(1, hidden, inter, sms)
-    _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        **up)
+    _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden, down['BLOCK_N']))](
         act, down_proj, shared_down, ids, weights, out, hidden, inter, act.stride(0), down_proj.stride(0),
         down_proj.stride(1), out.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts, HAS_SHARED=int(shared is not None),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        **down)
     return out
