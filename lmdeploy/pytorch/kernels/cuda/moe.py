@@ -26,8 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import moe_gemv
 from .launch import arg_key, fast_kernel
 from .moe_align import align_pairs, align_pairs_reference
+from .moe_gemv import expert_weights
 
 # The alignment: three Triton launches (default), or `moe_align.py`'s ~20 torch ops with LMDEPLOY_MOE_ALIGN=torch.
 _TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'triton') != 'torch'
@@ -70,17 +72,6 @@ def store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, str
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """The first weight of `expert`: row `expert` of the routed experts' stack, or with HAS_SHARED the shared
-    expert's own tensor for id NUM_EXPERTS (same row / column strides as one routed expert)."""
-    start = w_ptr + expert * stride_we
-    if HAS_SHARED:
-        if expert == NUM_EXPERTS:
-            start = shared_ptr
-    return start
 
 
 @fast_kernel
@@ -254,9 +245,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         assert shared_gate_up.dtype == gate_up_proj.dtype and shared_down.dtype == down_proj.dtype
     has_shared = int(shared is not None)
     if _MOE_GEMV and config is None:
-        from .moe_gemv import MAX_TOKENS, fused_moe_gemv  # imports this module: not at the top
-        if num_tokens <= MAX_TOKENS:
-            return fused_moe_gemv(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
+        if num_tokens <= moe_gemv.MAX_TOKENS:
+            return moe_gemv.fused_moe_gemv(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
     num_pairs = num_tokens * top_k
     if config is None:
         name = _device_name(x.device)

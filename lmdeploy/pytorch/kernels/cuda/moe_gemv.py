@@ -28,9 +28,19 @@ import triton
 import triton.language as tl
 
 from .launch import device_sm_count, fast_kernel
-from .moe import expert_weights
 
 MAX_TOKENS = 4  # fused_moe's dispatch bound: pairs of a few tokens rarely share an expert, so each streams its own
+
+
+@triton.jit
+def expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """The first weight of `expert`: row `expert` of the routed experts' stack, or with HAS_SHARED the shared
+    expert's own tensor for id NUM_EXPERTS (same row / column strides as one routed expert)."""
+    start = w_ptr + expert * stride_we
+    if HAS_SHARED:
+        if expert == NUM_EXPERTS:
+            start = shared_ptr
+    return start
 
 
 @fast_kernel
