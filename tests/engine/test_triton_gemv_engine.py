@@ -4,7 +4,7 @@ backend is imported, so each run is a child process) against the same backend wi
 step's linears (the head included) are one-row GEMVs. The GEMV run's logits must be no less accurate than the
 cuBLAS run's (the margin of `test_cuda_engine.py`): the two differ only in the linears, so the other CUDA kernels'
 own half-precision error (which in float16 exceeds the CPU backend's) is in both. The MoE GEMV
-(`LMDEPLOY_MOE_GEMV=1`, `kernels/cuda/moe_gemv.py`) is checked the same way on Qwen3-Next's sparse layers.
+(the default, `LMDEPLOY_MOE_GEMV=0` turns it off; `kernels/cuda/moe_gemv.py`) is checked the same way on Qwen3-Next's sparse layers.
 """
 from __future__ import annotations
 
@@ -88,6 +88,6 @@ def test_engine_with_triton_gemv_matches_default_backend(tiny_model_factory, tmp
 
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_engine_with_moe_gemv_matches_fused_moe(tiny_model_factory, tmp_path, dtype):
-    """Qwen3-Next's sparse MoE layers at batch 1 through `moe_gemv.py` (`LMDEPLOY_MOE_GEMV=1`) against
+    """Qwen3-Next's sparse MoE layers at batch 1 through `moe_gemv.py` (the default, `LMDEPLOY_MOE_GEMV=1`) against
     `fused_moe`'s launches."""
     compare_switch(tiny_model_factory('qwen3_next'), tmp_path, dtype, 'LMDEPLOY_MOE_GEMV')

@@ -1,6 +1,6 @@
 """The few-token fused MoE (`kernels/cuda/moe_gemv.py`) against the default backend's `fused_moe` in float32 (the
-torch reference of `tests/kernels/test_cuda_kernels_ops.py`'s MoE checks), and `moe.fused_moe`'s opt-in dispatch
-to it (`LMDEPLOY_MOE_GEMV=1`: up to `MAX_TOKENS` tokens, no explicit tile config).
+torch reference of `tests/kernels/test_cuda_kernels_ops.py`'s MoE checks), and `moe.fused_moe`'s dispatch to
+it (on unless `LMDEPLOY_MOE_GEMV=0`: up to `MAX_TOKENS` tokens, no explicit tile config).
 
 Shapes on purpose: hidden and intermediate widths that leave a masked tail of the 512-column step or are smaller
 than one step, rows not a multiple of `BLOCK_N`, top-1 and top-8, tokens that share an expert, a shared expert as
@@ -20,7 +20,8 @@ from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default.moe import fused_moe as ref_fused_moe
 from lmdeploy.pytorch.kernels.cuda import moe as cuda_moe
-from lmdeploy.pytorch.kernels.cuda.moe_gemv import MAX_TOKENS, default_tiles, fused_moe_gemv, gemv_tiles
+from lmdeploy.pytorch.kernels.cuda.gemv import gemv_config
+from lmdeploy.pytorch.kernels.cuda.moe_gemv import MAX_TOKENS, default_tiles, fused_moe_gemv
 
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 interpreted = pytest.mark.skipif(not INTERPRET, reason='runs inside test_moe_gemv_kernel_interpreted')
@@ -126,13 +127,15 @@ def test_moe_gemv_kernel_interpreted():
     run_cpu_tests_interpreted(__file__)
 
 
-def test_gemv_tiles_keep_two_programs_per_sm_and_ignore_the_token_count():
-    assert gemv_tiles(8, 512, 2048, 132) == (8, 512)      # 8 pairs x 64 column blocks = 512 programs
-    assert gemv_tiles(1, 2048, 512, 132) == (4, 512)      # the down launch: 512 programs for one token
-    assert gemv_tiles(1, 7, 40, 132) == (1, 64)           # all the rows there are
-    assert gemv_tiles(10, 4096, 1536, 132) == (16, 256)    # wide: 16 rows x 256 columns, as gemv_config's
-    assert default_tiles(8, 2048, 512, 132) == dict(up=dict(BLOCK_N=8, BLOCK_K=512, num_warps=4),
-                                                    down=dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, UNROLL=1))
+def test_default_tiles_follow_the_sweep_and_ignore_the_token_count():
+    """The H200 sweep's best tiles for the 35B-A3B experts (H 2048, I 512, top-8): up one gate row (and its up row)
+    a program in 512-column steps, as `gemv_config` tiles the pairs' stacked rows; down 8 rows, 128-column steps,
+    8 warps, the top-k loop unrolled. Only the shape enters, never the token count."""
+    assert default_tiles(8, 2048, 512, 132) == dict(up=dict(BLOCK_N=1, BLOCK_K=512, num_warps=4),
+                                                    down=dict(BLOCK_N=8, BLOCK_K=128, num_warps=8, UNROLL=8))
+    assert default_tiles(11, 2048, 512, 132)['down']['UNROLL'] == 11       # top-10 plus a folded shared expert
+    assert default_tiles(8, 40, 24, 132)['down']['BLOCK_K'] == 32          # an intermediate under one step
+    assert default_tiles(8, 4096, 1536, 132)['up'] == gemv_config(8 * 1536, 4096, 132)
 
 
 @pytest.mark.gpu

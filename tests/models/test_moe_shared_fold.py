@@ -1,5 +1,5 @@
 """The shared expert folded into the routed experts' op (`nn/moe.py`: `LMDEPLOY_MOE_FOLD_SHARED=1`, or the bound the
-backend's op sets, `LMDEPLOY_MOE_GEMV=1` on CUDA): on the default backend the folded block gives the unfolded
+backend's op sets, CUDA's few-token MoE): on the default backend the folded block gives the unfolded
 block's output and routes bit for bit (its op computes the shared expert on its own, in the same ops); with stacked
 input projections the router's and shared gate's logits come from one GEMM; the fold applies only where it can
 (small forwards, matching shapes, no LoRA, no FP8). The CUDA kernels running it in the routed launches:
@@ -54,7 +54,7 @@ def test_the_fold_applies_only_where_it_can(monkeypatch):
 
 def test_the_backend_op_sets_the_fold_bound(monkeypatch):
     """Without `LMDEPLOY_MOE_FOLD_SHARED`, the bound is the experts' op's own `fold_shared_max_tokens` (the cuda
-    backend's few-token MoE with `LMDEPLOY_MOE_GEMV=1`); the default backend's op asks for none."""
+    backend's few-token MoE, on unless `LMDEPLOY_MOE_GEMV=0`); the default backend's op asks for none."""
     monkeypatch.setattr(nn_moe, '_FOLD_SHARED', False)
     block = make_block(torch.float32)
     assert block.experts.fold_shared_max_tokens == 0 and block.fold_max_tokens() == 0

@@ -18,8 +18,8 @@ fp32 and rounded once (`fused_moe` rounds each weighted pair first). A shared ex
 
 No argument or tile depends on the token count (the grid does), so one binary per expert shape serves every batch
 and the start-up warm-up's first call (`moe.warm_up_tiles`, one token) compiles it. `fused_moe` takes this path for
-up to `MAX_TOKENS` tokens when `LMDEPLOY_MOE_GEMV=1` (opt-in: not yet timed on a GPU; `benchmark/bench_moe_kernel.py
---gemv` times both).
+up to `MAX_TOKENS` tokens by default (`LMDEPLOY_MOE_GEMV=0` keeps its own launches; `benchmark/bench_moe_kernel.py
+--gemv` times both: on the H200 one token 20.6 us a 35B-A3B layer against 32.0, four 47.8 against 58.4).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv import gemv_config
 from .launch import device_sm_count, fast_kernel
 
 MAX_TOKENS = 4  # fused_moe's dispatch bound: pairs of a few tokens rarely share an expert, so each streams its own
@@ -105,24 +106,16 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, shared_ptr, ids_ptr, weights_ptr, out_
     tl.store(out_ptr + token * stride_ot + cols, out.to(dtype), mask=col_mask)
 
 
-def gemv_tiles(groups: int, rows: int, k: int, sms: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for `groups` x `rows` output rows of width `k`: the largest power-of-two BLOCK_N up to 16
-    that leaves two programs per SM where the rows allow, and 512-column steps (k's power of two if smaller), 256
-    at 16 rows (the tile `gemv.gemv_config` gives wide weights: 4K fp32 accumulators a program, twice in the up
-    launch)."""
-    block_n = 16
-    while block_n > 1 and groups * triton.cdiv(rows, block_n) < 2 * sms:
-        block_n //= 2
-    return block_n, min(512 if block_n < 16 else 256, max(16, triton.next_power_of_2(k)))
-
-
 def default_tiles(top_k: int, hidden: int, inter: int, sms: int) -> dict:
-    """Both launches' tiles (`fused_moe_gemv`'s `config`): `up` / `down` dicts of BLOCK_N, BLOCK_K, num_warps (and
-    the down launch's UNROLL of its top-k loop), from one token's shape so they do not move with the count."""
-    up_n, up_k = gemv_tiles(top_k, inter, hidden, sms)
-    down_n, down_k = gemv_tiles(1, hidden, inter, sms)
-    return dict(up=dict(BLOCK_N=up_n, BLOCK_K=up_k, num_warps=4),
-                down=dict(BLOCK_N=down_n, BLOCK_K=down_k, num_warps=4, UNROLL=1))
+    """Both launches' tiles (`fused_moe_gemv`'s `config`): `up` / `down` dicts of BLOCK_N, BLOCK_K, num_warps and
+    the down launch's UNROLL of its top-k loop, from one token's shape so they do not move with the count. The H200
+    sweep (`bench_moe_kernel.py --gemv-sweep`, 35B-A3B experts, top-8, one and two tokens) found: up as
+    `gemv.gemv_config` tiles the pairs' stacked gate rows (there one row a program, 512-column steps, 4 warps);
+    down 8 rows a program, 128-column steps on 8 warps, the top-k loop unrolled so the experts' loads issue
+    together (20.6 us a layer for one token against 23.1 for the old two-programs-an-SM rule, 32.0 for `fused_moe`)."""
+    return dict(up=gemv_config(top_k * inter, hidden, sms),
+                down=dict(BLOCK_N=8, BLOCK_K=min(128, max(16, triton.next_power_of_2(inter))), num_warps=8,
+                          UNROLL=top_k))
 
 
 def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
