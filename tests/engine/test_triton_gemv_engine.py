@@ -3,8 +3,9 @@ backend is imported, so each run is a child process) against the same backend wi
 (cuBLAS), both measured against the default backend on the CPU in float32: one request at a time, so every decode
 step's linears (the head included) are one-row GEMVs. The GEMV run's logits must be no less accurate than the
 cuBLAS run's (the margin of `test_cuda_engine.py`): the two differ only in the linears, so the other CUDA kernels'
-own half-precision error (which in float16 exceeds the CPU backend's) is in both. The MoE GEMV
-(the default, `LMDEPLOY_MOE_GEMV=0` turns it off; `kernels/cuda/moe_gemv.py`) is checked the same way on Qwen3-Next's sparse layers.
+own half-precision error (which in float16 exceeds the CPU backend's) is in both. The MoE GEMV (the default,
+`LMDEPLOY_MOE_GEMV=0` turns it off; `kernels/cuda/moe_gemv.py`) is checked the same way on Qwen3-Next's sparse
+layers.
 """
 from __future__ import annotations
 

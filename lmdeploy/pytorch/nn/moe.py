@@ -9,12 +9,12 @@ A forward of at most `SparseMoeBlock.fold_max_tokens()` tokens runs the shared e
 op as one more expert (id E, its scale the sigmoid gate, one more column from the router), when its per-rank
 shapes equal one routed expert's and neither it nor the experts carry LoRA or FP8: the shared expert's two GEMMs,
 SiLU-and-mul, gate multiply and add are then no launches of their own. The bound is the backend op's own
-(`fold_shared_max_tokens`: the cuda backend's few-token MoE, on unless `LMDEPLOY_MOE_GEMV=0`, runs the shared expert as one
-more pair of its two launches, up to 4 tokens), or `FOLD_MAX_TOKENS` with `LMDEPLOY_MOE_FOLD_SHARED=1` (opt-in; H200
-run 13: the kernels' tests pass, an engine's start-up with it did not finish within 100 s, not yet understood), else
-none. Larger forwards (prefill, where a plain GEMM runs the shared rows faster) keep the separate shared expert.
-When the input projections are stacked (below), a folded forward takes the router's and the shared gate's logits
-from one GEMM over their adjacent rows of the stack.
+(`fold_shared_max_tokens`: the cuda backend's few-token MoE, on unless `LMDEPLOY_MOE_GEMV=0`, runs the shared expert
+as one more pair of its two launches, up to 4 tokens), or `FOLD_MAX_TOKENS` with `LMDEPLOY_MOE_FOLD_SHARED=1`
+(opt-in; H200 run 13: the kernels' tests pass, an engine's start-up with it did not finish within 100 s, not yet
+understood), else none. Larger forwards (prefill, where a plain GEMM runs the shared rows faster) keep the separate
+shared expert. When the input projections are stacked (below), a folded forward takes the router's and the shared
+gate's logits from one GEMM over their adjacent rows of the stack.
 
 Otherwise, after loading, the shared expert's `gate_up_proj`, the router and the shared-expert gate read the input
 through one stacked GEMM (`SparseMoeBlock.fuse_input_projections`, `nn.linear.fuse_rows`) while none of them carries

@@ -232,9 +232,9 @@ def _build_causal_conv1d(**_kwargs):
 
 
 def _build_moe(**_kwargs):
-    """`fused_moe`; with its few-token path on (the default; `LMDEPLOY_MOE_GEMV=0` turns it off) its `fold_shared_max_tokens` asks
-    `nn.moe.SparseMoeBlock` to fold a shared expert into it for forwards of up to `moe_gemv.MAX_TOKENS` tokens (one
-    more pair of its two launches instead of five kernels of its own)."""
+    """`fused_moe`; with its few-token path on (the default; `LMDEPLOY_MOE_GEMV=0` turns it off) its
+    `fold_shared_max_tokens` asks `nn.moe.SparseMoeBlock` to fold a shared expert into it for forwards of up to
+    `moe_gemv.MAX_TOKENS` tokens (one more pair of its two launches instead of five kernels of its own)."""
     impl = functools.partial(fused_moe)
     impl.fold_shared_max_tokens = MOE_GEMV_MAX_TOKENS if _moe.few_token_path_enabled() else 0
     return impl
