@@ -5,6 +5,7 @@ token) -> `update()` -> `commit()` -> `release()`. `check_integrity()` runs afte
 """
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
 from lmdeploy.pytorch.messages import SamplingParams, SchedulerSequence, SequenceStatus
+from lmdeploy.pytorch.paging import block_manager
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.scheduler import Scheduler
 from lmdeploy.pytorch.paging.scheduler_output import SampledToken
@@ -387,3 +389,47 @@ def test_many_requests_under_pressure_all_finish_and_free_everything():
     assert all(s.num_generated == s.sampling.max_new_tokens for s in seqs)
     assert sum(s.num_preemptions for s in seqs) > 0
     assert sched.block_manager.num_free == 6
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_long_and_short_id_lists_keep_the_per_block_semantics(seed):
+    """`add_ref` / `free` over random lists short and long (the numpy pass from `_VECTOR_MIN` ids), duplicates
+    included, against a plain per-element model: the same counts and the same free-list order, and a double free
+    or an add_ref on a free block raised (a long list's leaving every count as it was)."""
+    rng = random.Random(seed)
+    bm, counts, free = BlockManager(64), [0] * 64, list(range(64))
+    for _ in range(300):
+        op = rng.choice(['allocate', 'add_ref', 'free'])
+        live = [b for b in range(64) if counts[b] > 0]
+        if op == 'allocate':
+            num = rng.randrange(0, 24)
+            if num > len(free):
+                continue
+            assert bm.allocate(num) == free[:num]
+            for b in free[:num]:
+                counts[b] = 1
+            del free[:num]
+            continue
+        ids = [rng.choice(live) for _ in range(rng.randrange(0, 40))] if live else []
+        if rng.random() < 0.1:
+            ids.insert(rng.randrange(len(ids) + 1), rng.randrange(64))   # maybe a free block: must raise
+        want = list(counts)
+        for b in ids:
+            want[b] += 1 if op == 'add_ref' else -1
+        bad = any(counts[b] <= 0 for b in ids) if op == 'add_ref' else any(c < 0 for c in want)
+        if bad:
+            with pytest.raises(RuntimeError, match='add_ref on free block' if op == 'add_ref' else 'double free'):
+                getattr(bm, op)(ids)
+            if len(ids) >= block_manager._VECTOR_MIN:
+                assert [bm.ref_count(b) for b in range(64)] == counts, 'a long list left a count changed'
+            else:   # the short loop stops at the bad id: rebuild the model from the manager
+                counts = [bm.ref_count(b) for b in range(64)]
+                free = _free_list(bm)
+            continue
+        getattr(bm, op)(ids)
+        if op == 'free':
+            last = {b: i for i, b in enumerate(ids)}
+            free += [b for i, b in enumerate(ids) if want[b] == 0 and counts[b] > 0 and last[b] == i]
+        counts = want
+        assert [bm.ref_count(b) for b in range(64)] == counts
+        assert _free_list(bm) == free

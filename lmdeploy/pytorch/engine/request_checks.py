@@ -4,7 +4,7 @@ engine runs them in the caller's thread (`Engine.add_request`, and the serve lay
 """
 from __future__ import annotations
 
-import array
+import struct
 
 import numpy as np
 
@@ -21,23 +21,26 @@ def check_prompt(token_ids: list[int], vocab_size: int, session_len: int) -> Non
 
 def prompt_array(token_ids: list[int], vocab_size: int, session_len: int) -> np.ndarray:
     """`check_prompt`'s checks; returns the prompt as a new int64 array (the conversion the checks make, so that
-    the engine need not convert the list again). The conversion is `array.array('q', ...)`, which takes exactly the
-    values with `__index__` (ints, bools, numpy integers) and raises on anything else, in one C pass: 1.13 ms for
-    32,800 tokens on a 2-core x86 machine against 1.68 ms for `np.asarray` (which also infers a dtype)."""
-    if len(token_ids) == 0:
+    the engine need not convert the list again). The conversion packs the list into the array with `struct` (format
+    `q`), which takes exactly the values with `__index__` (ints, bools, numpy integers) and raises on anything else,
+    in one C pass: on a 2-core x86 machine 32,800 tokens take about 0.5 ms, against 0.6-1.1 ms for
+    `array.array('q', ...)` and 1.7 ms for `np.asarray` (which also infers a dtype)."""
+    n = len(token_ids)
+    if n == 0:
         raise ValueError('the prompt is empty')
+    ids = np.empty(n, dtype=np.int64)
     try:  # one C pass over the list; the Python loop below only runs on bad input
-        ids = np.frombuffer(array.array('q', token_ids), dtype=np.int64)
-    except (ValueError, TypeError, OverflowError):
-        ids = None
-    fast = ids is not None and ids.min() >= 0 and ids.max() < vocab_size
+        struct.pack_into(f'{n}q', ids, 0, *token_ids)
+        fast = bool(ids.min() >= 0 and ids.max() < vocab_size)
+    except struct.error:
+        fast = False
     bad = [] if fast else [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
     if bad:
         raise ValueError(f'token ids out of the vocabulary [0, {vocab_size}): {bad[:8]}')
-    if len(token_ids) >= session_len:
-        raise ValueError(f'the prompt has {len(token_ids)} tokens; session_len is {session_len} '
+    if n >= session_len:
+        raise ValueError(f'the prompt has {n} tokens; session_len is {session_len} '
                          '(the prompt must leave room for at least one generated token)')
-    return ids if fast else np.fromiter(token_ids, np.int64, len(token_ids))
+    return ids if fast else np.fromiter(token_ids, np.int64, n)
 
 
 def check_image_spans(model, token_ids: list[int], mm_spans: tuple[MultiModalSpan, ...],
