@@ -14,10 +14,11 @@ alignment against the torch one (`LMDEPLOY_MOE_ALIGN=torch`), eager and replayed
 each replay, and the device time of each. `--write-config DIR` writes the best configs as this shape's table
 (`moe.config_file_name`, keyed by (token, expert) pair counts), the file `kernels/cuda/moe_configs/` ships.
 
-`--gemv`: also the few-token path of `kernels/cuda/moe_gemv.py` (opt-in `LMDEPLOY_MOE_GEMV=1`, which `fused_moe` takes
-for up to `moe_gemv.MAX_TOKENS` tokens), called directly for every count up to 16 tokens (the crossover), its
-output checked against the untuned `fused_moe`'s. `--gemv-sweep`: also its tiles swept (`moe_gemv.default_tiles`'
-form, the up launch's then the down launch's), the best printed per count as a GEMV_SWEEP line.
+`--gemv`: also the few-token path of `kernels/cuda/moe_gemv.py` (which `fused_moe` takes for up to
+`moe_gemv.MAX_TOKENS` tokens unless `LMDEPLOY_MOE_GEMV=0`), called directly for every count up to 16 tokens (the
+crossover), its output checked against the untuned `fused_moe`'s. `--gemv-sweep`: also its tiles swept
+(`moe_gemv.default_tiles`' form, the up launch's then the down launch's), the best printed per count as a GEMV_SWEEP
+line.
 
     python benchmark/bench_moe_kernel.py                           # Qwen3.5-35B-A3B experts (64 kept), ~2 min, H200
     python benchmark/bench_moe_kernel.py --tokens 1 2 4 8 16 --no-sweep --gemv    # the decode counts, both paths

@@ -33,8 +33,9 @@ from .moe_gemv import expert_weights
 
 # The alignment: three Triton launches (default), or `moe_align.py`'s ~20 torch ops with LMDEPLOY_MOE_ALIGN=torch.
 _TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'triton') != 'torch'
-# Forwards of up to `moe_gemv.MAX_TOKENS` tokens take `moe_gemv.py`'s two launches (default since H200 run 40, where
-# the 35B-A3B shape's batch-1 decode went 253.9 -> 306.3 tok/s); LMDEPLOY_MOE_GEMV=0 keeps this module's launches.
+# Forwards of up to `moe_gemv.MAX_TOKENS` tokens take `moe_gemv.py`'s two launches (default since H200 runs 40-41: the
+# 35B-A3B shape's batch-1 decode from 0.35 to 0.45 of the weight roofline); LMDEPLOY_MOE_GEMV=0 keeps this module's
+# launches.
 _MOE_GEMV = os.environ.get('LMDEPLOY_MOE_GEMV', '1') != '0'
 # Tuned tile tables (`benchmark/bench_moe_kernel.py --write-config`): this package's `moe_configs/`, or the
 # folder LMDEPLOY_MOE_CONFIG_DIR names (searched first).
@@ -220,8 +221,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
     x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
     float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype. `config` overrides
-    the tile sizes `default_config` picks (`benchmark/bench_moe_kernel.py` sweeps them); without one, and with
-    unless `LMDEPLOY_MOE_GEMV=0`, forwards of up to `moe_gemv.MAX_TOKENS` tokens run `moe_gemv.fused_moe_gemv`. `shared`
+    the tile sizes `default_config` picks (`benchmark/bench_moe_kernel.py` sweeps them); without one, and unless
+    `LMDEPLOY_MOE_GEMV=0`, forwards of up to `moe_gemv.MAX_TOKENS` tokens run `moe_gemv.fused_moe_gemv`. `shared`
     (gate_up [2I, H], down [H, I], the strides of one routed expert): a shared expert run as expert id E in the
     same launches; the last column of `topk_ids` is then E for every token and that of `topk_weights` its scale (the
     sigmoid gate).

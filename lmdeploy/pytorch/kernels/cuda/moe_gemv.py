@@ -19,7 +19,7 @@ fp32 and rounded once (`fused_moe` rounds each weighted pair first). A shared ex
 No argument or tile depends on the token count (the grid does), so one binary per expert shape serves every batch
 and the start-up warm-up's first call (`moe.warm_up_tiles`, one token) compiles it. `fused_moe` takes this path for
 up to `MAX_TOKENS` tokens by default (`LMDEPLOY_MOE_GEMV=0` keeps its own launches; `benchmark/bench_moe_kernel.py
---gemv` times both: on the H200 one token 20.6 us a 35B-A3B layer against 32.0, four 47.8 against 58.4).
+--gemv` times both: on the H200 one token 20.5 us a 35B-A3B layer against 32.0, four 49.2 against 58.0).
 """
 from __future__ import annotations
 
