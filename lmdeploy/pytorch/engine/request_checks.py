@@ -23,8 +23,8 @@ def prompt_array(token_ids: list[int], vocab_size: int, session_len: int) -> np.
     """`check_prompt`'s checks; returns the prompt as a new int64 array (the conversion the checks make, so that
     the engine need not convert the list again). The conversion packs the list into the array with `struct` (format
     `q`), which takes exactly the values with `__index__` (ints, bools, numpy integers) and raises on anything else,
-    in one C pass: on a 2-core x86 machine 32,800 tokens take about 0.5 ms, against 0.6-1.1 ms for
-    `array.array('q', ...)` and 1.7 ms for `np.asarray` (which also infers a dtype)."""
+    in one C pass: on a 2-core x86 machine 32,800 tokens take 0.60 ms, against 1.26 ms for `array.array('q', ...)`
+    timed in the same process (`docs/benchmarks.md`, host work per step)."""
     n = len(token_ids)
     if n == 0:
         raise ValueError('the prompt is empty')
