@@ -275,21 +275,34 @@ def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
 
 def check_conv_planes(case: ConvCase, x, weight, bias, backing, pool, state_ids, is_fresh, cu_seqlens, activation,
                       out, want_backing, device: str) -> None:
-    """`causal_conv1d_planes` (three groups whose bounds fall inside the kernel's channel blocks): each group is a
-    contiguous tensor holding exactly the plain output's columns, and the pool ends as after the plain call."""
-    third = case.channels // 3
-    splits = (third, third, case.channels - 2 * third)
-    plane_backing = backing.to(device)
-    plane_pool = plane_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
-    planes = cuda_conv.causal_conv1d_planes(x.to(device), weight.to(device),
-                                            None if bias is None else bias.to(device), plane_pool,
-                                            state_ids.to(device), is_fresh.to(device), cu_seqlens.to(device),
-                                            splits, activation)
-    assert len(planes) == 3
-    for plane, want in zip(planes, out.split(splits, dim=-1)):
-        assert plane.is_contiguous() and plane.shape == want.shape
-        torch.testing.assert_close(plane, want, rtol=0, atol=0)
-    torch.testing.assert_close(plane_backing, want_backing, rtol=0, atol=0, equal_nan=True)
+    """`causal_conv1d_planes` in three groups (q / k / v-like thirds) and in four of uneven widths (bounds inside
+    the kernel's channel blocks, a one-channel group first): each group is a contiguous tensor holding exactly the
+    plain output's columns, and the pool ends as after the plain call."""
+    third, quarter = case.channels // 3, case.channels // 4
+    for splits in ((third, third, case.channels - 2 * third),
+                   (1, quarter, case.channels - 1 - 2 * quarter, quarter)):
+        plane_backing = backing.to(device, copy=True)  # on the CPU `.to` alone would share (and update) it
+        plane_pool = plane_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
+        planes = cuda_conv.causal_conv1d_planes(x.to(device), weight.to(device),
+                                                None if bias is None else bias.to(device), plane_pool,
+                                                state_ids.to(device), is_fresh.to(device), cu_seqlens.to(device),
+                                                splits, activation)
+        assert len(planes) == len(splits)
+        for plane, want in zip(planes, out.split(splits, dim=-1)):
+            assert plane.is_contiguous() and plane.shape == want.shape
+            torch.testing.assert_close(plane, want, rtol=0, atol=0)
+        torch.testing.assert_close(plane_backing, want_backing, rtol=0, atol=0, equal_nan=True)
+
+
+def test_causal_conv1d_planes_rejects_bad_splits():
+    """More than four groups, or groups that do not sum to the channels, are a clear error before any launch."""
+    x, weight, pool = torch.zeros(2, 10), torch.zeros(10, 4), torch.zeros(1, 10, 3)
+    args = (x, weight, None, pool, torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool),
+            torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match='1 to 4 groups'):
+        cuda_conv.causal_conv1d_planes(*args, (2, 2, 2, 2, 2))
+    with pytest.raises(ValueError, match='sum to 10'):
+        cuda_conv.causal_conv1d_planes(*args, (4, 4))
 
 
 @pytest.mark.gpu

@@ -28,11 +28,25 @@ import triton.language as tl
 from .launch import fast_kernel
 
 
+@triton.jit
+def _plane_of(chans, channels, bound1, bound2, bound3):
+    """(first channel, width) of the output plane each channel lands in: planes ``[0, b1)``, ``[b1, b2)``,
+    ``[b2, b3)``, ``[b3, C)`` (unused bounds equal ``C``), each stored as a contiguous ``[T, width]`` block at
+    element ``T * first`` of the flat output (one plane of width C is the plain ``[T, C]`` layout)."""
+    lo = tl.where(chans >= bound1, bound1, 0)
+    lo = tl.where(chans >= bound2, bound2, lo)
+    lo = tl.where(chans >= bound3, bound3, lo)
+    hi = tl.where(chans < bound3, bound3, channels)
+    hi = tl.where(chans < bound2, bound2, hi)
+    hi = tl.where(chans < bound1, bound1, hi)
+    return lo.to(tl.int64), (hi - lo).to(tl.int64)
+
+
 @fast_kernel
 @triton.jit
 def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token_ptr, cu_seqlens_ptr, state_ids_ptr,
                         fresh_ptr, num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1,
-                        stride_s2, stride_ot, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        stride_s2, bound1, bound2, bound3, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -60,15 +74,16 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
         acc += val * w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    out_mask = t_mask[:, None] & c_mask[None, :]
-    tl.store(out_ptr + tokens64[:, None] * stride_ot + chans[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=out_mask)
+    lo, width = _plane_of(chans, channels, bound1, bound2, bound3)
+    out_offs = num_tokens * lo[None, :] + tokens64[:, None] * width[None, :] + (chans - lo)[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & c_mask[None, :])
 
 
 @fast_kernel
 @triton.jit
 def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens_ptr, state_ids_ptr, fresh_ptr,
-                          channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1, stride_s2, stride_ot,
+                          num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1, stride_s2,
+                          bound1, bound2, bound3,
                           KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                           WRITE_OUTPUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
     seq = tl.program_id(0)
@@ -81,6 +96,8 @@ def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens
     hist_ptr = state_ptr + slot * stride_s0 + chans * stride_s1
 
     if WRITE_OUTPUT:
+        lo, width = _plane_of(chans, channels, bound1, bound2, bound3)
+        out_base = out_ptr + num_tokens * lo + (chans - lo)
         bias = tl.zeros([BLOCK_C], dtype=tl.float32)
         if HAS_BIAS:
             bias += tl.load(bias_ptr + chans, mask=c_mask, other=0.0).to(tl.float32)
@@ -96,7 +113,7 @@ def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens
                 acc += (val.to(tl.float32) + hist.to(tl.float32)) * w
             if SILU:
                 acc = acc * tl.sigmoid(acc)
-            tl.store(out_ptr + (bos + t) * stride_ot + chans, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(out_base + (bos + t) * width, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
 
     # new column i is xx_b[L + i]: x[bos + L + i - (K-1)] if that is a token of b, else old column L + i
     cols = tl.arange(0, BLOCK_H)
@@ -138,39 +155,13 @@ def causal_conv1d(
     updates ``conv_state`` rows in place. ``fresh_i8`` (``is_fresh`` as int8 on x's device) and ``seq_of_token``
     (`seq_of_token_of(cu_seqlens, T)`) may be given, built once per forward for every layer.
     """
-    if activation not in (None, 'silu'):
-        raise ValueError(f'unsupported activation: {activation}')
-    num_tokens, channels = x.shape
-    kernel = weight.shape[-1]
-    num_seqs = state_ids.shape[0]
-    assert weight.shape == (channels, kernel) and kernel >= 2, f'bad weight shape {tuple(weight.shape)}'
-    assert conv_state.shape[1:] == (channels, kernel - 1), f'bad conv_state shape {tuple(conv_state.shape)}'
-    assert cu_seqlens.shape == (num_seqs + 1,) and is_fresh.shape == (num_seqs,)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if num_seqs == 0:
-        return out
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    fresh = is_fresh.to(device=x.device, dtype=torch.int8) if fresh_i8 is None else fresh_i8
-    common = dict(stride_xt=x.stride(0), stride_wc=weight.stride(0), stride_wk=weight.stride(1),
-                  stride_s0=conv_state.stride(0), stride_s1=conv_state.stride(1), stride_s2=conv_state.stride(2),
-                  stride_ot=out.stride(0), KERNEL=kernel, HAS_BIAS=bias is not None, SILU=activation == 'silu')
-    bias_arg = bias if bias is not None else weight
-    is_decode = num_tokens == num_seqs
-    if not is_decode and num_tokens > 0:
-        block_t, block_c = 16, min(triton.next_power_of_2(channels), 128)
-        if seq_of_token is None:
-            seq_of_token = seq_of_token_of(cu_seqlens, num_tokens)
-        grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
-        _conv_tokens_kernel[grid](x, weight, bias_arg, conv_state, out, seq_of_token, cu_seqlens, state_ids, fresh,
-                                  num_tokens=num_tokens, channels=channels, BLOCK_T=block_t, BLOCK_C=block_c,
-                                  num_warps=4, **common)
-    block_c = min(triton.next_power_of_2(channels), 256)
-    block_h = max(triton.next_power_of_2(kernel - 1), 2)
-    _conv_sequence_kernel[(num_seqs, triton.cdiv(channels, block_c))](
-        x, weight, bias_arg, conv_state, out, cu_seqlens, state_ids, fresh, channels=channels,
-        WRITE_OUTPUT=is_decode, BLOCK_C=block_c, BLOCK_H=block_h, num_warps=4, **common)
+    _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_i8, seq_of_token, out,
+            ())
     return out
+
+
+_MAX_PLANES = 4
 
 
 def causal_conv1d_planes(
@@ -186,17 +177,59 @@ def causal_conv1d_planes(
     fresh_i8: torch.Tensor | None = None,
     seq_of_token: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """`causal_conv1d(...).split(out_splits, -1)` with each channel group a contiguous ``[T, C_i]`` tensor: one
-    `causal_conv1d` call per group on its channel slices of x, weight, bias and the pool (channels are
-    independent, so the values are the plain call's, bit for bit). fla's kernels `.contiguous()` their inputs;
-    a channel slice of one ``[T, C]`` output would be copied there. The backend's default; off with
-    `LMDEPLOY_FUSED_PREFILL=0`."""
-    assert sum(out_splits) == x.shape[1], f'out_splits {tuple(out_splits)} do not sum to {x.shape[1]} channels'
-    planes, start = [], 0
-    for width in out_splits:
-        group = slice(start, start + width)
-        planes.append(causal_conv1d(x[:, group], weight[group], None if bias is None else bias[group],
-                                    conv_state[:, group], state_ids, is_fresh, cu_seqlens, activation=activation,
-                                    fresh_i8=fresh_i8, seq_of_token=seq_of_token))
-        start += width
-    return tuple(planes)
+    """`causal_conv1d(...).split(out_splits, -1)` with each channel group a contiguous ``[T, C_i]`` tensor, from
+    one launch plan over all channels: the kernels store channel c of token t at ``T * s_i + t * C_i + (c - s_i)``
+    of one flat buffer, where group i spans channels ``[s_i, s_i + C_i)``, and each group is a view of its block.
+    The values are the plain call's, bit for bit (only the store address differs). fla's kernels `.contiguous()`
+    their inputs, so a channel slice of one ``[T, C]`` output would be copied there. At most four groups. The
+    backend's default; off with `LMDEPLOY_FUSED_PREFILL=0`."""
+    splits = tuple(int(w) for w in out_splits)
+    if sum(splits) != x.shape[1] or any(w < 0 for w in splits):
+        raise ValueError(f'out_splits {splits} must be non-negative and sum to {x.shape[1]} channels')
+    if not 1 <= len(splits) <= _MAX_PLANES:
+        raise ValueError(f'causal_conv1d_planes takes 1 to {_MAX_PLANES} groups, got {len(splits)}')
+    num_tokens = x.shape[0]
+    flat = torch.empty(num_tokens * x.shape[1], dtype=x.dtype, device=x.device)
+    starts = [sum(splits[:i]) for i in range(len(splits))]
+    _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_i8, seq_of_token, flat,
+            tuple(starts[1:]))
+    return tuple(flat[num_tokens * s:num_tokens * (s + w)].view(num_tokens, w) for s, w in zip(starts, splits))
+
+
+def _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_i8, seq_of_token, out,
+            bounds: tuple[int, ...]) -> None:
+    """Runs the conv into ``out``: channels split into planes at ``bounds`` (ascending, at most three; see
+    `_plane_of`), ``out`` contiguous with ``T * C`` elements."""
+    if activation not in (None, 'silu'):
+        raise ValueError(f'unsupported activation: {activation}')
+    num_tokens, channels = x.shape
+    kernel = weight.shape[-1]
+    num_seqs = state_ids.shape[0]
+    assert weight.shape == (channels, kernel) and kernel >= 2, f'bad weight shape {tuple(weight.shape)}'
+    assert conv_state.shape[1:] == (channels, kernel - 1), f'bad conv_state shape {tuple(conv_state.shape)}'
+    assert cu_seqlens.shape == (num_seqs + 1,) and is_fresh.shape == (num_seqs,)
+    assert out.is_contiguous() and out.numel() == num_tokens * channels and len(bounds) < _MAX_PLANES
+    if num_seqs == 0:
+        return
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    bound1, bound2, bound3 = tuple(bounds) + (channels,) * (_MAX_PLANES - 1 - len(bounds))
+    fresh = is_fresh.to(device=x.device, dtype=torch.int8) if fresh_i8 is None else fresh_i8
+    common = dict(num_tokens=num_tokens, channels=channels, stride_xt=x.stride(0), stride_wc=weight.stride(0),
+                  stride_wk=weight.stride(1), stride_s0=conv_state.stride(0), stride_s1=conv_state.stride(1),
+                  stride_s2=conv_state.stride(2), bound1=bound1, bound2=bound2, bound3=bound3, KERNEL=kernel,
+                  HAS_BIAS=bias is not None, SILU=activation == 'silu')
+    bias_arg = bias if bias is not None else weight
+    is_decode = num_tokens == num_seqs
+    if not is_decode and num_tokens > 0:
+        block_t, block_c = 16, min(triton.next_power_of_2(channels), 128)
+        if seq_of_token is None:
+            seq_of_token = seq_of_token_of(cu_seqlens, num_tokens)
+        grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
+        _conv_tokens_kernel[grid](x, weight, bias_arg, conv_state, out, seq_of_token, cu_seqlens, state_ids, fresh,
+                                  BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4, **common)
+    block_c = min(triton.next_power_of_2(channels), 256)
+    block_h = max(triton.next_power_of_2(kernel - 1), 2)
+    _conv_sequence_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, weight, bias_arg, conv_state, out, cu_seqlens, state_ids, fresh, WRITE_OUTPUT=is_decode,
+        BLOCK_C=block_c, BLOCK_H=block_h, num_warps=4, **common)
