@@ -29,7 +29,7 @@ from lmdeploy.pytorch.kernels.cuda import moe_routing as cuda_routing
 from lmdeploy.pytorch.kernels.cuda import rms_norm as cuda_norm
 from lmdeploy.pytorch.kernels.cuda import rms_norm_rows as cuda_norm_rows
 from lmdeploy.pytorch.kernels.cuda import rotary as cuda_rotary
-from lmdeploy.pytorch.kernels.cuda.launch import FastKernel, arg_key, fast_kernel
+from lmdeploy.pytorch.kernels.cuda.launch import FastKernel, arg_key, fast_kernel, wait_for_inputs
 from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
 from lmdeploy.pytorch.nn.attention import QKNorm
 
@@ -394,6 +394,49 @@ def test_fast_launch_reuses_compiled_handle_and_respecializes_gpu():
         unspecialized[(triton.cdiv(n, 128),)](base[:n], y[:n], out, n, 0.5, BLOCK=128)
         torch.testing.assert_close(out, 0.5 * base[:n] + y[:n])
     assert unspecialized.num_compiled == 1   # `n` is not specialized: one binary for every n
+
+
+@fast_kernel
+@triton.jit
+def _reverse_add_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    # each program reads what other programs of the previous launch wrote (a missed wait reads stale values)
+    tl.store(out_ptr + offs, tl.load(x_ptr + n - 1 - offs, mask=mask) + 1.0, mask=mask)
+
+
+@pytest.mark.gpu
+def test_pdl_chain_keeps_stream_order_gpu():
+    """A chain of launches, each reading its predecessor's output across programs and overwriting what that one
+    read, gives the serial result eagerly and replayed from a CUDA graph; on Hopper the kernels launch with PDL."""
+    kernel: FastKernel = _reverse_add_kernel
+    n, steps = 1 << 22, 40  # many waves of programs a launch
+    grid = (triton.cdiv(n, 1024),)
+    start = torch.randn(n, device='cuda')
+    a, b = start.clone(), torch.empty_like(start)
+
+    def chain():
+        for i in range(steps):
+            src, dst = (a, b) if i % 2 == 0 else (b, a)
+            kernel[grid](src, dst, n, BLOCK=1024)
+    expected = start.clone()
+    for _ in range(steps):
+        expected = expected.flip(0) + 1.0  # the same float32 additions, in the stream's order
+    chain()
+    torch.testing.assert_close(a, expected, rtol=0, atol=0)
+    on_hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert kernel.has_pdl and all(k.metadata.launch_pdl == on_hopper for k in kernel._compiled.values())
+    graph = torch.cuda.CUDAGraph()
+    a.copy_(start)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        chain()
+    for replay in range(1, 4):
+        a.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(a, expected, rtol=0, atol=0, msg=f'replay {replay}')
 
 
 # ------------------------------------------------------------------------------------------------ interpreter

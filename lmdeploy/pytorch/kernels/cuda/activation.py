@@ -21,14 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 _BLOCK = 1024  # 8 bf16 per thread at 4 warps: 16-byte vector accesses when widths and row strides allow
 
 
 @fast_kernel
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
@@ -42,8 +43,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.
 @fast_kernel
 @triton.jit
 def _sigmoid_gate_mul_kernel(x_ptr, gate_ptr, out_ptr, stride_xt, stride_xh, stride_gt, stride_gh, num_heads,
-                             head_dim, BLOCK: tl.constexpr):
+                             head_dim, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Row t of [T, H * D]; element (h, d) of x / gate at t * stride_t + h * stride_h + d."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_heads * head_dim

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -34,7 +34,8 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max
 @fast_kernel
 @triton.jit
 def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
-                      BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+                      BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = group * GROUP + tl.arange(0, BLOCK)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .blocked_fp8 import quant_fp8
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 from .moe import _align_pairs, moe_block, row_block, store_routed, store_swiglu
 
 
@@ -26,7 +26,8 @@ from .moe import _align_pairs, moe_block, row_block, store_routed, store_swiglu
 def _moe_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
                        inter, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
                        TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, inter,
                                                               BLOCK_M, BLOCK_N)
     if expert >= NUM_EXPERTS:
@@ -64,7 +65,9 @@ def _moe_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_pairs_ptr, 
 def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr,
                          num_pairs, hidden, inter, stride_at, stride_ast, stride_we, stride_wn, stride_wse,
                          stride_wsn, stride_ot, NUM_EXPERTS: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
                                                               BLOCK_M, BLOCK_N)
     if expert >= NUM_EXPERTS:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 
 @triton.jit
@@ -47,7 +47,8 @@ def _plane_of(chans, channels, bound1, bound2, bound3):
 def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token_ptr, cu_seqlens_ptr, state_ids_ptr,
                         fresh_ptr, num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1,
                         stride_s2, bound1, bound2, bound3, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                        SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_mask = tokens < num_tokens
@@ -85,7 +86,9 @@ def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens
                           num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1, stride_s2,
                           bound1, bound2, bound3,
                           KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                          WRITE_OUTPUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+                          WRITE_OUTPUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = chans < channels

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 # Bytes one program moves: 64 KiB = 128 B per thread at 16 warps (the best of the H200 launch-shape sweep in
 # benchmark/bench_copy_packed_cache.py: ~92% of a device-to-device copy at kernel block sizes 16 and 64).
@@ -28,7 +28,9 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 
 @fast_kernel
 @triton.jit
-def _copy_blocks_kernel(cache_ptr, src_ptr, dst_ptr, stride_row, block_words, num_chunks, BLOCK: tl.constexpr):
+def _copy_blocks_kernel(cache_ptr, src_ptr, dst_ptr, stride_row, block_words, num_chunks, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     pair = pid // num_chunks

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 # Elements of one K (or V) tile a program moves; V doubles it.
 _TILE_ELEMS = 4096
@@ -24,7 +24,8 @@ def _fill_kv_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_cp, stride_co, stride_ch,
                           page_size, num_heads, head_dim,
-                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     slot = tl.load(slot_ptr + tok).to(tl.int64)

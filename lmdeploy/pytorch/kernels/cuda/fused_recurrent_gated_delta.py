@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .gated_delta_rule import check_shapes
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 _L2NORM_EPS = 1e-6
 
@@ -39,7 +39,8 @@ def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_p
                             stride_bt, stride_ot, stride_oh, stride_s0, stride_sh, stride_sk, stride_cut, scale,
                             EPS: tl.constexpr, GROUP: tl.constexpr, DIM_K: tl.constexpr, DIM_V: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-                            NUM_CUTS: tl.constexpr, ROUND: tl.constexpr):
+                            NUM_CUTS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     k_head = head // GROUP

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 _SOFTPLUS_THRESHOLD = 20.0
 
@@ -19,7 +19,8 @@ _SOFTPLUS_THRESHOLD = 20.0
 @fast_kernel
 @triton.jit
 def _gating_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, stride_a, stride_b, num_heads,
-                   THRESHOLD: tl.constexpr, BLOCK_H: tl.constexpr):
+                   THRESHOLD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     mask = heads < num_heads

@@ -8,8 +8,9 @@ with the sweep's best tiles, it beats cuBLAS's `F.linear` on every one-row weigh
 by the most on the narrow and tiny weights (a 64-row weight: 2.4 us against 5.8); the 9B shape's 153 linears a
 forward take 4.04 ms against 4.66 (their floor 3.77). `gemv_config` is the rule those best tiles follow.
 
-The `cuda` backend's `OpType.Linear` runs it for one contiguous half-precision row (`LMDEPLOY_TRITON_GEMV=0`, read
-at the backend's import, keeps cuBLAS).
+With programmatic dependent launch (`launch.py`) a program loads its first weight step before it waits for the
+previous kernel. The `cuda` backend's `OpType.Linear` runs it for one contiguous half-precision row
+(`LMDEPLOY_TRITON_GEMV=0`, read at the backend's import, keeps cuBLAS).
 """
 from __future__ import annotations
 
@@ -17,19 +18,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import device_sm_count, fast_kernel
+from .launch import device_sm_count, fast_kernel, wait_for_inputs
 
 
 @fast_kernel
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PDL: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # the first step's weights load before the PDL wait: weights are written at load time, never by the kernel
+    # before this one, so their read overlaps that kernel's tail (`launch.py`)
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+    wait_for_inputs(PDL)
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    w_ptrs += BLOCK_K
+    for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptr + k + cols)
             w = tl.load(w_ptrs, mask=row_mask[:, None], other=0.0)

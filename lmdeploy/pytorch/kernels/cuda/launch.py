@@ -21,6 +21,18 @@ Under `TRITON_INTERPRET=1` (CPU tests) `triton.jit` builds an interpreted functi
 the normal path. So does any call while a Triton launch hook is installed (profilers such as proton), so hooks
 still see every launch, and every call when the environment sets `LMDEPLOY_FAST_LAUNCH=0` (read at import; for
 before/after measurements, `benchmark/bench_host_per_layer.py`).
+
+Programmatic dependent launch (PDL, Hopper and later): a kernel with a ``PDL: tl.constexpr = False`` parameter
+whose body starts with `wait_for_inputs(PDL)` is launched, on a device of compute capability 9 or more, with
+``PDL=True`` and Triton's ``launch_pdl`` option (the CUDA launch attribute of programmatic stream serialization).
+The driver may then start its programs while the previous kernel on the stream is still running; each program
+first waits (``griddepcontrol.wait``) until that kernel has completed and its writes are visible, then lets the
+next kernel start the same way (``griddepcontrol.launch_dependents``). Nothing is written before the wait, and
+nothing is read there but model weights (`gemv.py` loads its first weight step), which only start-up writes: the
+order of effects is the stream's. What is gained is the launch and scheduling latency between two kernels, which
+a decode step pays hundreds of times (CUDA graphs keep the attribute as a programmatic edge).
+Off with `LMDEPLOY_PDL=0` (read at import), on older GPUs, under the interpreter, and for a caller that passes
+``PDL`` itself; independent of `LMDEPLOY_FAST_LAUNCH`.
 """
 from __future__ import annotations
 
@@ -30,10 +42,13 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.jit import JITFunction
 
 _INT32_MIN, _INT32_MAX, _UINT64_MIN = -(2 ** 31), 2 ** 31 - 1, 2 ** 63
 _ENABLED = os.environ.get('LMDEPLOY_FAST_LAUNCH', '1') != '0'
+_PDL_ENABLED = os.environ.get('LMDEPLOY_PDL', '1') != '0' and os.environ.get('TRITON_INTERPRET', '0') != '1'
 _DEFAULT_SMS = 132  # the H200's SM count: what interpreted (CPU) runs size their grids for
 
 
@@ -44,6 +59,21 @@ def device_sm_count(device: torch.device) -> int:
     if device.type != 'cuda':
         return _DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def pdl_supported(device_index: int) -> bool:
+    """Whether kernels on CUDA device `device_index` launch with PDL (see the module docstring)."""
+    return _PDL_ENABLED and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """A PDL kernel's first statement: wait for the previous kernel on the stream, then let the next one launch
+    (both no-ops without PDL; see the module docstring)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def arg_key(arg: Any, specialize: bool = True) -> Any:
@@ -71,6 +101,7 @@ class FastKernel:
         self.fn = fn
         # Interpreted kernels (TRITON_INTERPRET=1) and anything that is not a plain JITFunction take the normal path.
         self.is_fast = _ENABLED and isinstance(fn, JITFunction)
+        self.has_pdl = _PDL_ENABLED and isinstance(fn, JITFunction) and 'PDL' in fn.arg_names
         if self.is_fast:
             self.arg_names: list[str] = list(fn.arg_names)
             self.is_constexpr = [p.is_constexpr for p in fn.params]
@@ -103,15 +134,18 @@ class FastKernel:
         return values, kwargs
 
     def launch(self, grid: tuple[int, ...], *args, **kwargs) -> None:
+        if self.has_pdl or self.is_fast:
+            if self._current_device is None:
+                active = triton.runtime.driver.active
+                self._current_device, self._current_stream = active.get_current_device, active.get_current_stream
+            device = self._current_device()
+            if self.has_pdl and 'PDL' not in kwargs and pdl_supported(device):
+                kwargs = dict(kwargs, PDL=True, launch_pdl=True)
         hooks = triton.knobs.runtime
         if not self.is_fast or _has_hook(hooks.launch_enter_hook) or _has_hook(hooks.launch_exit_hook):
             self.fn[grid](*args, **kwargs)
             return
-        if self._current_device is None:
-            active = triton.runtime.driver.active
-            self._current_device, self._current_stream = active.get_current_device, active.get_current_stream
         values, options = self._bind(args, kwargs)
-        device = self._current_device()
         key = (device, tuple(sorted(options.items())),
                tuple(v if c else arg_key(v, s) for v, c, s in zip(values, self.is_constexpr, self.specialize)))
         kernel = self._compiled.get(key)

@@ -21,16 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 
 @fast_kernel
 @triton.jit
 def _sgmv_kernel(x_ptr, w_ptr, out_ptr, seq_slots_ptr, cu_seqlens_ptr, depth, width, stride_xt, stride_ws,
                  stride_wn, stride_ot, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """out[rows, cols] (+)= x[rows, :depth] W[slot][cols, :depth]^T for one sequence's token tile and column tile:
     the shrink (W = A, out = y, stored) and each expand slice (W = B_i, x = y_i, added to out)."""
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     slot = tl.load(seq_slots_ptr + seq).to(tl.int64)
     start = tl.load(cu_seqlens_ptr + seq)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import moe_gemv
-from .launch import arg_key, fast_kernel
+from .launch import arg_key, fast_kernel, wait_for_inputs
 from .moe_align import align_pairs, align_pairs_reference
 from .moe_gemv import expert_weights
 
@@ -81,7 +81,8 @@ def store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, str
 def _moe_up_kernel(x_ptr, w_ptr, shared_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
                    stride_xt, stride_we, stride_wn, stride_wk, stride_ot, TOP_K: tl.constexpr,
                    NUM_EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, inter,
                                                               BLOCK_M, BLOCK_N)
     if expert >= NUM_EXPERTS + HAS_SHARED:
@@ -114,7 +115,8 @@ def _moe_up_kernel(x_ptr, w_ptr, shared_ptr, out_ptr, sorted_pairs_ptr, block_ex
 def _moe_down_kernel(a_ptr, w_ptr, shared_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs,
                      hidden, inter, stride_at, stride_we, stride_wn, stride_wk, stride_ot, NUM_EXPERTS: tl.constexpr,
                      HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
                                                               BLOCK_M, BLOCK_N)
     if expert >= NUM_EXPERTS + HAS_SHARED:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 _PAIRS_PER_PROGRAM = 1024
 _COMPARE_ELEMS = 4096  # blocks x experts compared per step of the offsets program
@@ -26,7 +26,8 @@ _FILL = 1024  # sentinel elements per step of the offsets program
 
 @fast_kernel
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
@@ -37,7 +38,9 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constex
 @fast_kernel
 @triton.jit
 def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_experts, num_pairs, max_blocks,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     counts = tl.load(counts_ptr + experts, mask=valid, other=0)
@@ -58,7 +61,9 @@ def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, 
 
 @fast_kernel
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, num_experts, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)

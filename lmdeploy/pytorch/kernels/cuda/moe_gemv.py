@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .gemv import gemv_config
-from .launch import device_sm_count, fast_kernel
+from .launch import device_sm_count, fast_kernel, wait_for_inputs
 
 MAX_TOKENS = 4  # fused_moe's dispatch bound: pairs of a few tokens rarely share an expert, so each streams its own
 
@@ -48,7 +48,8 @@ def expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS: tl.constex
 @triton.jit
 def _moe_gemv_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, act_ptr, hidden, inter, stride_xt, stride_we, stride_wn,
                         stride_at, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < inter
@@ -81,7 +82,8 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, act_ptr, hidden, inte
 def _moe_gemv_down_kernel(act_ptr, w_ptr, shared_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, stride_at,
                           stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                           HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          UNROLL: tl.constexpr):
+                          UNROLL: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden

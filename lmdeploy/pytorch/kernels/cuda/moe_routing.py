@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 _MAX_EXPERTS = 4096
 
@@ -23,7 +23,8 @@ _MAX_EXPERTS = 4096
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, shared_ptr, weights_ptr, ids_ptr, num_experts, stride_l, stride_s, stride_w,
                          stride_i, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts

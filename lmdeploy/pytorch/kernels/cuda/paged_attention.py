@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 _MAX_GRID_YZ = 65535
@@ -71,7 +71,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_l
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          qk_scale, head_dim, num_splits,
                          PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,7 +117,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_l
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, o_ptr, kv_lens_ptr,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                          head_dim, num_splits,
-                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)

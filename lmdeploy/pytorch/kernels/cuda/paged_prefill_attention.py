@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import device_sm_count, fast_kernel
+from .launch import device_sm_count, fast_kernel, wait_for_inputs
 from .paged_attention import LOG2E, attend_block, check_cache, dot_precision
 
 # Split rule (work per program): a split reads at least MIN_SPLIT_KEYS keys, so its fp32 partial (BLOCK_M x D x 4
@@ -57,7 +57,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
                     kv_lens_ptr, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                     stride_cp, stride_co, stride_ch, stride_bt, qk_scale, head_dim, num_splits, min_split,
                     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     # The last tiles (most keys under the causal mask) first: the scheduler then fills the tail with short tiles.
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     head = tl.program_id(1)
@@ -128,9 +130,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
 @triton.jit(do_not_specialize=['num_splits', 'batch_size'])
 def _merge_kernel(part_ptr, lse_ptr, o_ptr, cu_seqlens_q_ptr, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                   stride_ot, stride_oh, head_dim, num_splits, batch_size,
-                  MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, MERGE_D: tl.constexpr):
+                  MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, MERGE_D: tl.constexpr, PDL: tl.constexpr = False):
     """Packed rows `[r, r + MERGE_M)` (any sequences; rows past the last sequence's are padding and left alone), one
     head, dims `[d, d + MERGE_D)`: out = sum_s 2^(lse_s - m) part_s / sum_s 2^(lse_s - m), m the rows' max lse."""
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * MERGE_M + tl.arange(0, MERGE_M)
     head = tl.program_id(1)
     dims = tl.program_id(2) * MERGE_D + tl.arange(0, MERGE_D)

@@ -14,14 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 
 @fast_kernel
 @triton.jit
 def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stride_gate, stride_res,
                      stride_res_out, stride_out, dim, eps, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 from .rms_norm import norm_entry_points
 
 
@@ -26,8 +26,9 @@ from .rms_norm import norm_entry_points
 def _rms_norm_rows_kernel(x_ptr, gate_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, num_rows, stride_x, stride_x_inner,
                      x_inner, stride_gate, stride_gate_inner, gate_inner, stride_res, stride_res_out, stride_out, dim,
                      eps, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """ROWS rows per program (many for short rows, such as per-head norms of 128); each row reduces alone."""
+    wait_for_inputs(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
     mask = (rows < num_rows)[:, None] & (offs < dim)[None, :]

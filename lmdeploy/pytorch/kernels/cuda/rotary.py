@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 
 @triton.jit
@@ -86,7 +86,8 @@ def _program_rows(cos_ptr, sin_ptr, stride_cos, stride_sin):
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
                    stride_qot, stride_qoh, stride_kot, stride_koh, num_q_heads, head_dim,
-                   ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                   ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     token, head, cos_row, sin_row = _program_rows(cos_ptr, sin_ptr, stride_cos, stride_sin)
     if head < num_q_heads:
         _rotate_head(q_ptr + token * stride_qt + head * stride_qh,
@@ -135,7 +136,8 @@ def _rotary_fill_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cach
                         qw_ptr, kw_ptr, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_cos, stride_sin, stride_qot, stride_qoh, stride_cp, stride_co, stride_ch, page_size,
                         num_q_heads, head_dim, HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                        ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                        ROTARY_DIM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     token, head, cos_row, sin_row = _program_rows(cos_ptr, sin_ptr, stride_cos, stride_sin)
     if head < num_q_heads:
         q_row = q_ptr + token * stride_qt + head * stride_qh

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel
+from .launch import fast_kernel, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
 
@@ -22,7 +22,8 @@ _LOG2E = 1.4426950408889634
 def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, stride_qn, stride_qh, stride_kn, stride_kh,
                              stride_vn, stride_vh, stride_on, stride_oh, head_dim, qk_scale,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     m_block = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
