@@ -23,6 +23,7 @@ from numeric import assert_close
 
 from lmdeploy.pytorch.backends.default import elementwise as ref_elementwise
 from lmdeploy.pytorch.backends.default import moe as ref_moe
+from lmdeploy.pytorch.kernels.cuda import causal_conv1d as cuda_conv
 from lmdeploy.pytorch.kernels.cuda import gated_delta_gating as cuda_gating
 from lmdeploy.pytorch.kernels.cuda import moe_align as cuda_align
 from lmdeploy.pytorch.kernels.cuda import moe_routing as cuda_routing
@@ -315,7 +316,6 @@ def test_cpu_gated_delta_gating(case, dtype):
 
 def check_conv_with_shared_indices(device: str) -> None:
     """The conv kernel given the per-forward index tensors (built once for every layer) equals its own build."""
-    from lmdeploy.pytorch.kernels.cuda import causal_conv1d as cuda_conv
     gen = torch.Generator().manual_seed(7)
     lens, channels, kernel = [5, 1, 9], 24, 4
     cu = torch.tensor([0, 5, 6, 15], device=device)
@@ -324,10 +324,23 @@ def check_conv_with_shared_indices(device: str) -> None:
     ids, fresh = torch.tensor([2, 0, 3], device=device), torch.tensor([False, True, False], device=device)
     pool_a, pool_b = pool.clone(), pool.clone()
     want = cuda_conv.causal_conv1d(x, weight, None, pool_a, ids, fresh, cu)
-    got = cuda_conv.causal_conv1d(x, weight, None, pool_b, ids, fresh, cu, fresh_i8=fresh.to(torch.int8),
+    got = cuda_conv.causal_conv1d(x, weight, None, pool_b, ids, fresh, cu, fresh_u8=fresh.to(torch.uint8),
                                   seq_of_token=cuda_conv.seq_of_token_of(cu, x.shape[0]))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(pool_b, pool_a, rtol=0, atol=0)
+
+
+def test_conv_fresh_flags_are_a_view_when_they_can_be():
+    """A contiguous bool tensor on the kernel's device is read in place (no launch per layer in a decode graph);
+    anything else is copied to one byte a sequence."""
+    flags = torch.tensor([True, False, True])
+    view = cuda_conv.fresh_flags(flags, flags.device)
+    assert view.dtype == torch.uint8 and view.data_ptr() == flags.data_ptr() and view.tolist() == [1, 0, 1]
+    strided = torch.tensor([True, True, False, False, True, False])[::2]
+    copied = cuda_conv.fresh_flags(strided, strided.device)
+    assert copied.is_contiguous() and copied.data_ptr() != strided.data_ptr() and copied.tolist() == [1, 0, 1]
+    ints = cuda_conv.fresh_flags(torch.tensor([0, 3]), flags.device)
+    assert ints.dtype == torch.uint8 and (ints != 0).tolist() == [False, True]
 
 
 @pytest.mark.gpu

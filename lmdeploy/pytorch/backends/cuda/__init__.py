@@ -206,14 +206,14 @@ def _build_gated_delta_rule(**kwargs):
 
 
 def _conv_index(inputs, x: torch.Tensor) -> dict:
-    """The conv kernel's per-forward index tensors (fresh flags as int8, each token's sequence), built once per
+    """The conv kernel's per-forward index tensors (fresh flags as bytes, each token's sequence), built once per
     forward for every gated DeltaNet layer. Under CUDA graph capture they are built inside the graph instead (a
     memo from an eager warm-up on the same inputs would be replayed stale)."""
     def build() -> dict:
         num_tokens = x.shape[0]
         seq = _conv.seq_of_token_of(inputs.cu_seqlens_q, num_tokens) \
             if num_tokens != inputs.state_ids.shape[0] else None
-        return {'fresh_i8': inputs.is_fresh.to(device=x.device, dtype=torch.int8), 'seq_of_token': seq}
+        return {'fresh_u8': _conv.fresh_flags(inputs.is_fresh, x.device), 'seq_of_token': seq}
     if torch.cuda.is_current_stream_capturing():
         return build()
     return inputs.derived(('conv_index', x.device, x.shape[0]), build)

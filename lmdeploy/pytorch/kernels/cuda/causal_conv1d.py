@@ -132,6 +132,14 @@ def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens
              mask=c_mask[:, None] & col_mask[None, :])
 
 
+def fresh_flags(is_fresh: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`is_fresh` as the kernels read it (one byte a sequence, nonzero = fresh): a uint8 view of a contiguous bool
+    tensor already on `device`, so no launch (one per layer inside a decode graph otherwise); else a copy."""
+    if is_fresh.dtype == torch.bool and is_fresh.device == device and is_fresh.is_contiguous():
+        return is_fresh.view(torch.uint8)
+    return is_fresh.to(device=device, dtype=torch.uint8).contiguous()
+
+
 def seq_of_token_of(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[T]: the sequence each packed token belongs to."""
     return torch.searchsorted(cu_seqlens[1:].contiguous(),
@@ -147,7 +155,7 @@ def causal_conv1d(
     is_fresh: torch.Tensor,
     cu_seqlens: torch.Tensor,
     activation: str | None = 'silu',
-    fresh_i8: torch.Tensor | None = None,
+    fresh_u8: torch.Tensor | None = None,
     seq_of_token: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv over packed varlen sequences, continuing from a stored input history.
@@ -155,11 +163,11 @@ def causal_conv1d(
     Same contract as `kernels.default.causal_conv1d.causal_conv1d`: x ``[T, C]``; weight ``[C, K]``; bias ``[C]``
     or None; conv_state pool ``[num_slots, C, K-1]`` (any strides); state_ids int64 ``[B]`` (distinct); is_fresh
     bool ``[B]``; cu_seqlens int64 ``[B+1]`` with ``cu_seqlens[-1] == T``. Returns ``[T, C]`` in ``x.dtype`` and
-    updates ``conv_state`` rows in place. ``fresh_i8`` (``is_fresh`` as int8 on x's device) and ``seq_of_token``
+    updates ``conv_state`` rows in place. ``fresh_u8`` (`fresh_flags(is_fresh, x.device)`) and ``seq_of_token``
     (`seq_of_token_of(cu_seqlens, T)`) may be given, built once per forward for every layer.
     """
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_i8, seq_of_token, out,
+    _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_u8, seq_of_token, out,
             ())
     return out
 
@@ -177,7 +185,7 @@ def causal_conv1d_planes(
     cu_seqlens: torch.Tensor,
     out_splits: tuple[int, ...],
     activation: str | None = 'silu',
-    fresh_i8: torch.Tensor | None = None,
+    fresh_u8: torch.Tensor | None = None,
     seq_of_token: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """`causal_conv1d(...).split(out_splits, -1)` with each channel group a contiguous ``[T, C_i]`` tensor, from
@@ -194,12 +202,12 @@ def causal_conv1d_planes(
     num_tokens = x.shape[0]
     flat = torch.empty(num_tokens * x.shape[1], dtype=x.dtype, device=x.device)
     starts = [sum(splits[:i]) for i in range(len(splits))]
-    _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_i8, seq_of_token, flat,
+    _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_u8, seq_of_token, flat,
             tuple(starts[1:]))
     return tuple(flat[num_tokens * s:num_tokens * (s + w)].view(num_tokens, w) for s, w in zip(starts, splits))
 
 
-def _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_i8, seq_of_token, out,
+def _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activation, fresh_u8, seq_of_token, out,
             bounds: tuple[int, ...]) -> None:
     """Runs the conv into ``out``: channels split into planes at ``bounds`` (ascending, at most three; see
     `_plane_of`), ``out`` contiguous with ``T * C`` elements."""
@@ -217,7 +225,7 @@ def _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activa
     if x.stride(-1) != 1:
         x = x.contiguous()
     bound1, bound2, bound3 = tuple(bounds) + (channels,) * (_MAX_PLANES - 1 - len(bounds))
-    fresh = is_fresh.to(device=x.device, dtype=torch.int8) if fresh_i8 is None else fresh_i8
+    fresh = fresh_flags(is_fresh, x.device) if fresh_u8 is None else fresh_u8
     common = dict(num_tokens=num_tokens, channels=channels, stride_xt=x.stride(0), stride_wc=weight.stride(0),
                   stride_wk=weight.stride(1), stride_s0=conv_state.stride(0), stride_s1=conv_state.stride(1),
                   stride_s2=conv_state.stride(2), bound1=bound1, bound2=bound2, bound3=bound3, KERNEL=kernel,
