@@ -17,6 +17,7 @@ from interpreted import check_cases_interpreted, run_checks_interpreted
 from kernel_inputs import compare_pools, cu_seqlens_of, make_pool, randn, strided_copy, tol
 
 from lmdeploy.pytorch.kernels.cuda.fused_recurrent_gated_delta import fused_recurrent_gated_delta_rule
+from lmdeploy.pytorch.kernels.cuda.gated_delta_gating import gated_delta_gating
 from lmdeploy.pytorch.kernels.default import gated_delta_rule as ref_gdr
 
 _DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
@@ -106,6 +107,14 @@ def _rounds(kernel, inputs, pool, ids, fresh, cuts, l2norm: bool) -> torch.Tenso
     return out
 
 
+def _same_kernel_tolerance(case: Case, device: str) -> dict:
+    """Two forms of one computation by this kernel: bit for bit under the interpreter; compiled, two binaries (a
+    constexpr differs) may contract multiply-adds differently, so a float32 rounding or a bf16 ulp."""
+    if device == 'cpu':
+        return {'rtol': 0, 'atol': 0}
+    return {'rtol': 1e-5 if case.dtype == case.pool_dtype == 'fp32' else 8e-3, 'atol': 1e-6}
+
+
 def check(case: Case, device: str) -> None:
     inputs = _inputs(case, device)
     backing, pool, ref_backing, ref_pool = _pools(case, device)
@@ -123,11 +132,9 @@ def check(case: Case, device: str) -> None:
         assert set(case.lens) == {case.cuts + 1}
         want = _rounds(ref_gdr.recurrent_gated_delta_rule, ref_inputs, cpu_ref_pool, ids.cpu(), fresh.cpu(),
                        cuts.cpu(), case.l2norm)
-        # the kernel's own decode calls with copies: what one launch with cuts computes, bit for bit under the
-        # interpreter; compiled, the two binaries (NUM_CUTS differs) may contract multiply-adds differently
+        # the kernel's own decode calls with copies: what one launch with cuts computes
         same = _rounds(fused_recurrent_gated_delta_rule, inputs, ref_pool, ids, fresh, cuts, case.l2norm)
-        exact = {'rtol': 0, 'atol': 0} if device == 'cpu' else \
-            {'rtol': 1e-5 if case.dtype == case.pool_dtype == 'fp32' else 8e-3, 'atol': 1e-6}   # a bf16 ulp
+        exact = _same_kernel_tolerance(case, device)
         torch.testing.assert_close(same, got, **exact, msg=case.id)
         torch.testing.assert_close(ref_backing, backing, **exact, equal_nan=True, msg=case.id)
     assert got.dtype == inputs[2].dtype and got.shape == inputs[2].shape and torch.isfinite(got).all()
@@ -157,13 +164,54 @@ GPU_CASES = [
 ]
 
 
+def check_folded_gating(case: Case, device: str) -> None:
+    """`gating_params`: the kernel's own gating of the raw projections a, b (views into one wider row, as after the
+    fused input projection's split) gives what the gating kernel's g, beta give the plain call, in the outputs and
+    in every pool byte."""
+    q, k, v = _inputs(case, device)[:3]
+    gen = torch.Generator().manual_seed(sum(case.lens) + 11)
+    rows = randn(sum(case.lens), 2 * case.heads + 3, gen=gen).mul_(3.0).to(_DTYPES[case.dtype]).to(device)
+    a, b = rows[:, 1:1 + case.heads], rows[:, 1 + case.heads:1 + 2 * case.heads]
+    A_log, dt_bias = randn(case.heads, gen=gen).to(device), randn(case.heads, gen=gen).to(device)
+    backing, pool, ref_backing, ref_pool = _pools(case, device)
+    ids, fresh, _ = _slots(case, device)
+    cu = cu_seqlens_of(case.lens).to(device)
+    g, beta = gated_delta_gating(a, b, A_log, dt_bias)
+    want = fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, ref_pool, ids, fresh, use_qk_l2norm=case.l2norm,
+                                            block_v=case.block_v)
+    got = fused_recurrent_gated_delta_rule(q, k, v, a, b, cu, pool, ids, fresh, use_qk_l2norm=case.l2norm,
+                                           gating_params=(A_log, dt_bias), block_v=case.block_v)
+    exact = _same_kernel_tolerance(case, device)
+    torch.testing.assert_close(got, want, **exact, msg=case.id)
+    torch.testing.assert_close(backing, ref_backing, **exact, equal_nan=True, msg=case.id)
+
+
+GATING_CPU_CASES = [c for c in CPU_CASES if not c.cuts]
+GATING_GPU_CASES = [c for c in GPU_CASES if not c.cuts]
+
+
 def run_interpreted(kernel: str) -> None:
     """Entry point of the interpreter subprocess."""
-    check_cases_interpreted(check, CPU_CASES)
+    if kernel == 'folded_gating':
+        check_cases_interpreted(check_folded_gating, GATING_CPU_CASES)
+    else:
+        check_cases_interpreted(check, CPU_CASES)
 
 
 def test_kernel_under_triton_interpreter():
     run_checks_interpreted(__file__, 'fused_recurrent', len(CPU_CASES))
+
+
+def test_folded_gating_under_triton_interpreter():
+    run_checks_interpreted(__file__, 'folded_gating', len(GATING_CPU_CASES))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', GATING_GPU_CASES, ids=lambda c: c.id)
+def test_folded_gating_matches_the_gating_kernel_gpu(case):
+    if not torch.cuda.is_available():
+        pytest.skip('needs CUDA')
+    check_folded_gating(case, 'cuda')
 
 
 @pytest.mark.gpu
@@ -194,3 +242,35 @@ def test_verify_forward_takes_the_backends_draft_cuts_entry_or_falls_back_to_rou
         assert module(*args, inputs) == ('fused' if accepts else 'rounds')
     del impl.draft_cuts
     assert module(*args, inputs) == 'rounds' and calls == ['rounds', 'rounds']
+
+
+def test_decode_takes_the_backends_folded_gating_or_gates_first():
+    """`nn.GatedDeltaRule.forward_gating` hands a forward without cuts to the backend op's `with_gating` entry when
+    it has one and it accepts, else runs the gating module and then the rule; a forward with cuts always gates
+    first (its rounds and draft entry take g and beta)."""
+    from types import SimpleNamespace
+
+    from lmdeploy.pytorch.nn import gated_delta
+    calls = []
+    module = gated_delta.GatedDeltaRule()
+    plain = SimpleNamespace(draft_state_slots=None, state_cuts=None)
+
+    def impl(q, k, v, g, beta, state, inputs, use_qk_l2norm):
+        calls.append(('rule', g, beta))
+        return 'rule'
+
+    def gating(a, b, A_log, dt_bias):
+        calls.append(('gating', a, b))
+        return 'g', 'beta'
+    args = ('q', 'k', 'v', 'a', 'b', 'A_log', 'dt_bias', gating, 'state')
+    for accepts in (True, False):
+        impl.with_gating = lambda *a, use_qk_l2norm, accepts=accepts: 'folded' if accepts else None
+        module._impl = impl
+        assert module.forward_gating(*args, plain) == ('folded' if accepts else 'rule')
+    assert calls == [('gating', 'a', 'b'), ('rule', 'g', 'beta')]
+    calls.clear()
+    impl.with_gating = lambda *a, use_qk_l2norm: 'folded'
+    verify = SimpleNamespace(draft_state_slots=None, state_cuts='cuts')
+    module.forward = lambda q, k, v, g, beta, state, inputs: calls.append(('rule', g, beta)) or 'rule'
+    assert module.forward_gating(*args, verify) == 'rule'
+    assert calls == [('gating', 'a', 'b'), ('rule', 'g', 'beta')]

@@ -132,8 +132,8 @@ class GatedDeltaNet(nn.Module):
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        g, beta = self.gating(a, b, self.A_log, self.dt_bias)
-        out = self.gated_delta_rule(q, k, v, g, beta, states['recurrent'], ctx.inputs)
+        out = self.gated_delta_rule.forward_gating(q, k, v, a, b, self.A_log, self.dt_bias, self.gating,
+                                                   states['recurrent'], ctx.inputs)
         out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         return self.out_proj(out.flatten(-2))
 

@@ -59,6 +59,9 @@ from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
 _TRITON_GEMV = os.environ.get('LMDEPLOY_TRITON_GEMV', '1') != '0'
+# the decode gating inside the pool kernel (the fused gating kernel's code, so _FUSED_OPS too); opt-in until its
+# gpu tests and a decode A/B have run (scripts/gpu_pending_jobs.txt)
+_FOLD_GATING = _FUSED_OPS and os.environ.get('LMDEPLOY_FOLD_GATING', '0') == '1'
 
 
 def fused_prefill_enabled() -> bool:
@@ -201,7 +204,17 @@ def _build_gated_delta_rule(**kwargs):
         return fused_recurrent_gated_delta_rule(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids,
                                                 inputs.is_fresh, use_qk_l2norm=use_qk_l2norm,
                                                 cut_slots=inputs.draft_state_slots)
+    def with_gating(q, k, v, a, b, A_log, dt_bias, state, inputs, use_qk_l2norm=True):
+        """The pool kernel computing `gated_delta_gating(a, b, A_log, dt_bias)` itself (the gating kernel's code:
+        one launch less a layer), or None where `forward` would not run the pool kernel: the caller gates first."""
+        if not pool or q.dtype == torch.float32 or not (inputs.is_decode or inputs.use_recurrent_kernel):
+            return None
+        return fused_recurrent_gated_delta_rule(q, k, v, a, b, inputs.cu_seqlens_q, state, inputs.state_ids,
+                                                inputs.is_fresh, use_qk_l2norm=use_qk_l2norm,
+                                                gating_params=(A_log, dt_bias))
     forward.draft_cuts = draft_cuts
+    if _FOLD_GATING:
+        forward.with_gating = with_gating
     return forward
 
 

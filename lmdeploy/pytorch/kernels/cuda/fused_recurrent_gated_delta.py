@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gated_delta_gating import SOFTPLUS_THRESHOLD, gating_values
 from .gated_delta_rule import check_shapes
 from .launch import fast_kernel, wait_for_inputs
 
@@ -35,11 +36,14 @@ _L2NORM_EPS = 1e-6
 @fast_kernel
 @triton.jit
 def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, ids_ptr, fresh_ptr,
-                            cut_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
-                            stride_bt, stride_ot, stride_oh, stride_s0, stride_sh, stride_sk, stride_cut, scale,
+                            cut_ptr, a_log_ptr, dt_bias_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                            stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh, stride_s0,
+                            stride_sh, stride_sk, stride_cut, scale,
                             EPS: tl.constexpr, GROUP: tl.constexpr, DIM_K: tl.constexpr, DIM_V: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-                            NUM_CUTS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
+                            NUM_CUTS: tl.constexpr, ROUND: tl.constexpr, GATING: tl.constexpr,
+                            THRESHOLD: tl.constexpr, PDL: tl.constexpr = False):
+    """With GATING, g_ptr / beta_ptr are the raw projections a / b (see `fused_recurrent_gated_delta_rule`)."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -55,6 +59,9 @@ def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_p
     s_ptrs = state_ptr + slot * stride_s0 + head * stride_sh + tile
     s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
     s = tl.where(tl.load(fresh_ptr + seq) != 0, 0.0, s)   # where, not multiply: NaN in a fresh slot must not survive
+    if GATING:
+        a_log = tl.load(a_log_ptr + head).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     for t in range(bos, eos):
         q = tl.load(q_ptr + t * stride_qt + k_head * stride_qh + rows, mask=mask_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_kt + k_head * stride_kh + rows, mask=mask_k, other=0.0).to(tl.float32)
@@ -63,8 +70,14 @@ def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_p
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
         q = q * scale
-        g = tl.load(g_ptr + t * stride_gt + head).to(tl.float32)
-        beta = tl.load(beta_ptr + t * stride_bt + head).to(tl.float32)
+        if GATING:  # the gating kernel's values: g in float32, beta rounded to b's dtype as it stores it
+            g, beta = gating_values(tl.load(g_ptr + t * stride_gt + head).to(tl.float32),
+                                    tl.load(beta_ptr + t * stride_bt + head).to(tl.float32), a_log, dt_bias,
+                                    THRESHOLD)
+            beta = beta.to(beta_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + t * stride_gt + head).to(tl.float32)
+            beta = tl.load(beta_ptr + t * stride_bt + head).to(tl.float32)
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
@@ -98,12 +111,17 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
     max_seqlen: int | None = None,
     cut_slots: torch.Tensor | None = None,
+    gating_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_v: int = 32,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """``[T, H, Dv]`` outputs in ``v.dtype``; the pool rows of `state_ids` hold the final states (and the rows of
     `cut_slots` [B, C] the states after each of the first C tokens). `max_seqlen` is accepted for signature
-    compatibility; nothing is read back to the host. See the module docstring."""
+    compatibility; nothing is read back to the host. See the module docstring.
+
+    With `gating_params` = (A_log, dt_bias) [H], `g` and `beta` are the raw per-head projections a and b [T, H]
+    and each program computes `gated_delta_gating(a, b, A_log, dt_bias)` for its head itself (the same code, so
+    the same bits): the decode step's gating launch folded into this one."""
     check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh)
     num_tokens, num_k_heads, dim_k = q.shape
     num_heads, dim_v = v.shape[1:]
@@ -117,14 +135,20 @@ def fused_recurrent_gated_delta_rule(
         cut_slots, num_cuts = state_ids.view(-1, 1), 0
     assert cut_slots.shape[0] == batch
     q, k, v, g, beta, cut_slots = (_unit_last(x) for x in (q, k, v, g, beta, cut_slots))
+    if gating_params is not None:
+        a_log, dt_bias = (p.contiguous() for p in gating_params)
+        assert a_log.shape == dt_bias.shape == (num_heads,), f'A_log / dt_bias {tuple(a_log.shape)} for {num_heads}'
+    else:
+        a_log = dt_bias = g  # unread
     fresh = is_fresh.view(torch.uint8) if is_fresh.dtype == torch.bool else is_fresh  # a view: no launch
     block_v = min(block_v, triton.next_power_of_2(dim_v))
     grid = (batch, num_heads, triton.cdiv(dim_v, block_v))
     _fused_recurrent_kernel[grid](
-        q, k, v, g, beta, out, state, cu_seqlens, state_ids, fresh, cut_slots,
+        q, k, v, g, beta, out, state, cu_seqlens, state_ids, fresh, cut_slots, a_log, dt_bias,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), cut_slots.stride(0),
         dim_k ** -0.5, EPS=_L2NORM_EPS, GROUP=num_heads // num_k_heads, DIM_K=dim_k, DIM_V=dim_v,
         BLOCK_K=triton.next_power_of_2(dim_k), BLOCK_V=block_v, L2NORM=use_qk_l2norm, NUM_CUTS=num_cuts,
-        ROUND=num_cuts > 0 and state.dtype != torch.float32, num_warps=num_warps)
+        ROUND=num_cuts > 0 and state.dtype != torch.float32, GATING=gating_params is not None,
+        THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=num_warps)
     return out

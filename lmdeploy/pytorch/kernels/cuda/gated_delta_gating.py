@@ -13,7 +13,24 @@ import triton.language as tl
 
 from .launch import fast_kernel, wait_for_inputs
 
-_SOFTPLUS_THRESHOLD = 20.0
+SOFTPLUS_THRESHOLD = 20.0
+
+
+@triton.jit
+def gating_values(a, b, a_log, dt_bias, THRESHOLD: tl.constexpr):
+    """(g, beta) in float32 from float32 a, b, A_log, dt_bias (any shapes that broadcast); the gating kernel's and
+    the recurrent rule's in-kernel gating (`fused_recurrent_gated_delta.py`) share it, so both compute the same
+    bits. beta is still to be rounded to b's dtype."""
+    x = a + dt_bias
+    # softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p(y) = log(u) * y / (u - 1) with u = 1 + y (exact to a few
+    # ulp for small y, where log(1 + y) would lose the digits)
+    y = tl.exp(-tl.abs(x))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * y / tl.where(u == 1.0, 1.0, u - 1.0))
+    softplus = tl.where(x > THRESHOLD, x, tl.maximum(x, 0.0) + log1p)
+    g = -tl.exp(a_log) * softplus
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    return g, beta
 
 
 @fast_kernel
@@ -28,16 +45,8 @@ def _gating_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, stride
     b = tl.load(b_ptr + row * stride_b + heads, mask=mask, other=0.0).to(tl.float32)
     a_log = tl.load(a_log_ptr + heads, mask=mask, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + heads, mask=mask, other=0.0).to(tl.float32)
-    x = a + dt_bias
-    # softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p(y) = log(u) * y / (u - 1) with u = 1 + y (exact to a few
-    # ulp for small y, where log(1 + y) would lose the digits)
-    y = tl.exp(-tl.abs(x))
-    u = 1.0 + y
-    log1p = tl.where(u == 1.0, y, tl.log(u) * y / tl.where(u == 1.0, 1.0, u - 1.0))
-    softplus = tl.where(x > THRESHOLD, x, tl.maximum(x, 0.0) + log1p)
-    g = -tl.exp(a_log) * softplus
+    g, beta = gating_values(a, b, a_log, dt_bias, THRESHOLD)
     tl.store(g_ptr + row * num_heads + heads, g, mask=mask)
-    beta = 1.0 / (1.0 + tl.exp(-b))
     tl.store(beta_ptr + row * num_heads + heads, beta.to(beta_ptr.dtype.element_ty), mask=mask)
 
 
@@ -54,6 +63,6 @@ def gated_delta_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
     _gating_kernel[(num_tokens,)](a, b, A_log, dt_bias, g, beta, stride_a=a.stride(0), stride_b=b.stride(0),
-                                  num_heads=num_heads, THRESHOLD=_SOFTPLUS_THRESHOLD,
+                                  num_heads=num_heads, THRESHOLD=SOFTPLUS_THRESHOLD,
                                   BLOCK_H=triton.next_power_of_2(num_heads), num_warps=1)
     return g, beta
