@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .causal_conv1d import fresh_flags
 from .gated_delta_gating import SOFTPLUS_THRESHOLD, gating_values
 from .gated_delta_rule import check_shapes
 from .launch import fast_kernel, wait_for_inputs
@@ -140,7 +141,7 @@ def fused_recurrent_gated_delta_rule(
         assert a_log.shape == dt_bias.shape == (num_heads,), f'A_log / dt_bias {tuple(a_log.shape)} for {num_heads}'
     else:
         a_log = dt_bias = g  # unread
-    fresh = is_fresh.view(torch.uint8) if is_fresh.dtype == torch.bool else is_fresh  # a view: no launch
+    fresh = fresh_flags(is_fresh, q.device)  # a view: no launch
     block_v = min(block_v, triton.next_power_of_2(dim_v))
     grid = (batch, num_heads, triton.cdiv(dim_v, block_v))
     _fused_recurrent_kernel[grid](
