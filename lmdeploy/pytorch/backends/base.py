@@ -17,6 +17,7 @@ class OpType(enum.Enum):
     LinearBlockedF8 = enum.auto()
     RMSNorm = enum.auto()
     AddRMSNorm = enum.auto()
+    RMSNormLinear = enum.auto()
     GatedRMSNorm = enum.auto()
     ApplyRotary = enum.auto()
     SiluAndMul = enum.auto()

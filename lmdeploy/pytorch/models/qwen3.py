@@ -8,7 +8,7 @@ from ..config import ModelConfig
 from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention, qk_norm_of
-from ..nn.linear import Embedding, Linear, MergedLinear
+from ..nn.linear import Embedding, Linear, MergedLinear, fusable
 from ..nn.norm import RMSNorm
 from ..nn.parallel import AllReduce
 from ..nn.rotary import RotaryEmbedding
@@ -36,7 +36,18 @@ class Qwen3Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index)
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return self._attend(self.qkv_proj(x), cos_sin, ctx)
+
+    def forward_normed(self, x: torch.Tensor, norm: RMSNorm, rotary: RotaryEmbedding, cos_sin, ctx: StepContext
+                       ) -> torch.Tensor:
+        """forward(norm(x)), the norm and `qkv_proj` as one op (`RMSNorm.linear`) while that projection is a plain
+        weight."""
+        if fusable(self.qkv_proj):
+            return self._attend(norm.linear(x, None, self.qkv_proj.weight)[0], cos_sin, ctx)
+        return self(norm(x), rotary, cos_sin, ctx)
+
+    def _attend(self, qkv: torch.Tensor, cos_sin, ctx: StepContext) -> torch.Tensor:
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -57,9 +68,9 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp_reduce = AllReduce()
 
     def forward(self, x: torch.Tensor, rotary, cos_sin, ctx: StepContext) -> torch.Tensor:
-        h = self.attn_reduce(self.self_attn(self.input_layernorm(x), rotary, cos_sin, ctx))
-        h, x = self.post_attention_layernorm(h, residual=x)
-        return x + self.mlp_reduce(self.mlp(h))
+        h = self.attn_reduce(self.self_attn.forward_normed(x, self.input_layernorm, rotary, cos_sin, ctx))
+        h, x = self.mlp.forward_normed(h, x, self.post_attention_layernorm)
+        return x + self.mlp_reduce(h)
 
 
 class Qwen3Model(nn.Module):

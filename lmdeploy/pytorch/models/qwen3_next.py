@@ -22,10 +22,10 @@ from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP, SigmoidGate
 from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
-from ..nn.linear import Embedding, Linear, MergedLinear, fuse_rows
+from ..nn.linear import Embedding, Linear, MergedLinear, fusable, fuse_rows
 from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
-from ..nn.norm import GatedRMSNorm, RMSNorm
+from ..nn.norm import GatedRMSNorm, RMSNorm, norm_residual
 from ..nn.parallel import AllReduce
 from ..nn.rotary import RotaryEmbedding
 from .causal_lm import CausalLM
@@ -72,7 +72,21 @@ class GatedAttention(nn.Module):
         self.output_gate = SigmoidGate()
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
-        q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        return self._attend(self.qkv_proj(x), cos_sin, ctx)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rotary: RotaryEmbedding,
+                       cos_sin, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(h), s) for h = norm(s), s = x + residual: the norm and `qkv_proj` as one op
+        (`RMSNorm.linear`) while that projection is a plain weight."""
+        if fusable(self.qkv_proj):
+            qkv, residual, _ = norm.linear(x, residual, self.qkv_proj.weight)
+            return self._attend(qkv, cos_sin, ctx), residual
+        h, residual = norm_residual(norm, x, residual)
+        return self(h, rotary, cos_sin, ctx), residual
+
+    def _attend(self, qkv: torch.Tensor, cos_sin, ctx: StepContext) -> torch.Tensor:
+        """The output from `qkv_proj`'s output."""
+        q_gate, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -126,8 +140,23 @@ class GatedDeltaNet(nn.Module):
         return (*qkvz(x).split(qkvz.shard_sizes, dim=-1), *ba(x).split(ba.shard_sizes, dim=-1))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return self._mix(self._in_proj(x), ctx)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, ctx: StepContext
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(h), s) for h = norm(s), s = x + residual: the norm and the fused input projection as one op
+        (`RMSNorm.linear`) while `_in_proj` would run it as one GEMM."""
+        qkvz, ba = self.in_proj_qkvz, self.in_proj_ba
+        if self._fused_in is not None and qkvz.lora is None and ba.lora is None:
+            projected, residual, _ = norm.linear(x, residual, self._fused_in)
+            return self._mix(projected.split(qkvz.shard_sizes + ba.shard_sizes, dim=-1), ctx), residual
+        h, residual = norm_residual(norm, x, residual)
+        return self(h, ctx), residual
+
+    def _mix(self, projected: tuple[torch.Tensor, ...], ctx: StepContext) -> torch.Tensor:
+        """The output from the input projection's (mixed_qkv, z, b, a)."""
         states = ctx.state_caches[self.state_index]
-        mixed_qkv, z, b, a = self._in_proj(x)
+        mixed_qkv, z, b, a = projected
         q, k, v = self.conv1d(mixed_qkv, states['conv'], ctx.inputs, out_splits=self.qkv_sizes)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
@@ -165,19 +194,19 @@ class HybridDecoderLayer(nn.Module):
                          ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before the MLP): their sum is the stream after this layer. The stream
         before the layer is `x`, or `x + residual` when a residual is given (the previous layer's pair), an add
-        that fuses into the input norm. The sums are those `forward` takes, in the same dtype: bit-identical."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual=residual)
+        that fuses into the input norm. The sums are those `forward` takes, in the same dtype: bit-identical. Each norm
+runs with the projection after it (`forward_normed` of the mixer and the MLP, `RMSNorm.linear`)."""
         if self.layer_type == LINEAR_ATTENTION:
-            h = self.linear_attn(h, ctx)
+            h, residual = self.linear_attn.forward_normed(x, residual, self.input_layernorm, ctx)
         else:
-            h = self.self_attn(h, rotary, cos_sin, ctx)
-        h, residual = self.post_attention_layernorm(self.mixer_reduce(h), residual=residual)
+            h, residual = self.self_attn.forward_normed(x, residual, self.input_layernorm, rotary, cos_sin, ctx)
+        h = self.mixer_reduce(h)
         if self.moe_index is None:
-            return self.mlp_reduce(self.mlp(h)), residual
-        return self.mlp_reduce(self.mlp(h, ctx.routes_of(self.moe_index))), residual
+            h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm)
+        else:
+            h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm,
+                                                  ctx.routes_of(self.moe_index))
+        return self.mlp_reduce(h), residual
 
 
 class HybridModel(nn.Module):

@@ -6,7 +6,8 @@ from torch import nn
 
 from ..backends.base import OpType
 from ..backends.selector import current_backend
-from .linear import Linear, MergedLinear
+from .linear import Linear, MergedLinear, fusable
+from .norm import RMSNorm, norm_residual
 
 
 class SiluAndMul(nn.Module):
@@ -43,3 +44,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(h), s) for h = norm(s), s = x + residual (`RMSNorm.linear`: the norm and `gate_up_proj` in one
+        op while that projection is a plain weight)."""
+        if fusable(self.gate_up_proj):
+            gate_up, residual, _ = norm.linear(x, residual, self.gate_up_proj.weight)
+            return self.down_proj(self.act(gate_up)), residual
+        h, residual = norm_residual(norm, x, residual)
+        return self(h), residual

@@ -31,6 +31,7 @@ from ..backends.base import OpType
 from ..backends.selector import current_backend
 from .blocked_fp8 import check_fp8_copy, fp8_parameter, scale_parameter
 from .linear import Linear, fusable, fuse_rows
+from .norm import RMSNorm, norm_residual
 
 
 class TopKRouter(nn.Module):
@@ -171,47 +172,61 @@ class SparseMoeBlock(nn.Module):
         self._fused_in = fuse_rows([gate_up, self.gate, self.shared_expert_gate])
         return self._fused_in is not None
 
-    def _fused_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """(shared gate_up [T, 2I], router logits [T, E], shared gate logit [T, 1]) of x from the fused GEMM, or
-        None (not fused, or a LoRA adapter has attached to the shared expert's projections since)."""
-        if self._fused_in is None or self.shared_expert.gate_up_proj.lora is not None \
-                or self.shared_expert_gate.lora is not None:
-            return None
-        gate_up = self.shared_expert.gate_up_proj
-        sizes = (gate_up.weight.shape[0], self.gate.weight.shape[0], 1)
-        return gate_up._impl(x, self._fused_in, None).split(sizes, dim=-1)
-
-    def _fused_gate_logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[T, E + 1]: the router's logits and the shared gate's, from their adjacent rows of the stacked input
-        projection (one GEMM), or None when the projections are not stacked."""
+    def _stacked_weight(self, folded: bool) -> torch.Tensor | None:
+        """The rows of the stacked input projection (see `fuse_input_projections`) a forward runs as one GEMM: with
+        a folded shared expert the router's and the shared gate's (adjacent), else all of them while no LoRA
+        adapter has attached to the shared expert's projections since; None when the projections are not
+        stacked."""
         if self._fused_in is None:
             return None
-        gate_up = self.shared_expert.gate_up_proj
-        return gate_up._impl(x, self._fused_in[gate_up.weight.shape[0]:], None)
+        if folded:
+            return self._fused_in[self.shared_expert.gate_up_proj.weight.shape[0]:]
+        if self.shared_expert.gate_up_proj.lora is not None or self.shared_expert_gate.lora is not None:
+            return None
+        return self._fused_in
 
     def forward(self, x: torch.Tensor, routes_out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `routes_out` [T, top_k] (any integer dtype), when given, receives the expert ids the
         router chose for each token (the routed-experts record; it costs one small copy)."""
         shared = self.foldable_shared(x.shape[0])
+        stacked = self._stacked_weight(shared is not None)
+        projected = None if stacked is None else self.shared_expert.gate_up_proj._impl(x, stacked, None)
+        return self._forward_projected(x, projected, shared, routes_out)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                       routes_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(h), s) for h = norm(s), s = x + residual: with stacked input projections the norm and their
+        GEMM are one op (`RMSNorm.linear`, which also hands back h for the experts)."""
+        shared = self.foldable_shared(x.shape[0])
+        stacked = self._stacked_weight(shared is not None)
+        if stacked is None:
+            h, residual = norm_residual(norm, x, residual)
+            return self.forward(h, routes_out), residual
+        projected, residual, h = norm.linear(x, residual, stacked, need_normed=True)
+        return self._forward_projected(h, projected, shared, routes_out), residual
+
+    def _forward_projected(self, x: torch.Tensor, projected: torch.Tensor | None,
+                           shared: tuple[torch.Tensor, torch.Tensor] | None,
+                           routes_out: torch.Tensor | None) -> torch.Tensor:
+        """`forward` given the stacked projection of x (`_stacked_weight`'s rows; None: not stacked)."""
         if shared is not None:
-            logits = self._fused_gate_logits(x)
-            if logits is not None:
-                weights, ids = self.gate.route(*logits.split((logits.shape[-1] - 1, 1), dim=-1))
+            if projected is not None:
+                weights, ids = self.gate.route(*projected.split((projected.shape[-1] - 1, 1), dim=-1))
             else:
                 weights, ids = self.gate(x, shared_logit=self.shared_expert_gate(x))
             if routes_out is not None:
                 routes_out.copy_(ids[:, :-1])
             return self.experts(x, weights, ids, shared=shared)
-        fused = self._fused_inputs(x)
-        if fused is not None:
-            shared_gate_up, logits, shared_logit = fused
+        if projected is not None:
+            sizes = (self.shared_expert.gate_up_proj.weight.shape[0], self.gate.weight.shape[0], 1)
+            shared_gate_up, logits, shared_logit = projected.split(sizes, dim=-1)
             weights, ids = self.gate.route(logits)
         else:
             weights, ids = self.gate(x)
         if routes_out is not None:
             routes_out.copy_(ids)
         out = self.experts(x, weights, ids)
-        if fused is not None:
+        if projected is not None:
             shared = self.shared_expert.down_proj(self.shared_expert.act(shared_gate_up))
             out = out + torch.sigmoid(shared_logit) * shared
         elif self.shared_expert is not None:

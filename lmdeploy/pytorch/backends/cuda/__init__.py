@@ -15,7 +15,10 @@ of one [T, C] output, which fla's input guard copies). Off, the CUDA path runs t
 
 Linears of one half-precision row (batch-1 decode, one sequence's logits) run the Triton GEMV of
 `kernels/cuda/gemv.py`, which reads the weights faster than cuBLAS at one row on the H200 (run 34:
-`benchmark/bench_decode_gemms.py`); `LMDEPLOY_TRITON_GEMV=0` (read at import) keeps cuBLAS for them.
+`benchmark/bench_decode_gemms.py`); `LMDEPLOY_TRITON_GEMV=0` (read at import) keeps cuBLAS for them. A norm and
+the one-row linear that reads it (`OpType.RMSNormLinear`: a decode layer's input and post-attention norms with the
+projection after each) run as one launch, the GEMV with the norm in its prologue (`gemv.norm_gemv`), unless
+`LMDEPLOY_NORM_GEMV=0` (read at import).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from ...kernels.cuda.fill_kv_cache import fill_kv_cache
 from ...kernels.cuda.fused_recurrent_gated_delta import fused_recurrent_gated_delta_rule
 from ...kernels.cuda.gated_delta_gating import gated_delta_gating
 from ...kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
-from ...kernels.cuda.gemv import gemv
+from ...kernels.cuda.gemv import gemv, norm_gemv
 from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.moe import warm_up_tiles as warm_up_moe_tiles  # noqa: F401 (ModelAgent.tune_kernels)
@@ -59,6 +62,7 @@ from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
 _TRITON_GEMV = os.environ.get('LMDEPLOY_TRITON_GEMV', '1') != '0'
+_NORM_GEMV = _TRITON_GEMV and os.environ.get('LMDEPLOY_NORM_GEMV', '1') != '0'
 # the decode gating inside the pool kernel (the fused gating kernel's code, so _FUSED_OPS too); opt-in until its
 # gpu tests and a decode A/B have run (scripts/gpu_pending_jobs.txt)
 _FOLD_GATING = _FUSED_OPS and os.environ.get('LMDEPLOY_FOLD_GATING', '0') == '1'
@@ -277,12 +281,39 @@ def tune_fp8_gemms(shapes: set[tuple[int, int, tuple[int, int]]], max_rows: int,
     return _fp8.tune_blocked_gemm_fp8(shapes, max_rows, dtype, device)
 
 
+def _one_half_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the one-row GEMV kernels take x @ weight^T: one contiguous fp16 / bf16 row, weight of its dtype with
+    contiguous rows."""
+    return (x.dim() == 2 and x.size(0) == 1 and x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous()
+            and weight.dtype == x.dtype and weight.stride(-1) == 1)
+
+
 def triton_gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through the one-row GEMV (`kernels/cuda/gemv.py`) for one contiguous half-precision row."""
-    if (x.dim() == 2 and x.size(0) == 1 and x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous()
-            and weight.dtype == x.dtype and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)):
+    if _one_half_row(x, weight) and (bias is None or bias.dtype == x.dtype):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+_linear = triton_gemv_linear if _TRITON_GEMV else F.linear
+_rms_norm = _norm_rows.rms_norm if _FUSED_PREFILL else rms_norm
+_add_rms_norm = (_norm_rows.add_rms_norm if _FUSED_PREFILL else add_rms_norm) if _FUSED_OPS else _unfused_add_rms_norm
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    zero_centered: bool, weight: torch.Tensor, store_normed: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`OpType.RMSNormLinear` (semantics: `default.elementwise.rms_norm_linear`): one launch of `gemv.norm_gemv` for
+    one contiguous half-precision row (h only with `store_normed`), else this backend's norm, then its linear."""
+    if (_NORM_GEMV and _one_half_row(x, weight) and norm_weight.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.is_contiguous()))):
+        return norm_gemv(x, residual, norm_weight, eps, zero_centered, weight, store_normed=store_normed)
+    if residual is None:
+        h, s = _rms_norm(x, norm_weight, eps, zero_centered), x
+    else:
+        h, s = _add_rms_norm(x, residual, norm_weight, eps, zero_centered)
+    return _linear(h, weight), s, h
 
 
 _BUILDERS = {
@@ -290,9 +321,9 @@ _BUILDERS = {
     OpType.VisionAttention: _build_vision_attention,
     OpType.CacheBlockCopy: _const(copy_packed_cache),
     OpType.StateSlotCopy: _const(copy_state_slots),
-    OpType.RMSNorm: _const(_norm_rows.rms_norm if _FUSED_PREFILL else rms_norm),
-    OpType.AddRMSNorm: _const((_norm_rows.add_rms_norm if _FUSED_PREFILL else add_rms_norm) if _FUSED_OPS
-                              else _unfused_add_rms_norm),
+    OpType.RMSNorm: _const(_rms_norm),
+    OpType.AddRMSNorm: _const(_add_rms_norm),
+    OpType.RMSNormLinear: _const(rms_norm_linear),
     OpType.GatedRMSNorm: _const(_norm_rows.gated_rms_norm if _FUSED_PREFILL else gated_rms_norm),
     OpType.ApplyRotary: _const(apply_rotary),
     OpType.CausalConv1d: _build_causal_conv1d,

@@ -111,6 +111,7 @@ _BUILDERS = {
     OpType.LinearBlockedF8: blocked_fp8_builder(_fp8.linear_blocked_fp8),
     OpType.RMSNorm: _const(elementwise.rms_norm),
     OpType.AddRMSNorm: _const(elementwise.add_rms_norm),
+    OpType.RMSNormLinear: _const(elementwise.rms_norm_linear),
     OpType.GatedRMSNorm: _const(elementwise.gated_rms_norm),
     OpType.ApplyRotary: _const(elementwise.apply_rotary),
     OpType.SiluAndMul: _const(elementwise.silu_and_mul),

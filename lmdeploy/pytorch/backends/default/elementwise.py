@@ -23,6 +23,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(new_residual, weight, eps, zero_centered), new_residual
 
 
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    zero_centered: bool, weight: torch.Tensor, store_normed: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(`F.linear(h, weight)`, s, h) with s = x + residual (x itself when residual is None) and h = rms_norm(s):
+    a norm and the projection that reads it as one op (`OpType.RMSNormLinear`); here the two ops in sequence,
+    which return h whatever `store_normed` asks."""
+    if residual is None:
+        h, s = rms_norm(x, norm_weight, eps, zero_centered), x
+    else:
+        h, s = add_rms_norm(x, residual, norm_weight, eps, zero_centered)
+    return F.linear(h, weight), s, h
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rmsnorm(x) * silu(gate), normalised in float32 (the gated DeltaNet output norm)."""
     dtype = x.dtype
