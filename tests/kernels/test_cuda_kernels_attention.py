@@ -22,6 +22,7 @@ from numeric import assert_close
 from paged_kv_pool import DTYPES, assign_pages, fill_history, make_kv_pool
 
 from lmdeploy.pytorch.kernels.cuda import paged_prefill_attention as prefill_mod
+from lmdeploy.pytorch.kernels.cuda.activation import sigmoid_gate_mul
 from lmdeploy.pytorch.kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
 from lmdeploy.pytorch.kernels.cuda.paged_attention import paged_decode_attention
 from lmdeploy.pytorch.kernels.cuda.paged_prefill_attention import paged_prefill_attention, prefill_num_splits
@@ -107,6 +108,18 @@ def check_decode(case: AttnCase, device: str) -> None:
     expected[live] = reference_attention(live_case, q[live], k_cache, v_cache, tables[live])
     atol, rtol = TOLERANCE[case.dtype]
     assert_close(out, expected, atol=atol, rtol=rtol, what=case.id)
+    # gated attention's output gate inside the merge launch: bit-exact against the separate gate launch, with the
+    # gate a strided view (the second half of each head's [query, gate] row, as `GatedAttention` splits it)
+    gen = torch.Generator().manual_seed(len(case.kv_lens))
+    gate = torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2], generator=gen).to(device=device, dtype=q.dtype)
+    gate = gate[..., q.shape[2]:]
+    gated = paged_decode_attention(q, k_cache, v_cache, tables, kv_lens, case.head_dim ** -0.5,
+                                   max_num_splits=case.num_splits, gate=gate)
+    assert torch.equal(gated[live], sigmoid_gate_mul(out, gate)[live]), f'{case.id}: gated merge'
+    assert_close(gated[live], (out[live].float() * torch.sigmoid(gate[live].float())).cpu(), atol=atol, rtol=rtol,
+                 what=f'{case.id} gated')
+    assert torch.equal(gated[[i for i in range(len(case.kv_lens)) if i not in live]].float().abs().sum(),
+                       torch.tensor(0.0, device=device)), f'{case.id}: padding rows must stay zero'
 
 
 def decode_case(kv_lens: tuple[int, ...], *args, num_splits: int) -> AttnCase:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ModelConfig, StateSpec
 from ..model_inputs import StepContext
-from ..nn.activation import GatedMLP, SigmoidGate
+from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
 from ..nn.linear import Embedding, Linear, MergedLinear, fusable, fuse_rows
@@ -69,7 +69,6 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index)
-        self.output_gate = SigmoidGate()
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin, ctx: StepContext) -> torch.Tensor:
         return self._attend(self.qkv_proj(x), cos_sin, ctx)
@@ -90,9 +89,10 @@ class GatedAttention(nn.Module):
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        # q/k norm and rotary inside the attention op (the cuda backend fuses them with the KV fill)
-        out = self.attn(q, k, v, ctx, cos_sin=cos_sin, qk_norm=qk_norm_of(self.q_norm, self.k_norm))
-        out = self.output_gate(out, gate)
+        # q/k norm and rotary (the cuda backend fuses them with the KV fill), and the sigmoid output gate (inside a
+        # decode's merge launch there), inside the attention op
+        out = self.attn(q, k, v, ctx, cos_sin=cos_sin, qk_norm=qk_norm_of(self.q_norm, self.k_norm),
+                        output_gate=gate)
         return self.o_proj(out.flatten(-2))
 
 

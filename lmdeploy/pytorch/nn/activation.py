@@ -21,18 +21,6 @@ class SiluAndMul(nn.Module):
         return self._impl(x)
 
 
-class SigmoidGate(nn.Module):
-    """x * sigmoid(gate) (gated attention's output gate; the `cuda` backend reads a strided gate in place, in one
-    pass, unless `LMDEPLOY_FUSED_PREFILL=0`)."""
-
-    def __init__(self):
-        super().__init__()
-        self._impl = current_backend().build(OpType.SigmoidGateMul)
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self._impl(x, gate)
-
-
 class GatedMLP(nn.Module):
     """SwiGLU MLP with a fused gate/up projection (`gate_up_proj` shards: gate, up)."""
 

@@ -2,7 +2,9 @@
 
 Given `cos_sin`, the layer applies neox rotary to q and k first (as `RotaryEmbedding.forward` does), and given
 `qk_norm` it RMS-normalises every q and k head before that (as the models' `q_norm` / `k_norm` would), so a backend
-can fuse norm, rotary and KV fill (the `cuda` backend does all three in one launch, K on its way into the pool)."""
+can fuse norm, rotary and KV fill (the `cuda` backend does all three in one launch, K on its way into the pool).
+Given `output_gate`, it returns the output times sigmoid(gate) (gated attention's output gate, rounded like
+torch's `out * torch.sigmoid(gate)`; the `cuda` backend applies it inside a decode's merge launch)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -42,9 +44,11 @@ class PagedAttention(nn.Module):
         self._impl = current_backend().build(OpType.PagedAttention)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
-                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, qk_norm: QKNorm | None = None
-                ) -> torch.Tensor:
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, qk_norm: QKNorm | None = None,
+                output_gate: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; `qk_norm` normalises q and k heads, then `cos_sin`
-        ([T, rotary_dim] each) rotates them."""
+        ([T, rotary_dim] each) rotates them; `output_gate` [T, Hq, D] gates the output."""
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
-        return self._impl(q, k, v, k_cache, v_cache, ctx.inputs, self.scale, cos_sin, qk_norm)
+        if output_gate is None:
+            return self._impl(q, k, v, k_cache, v_cache, ctx.inputs, self.scale, cos_sin, qk_norm)
+        return self._impl(q, k, v, k_cache, v_cache, ctx.inputs, self.scale, cos_sin, qk_norm, output_gate)

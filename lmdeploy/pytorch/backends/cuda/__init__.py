@@ -88,6 +88,7 @@ def _prefill_attention_mode() -> str:
 
 
 _GATHERED_PREFILL = _prefill_attention_mode() == 'gathered'
+_sigmoid_gate_mul = sigmoid_gate_mul if _FUSED_PREFILL else default_sigmoid_gate_mul
 
 
 def _const(fn):
@@ -97,24 +98,33 @@ def _const(fn):
 
 
 def _build_attention(**_kwargs):
-    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None, qk_norm=None):
-        if cos_sin is not None and _FUSED_OPS:  # one launch: q/k norm, rotary, and K / V straight into the pool
-            q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping, qk_norm=qk_norm)
-        else:
-            if qk_norm is not None:
-                q = rms_norm(q, qk_norm.q_weight, qk_norm.eps, qk_norm.zero_centered)
-                k = rms_norm(k, qk_norm.k_weight, qk_norm.eps, qk_norm.zero_centered)
-            if cos_sin is not None:
-                q, k = apply_rotary(q, k, *cos_sin)
-            fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
-        if inputs.is_decode:
-            return paged_decode_attention(q, k_cache, v_cache, inputs.block_tables, inputs.kv_lens, scale)
-        if _GATHERED_PREFILL and use_gathered_prefill(inputs.q_lens_list, inputs.host_lens_exact):
-            return gathered_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.q_lens_list,
-                                              inputs.kv_lens_list, scale)
-        return paged_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.cu_seqlens_q,
-                                       inputs.q_lens, inputs.kv_lens, inputs.max_seqlen_q, scale)
+    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None, qk_norm=None, output_gate=None):
+        out = _attend(q, k, v, k_cache, v_cache, inputs, scale, cos_sin, qk_norm, output_gate)
+        if output_gate is not None and not inputs.is_decode:  # decode: inside the merge launch
+            out = _sigmoid_gate_mul(out, output_gate)
+        return out
     return forward
+
+
+def _attend(q, k, v, k_cache, v_cache, inputs, scale, cos_sin, qk_norm, output_gate):
+    """`_build_attention`'s op before a prefill's output gate (a decode's runs in its merge launch)."""
+    if cos_sin is not None and _FUSED_OPS:  # one launch: q/k norm, rotary, and K / V straight into the pool
+        q = rotary_fill_kv_cache(q, k, v, *cos_sin, k_cache, v_cache, inputs.slot_mapping, qk_norm=qk_norm)
+    else:
+        if qk_norm is not None:
+            q = rms_norm(q, qk_norm.q_weight, qk_norm.eps, qk_norm.zero_centered)
+            k = rms_norm(k, qk_norm.k_weight, qk_norm.eps, qk_norm.zero_centered)
+        if cos_sin is not None:
+            q, k = apply_rotary(q, k, *cos_sin)
+        fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
+    if inputs.is_decode:
+        return paged_decode_attention(q, k_cache, v_cache, inputs.block_tables, inputs.kv_lens, scale,
+                                      gate=output_gate)
+    if _GATHERED_PREFILL and use_gathered_prefill(inputs.q_lens_list, inputs.host_lens_exact):
+        return gathered_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.q_lens_list,
+                                          inputs.kv_lens_list, scale)
+    return paged_prefill_attention(q, k_cache, v_cache, inputs.block_tables, inputs.cu_seqlens_q,
+                                   inputs.q_lens, inputs.kv_lens, inputs.max_seqlen_q, scale)
 
 
 def _unfused_add_rms_norm(x, residual, weight, eps, zero_centered=False):
@@ -328,7 +338,7 @@ _BUILDERS = {
     OpType.ApplyRotary: _const(apply_rotary),
     OpType.CausalConv1d: _build_causal_conv1d,
     OpType.SiluAndMul: _const(silu_and_mul if _FUSED_PREFILL else default_silu_and_mul),
-    OpType.SigmoidGateMul: _const(sigmoid_gate_mul if _FUSED_PREFILL else default_sigmoid_gate_mul),
+    OpType.SigmoidGateMul: _const(_sigmoid_gate_mul),
     OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),

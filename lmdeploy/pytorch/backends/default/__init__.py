@@ -24,15 +24,16 @@ def _const(fn):
 
 
 def _build_attention(**_kwargs):
-    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None, qk_norm=None):
+    def forward(q, k, v, k_cache, v_cache, inputs, scale, cos_sin=None, qk_norm=None, output_gate=None):
         if qk_norm is not None:
             q = elementwise.rms_norm(q, qk_norm.q_weight, qk_norm.eps, qk_norm.zero_centered)
             k = elementwise.rms_norm(k, qk_norm.k_weight, qk_norm.eps, qk_norm.zero_centered)
         if cos_sin is not None:
             q, k = elementwise.apply_rotary(q, k, *cos_sin)
         _attn.fill_kv_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
-        return _attn.paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.q_lens_list,
-                                     inputs.kv_lens_list, scale)
+        out = _attn.paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.q_lens_list,
+                                    inputs.kv_lens_list, scale)
+        return out if output_gate is None else elementwise.sigmoid_gate_mul(out, output_gate)
     return forward
 
 

@@ -52,8 +52,16 @@ def _sigmoid_gate_mul_kernel(x_ptr, gate_ptr, out_ptr, stride_xt, stride_xh, str
     head, col = offs // head_dim, offs % head_dim
     x = tl.load(x_ptr + row * stride_xt + head * stride_xh + col, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + row * stride_gt + head * stride_gh + col, mask=mask, other=0.0).to(tl.float32)
-    act = (1.0 / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * num_heads * head_dim + offs, (x * act).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * num_heads * head_dim + offs, sigmoid_gated(x, gate, out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def sigmoid_gated(x, gate, DTYPE: tl.constexpr):
+    """x * sigmoid(gate) in DTYPE, rounded like torch's unfused pair: x and sigmoid(gate) each rounded to DTYPE,
+    then their product (x and gate in float32; also the decode attention merge's epilogue, `paged_attention.py`)."""
+    act = (1.0 / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    return (x.to(DTYPE).to(tl.float32) * act).to(DTYPE)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

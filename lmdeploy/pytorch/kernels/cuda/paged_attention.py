@@ -10,7 +10,9 @@ views of the packed pool). Softmax is online (flash attention) in fp32 and the b
 `Hq / Hkv` query heads of a GQA group against split `s` of the keys; stage 2, program `(b, h)`, merges the splits
 by their log-sum-exp. The grid depends only on B, Hkv / Hq and `max_num_splits`, and the split length is computed
 on the device from `kv_lens`, so a captured CUDA graph replays for any lengths. A sequence with `kv_len == 0`
-(graph padding) gets a zero output.
+(graph padding) gets a zero output. With `gate` (gated attention's output gate, [B, Hq, D], any strides) the merge
+returns `out * sigmoid(gate)` rounded as the separate `activation.sigmoid_gate_mul` launch would (the same code,
+`activation.sigmoid_gated`): one launch less an attention layer of a decode step.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import sigmoid_gated
 from .launch import fast_kernel, wait_for_inputs
 
 LOG2E = 1.4426950408889634
@@ -114,11 +117,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_l
 
 @fast_kernel
 @triton.jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, o_ptr, kv_lens_ptr,
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, o_ptr, kv_lens_ptr, gate_ptr,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                         head_dim, num_splits,
+                         stride_gb, stride_gh, head_dim, num_splits,
                          BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         HAS_GATE: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -138,7 +141,11 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, o_ptr, kv_lens_ptr,
     part_offs = seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps + dims[None, :]
     parts = tl.load(part_out_ptr + part_offs, mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
     out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=dim_mask)
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + seq * stride_gb + head * stride_gh + dims, mask=dim_mask, other=0.0)
+        tl.store(o_ptrs, sigmoid_gated(out, gate.to(tl.float32), o_ptr.dtype.element_ty), mask=dim_mask)
+    else:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=dim_mask)
 
 
 def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -160,8 +167,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           kv_lens: torch.Tensor, scale: float, max_num_splits: int = 16) -> torch.Tensor:
-    """One query per sequence (`q` [B, Hq, D], at position `kv_lens[b] - 1`) over its paged K/V: [B, Hq, D].
+                           kv_lens: torch.Tensor, scale: float, max_num_splits: int = 16,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence (`q` [B, Hq, D], at position `kv_lens[b] - 1`) over its paged K/V: [B, Hq, D]; times
+    sigmoid(`gate`) ([B, Hq, D], unit stride along D) when given (see the module docstring).
 
     Two launches whose grids depend only on shapes and `max_num_splits`: no host sync, CUDA-graph safe.
     """
@@ -169,7 +178,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch_size, num_heads, head_dim = q.shape
     check_cache(q, k_cache, v_cache, block_tables, batch_size)
     assert kv_lens.shape == (batch_size,) and max_num_splits >= 1
-    out = torch.empty_like(q)
+    assert gate is None or (gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(2) == 1), \
+        f'gate must be [B, Hq, D] of q\'s dtype with unit stride along D, got {tuple(gate.shape)}'
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch_size == 0:
         return out
     num_kv_heads = k_cache.size(2)
@@ -191,8 +202,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         EVEN_D=block_d == head_dim, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
     _decode_merge_kernel[(batch_size, num_heads)](
         part_out_ptr=part_out, part_lse_ptr=part_lse, o_ptr=out, kv_lens_ptr=kv_lens,
+        gate_ptr=gate if gate is not None else out,
         stride_pb=part_out.stride(0), stride_ph=part_out.stride(1), stride_ps=part_out.stride(2),
         stride_lb=part_lse.stride(0), stride_lh=part_lse.stride(1),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), head_dim=head_dim, num_splits=max_num_splits,
-        BLOCK_S=triton.next_power_of_2(max_num_splits), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+        stride_ob=out.stride(0), stride_oh=out.stride(1),
+        stride_gb=gate.stride(0) if gate is not None else 0, stride_gh=gate.stride(1) if gate is not None else 0,
+        head_dim=head_dim, num_splits=max_num_splits,
+        BLOCK_S=triton.next_power_of_2(max_num_splits), BLOCK_N=block_n, BLOCK_D=block_d, HAS_GATE=gate is not None,
+        num_warps=4)
     return out
