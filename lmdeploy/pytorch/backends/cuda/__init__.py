@@ -17,8 +17,9 @@ Linears of one half-precision row (batch-1 decode, one sequence's logits) run th
 `kernels/cuda/gemv.py`, which reads the weights faster than cuBLAS at one row on the H200 (run 34:
 `benchmark/bench_decode_gemms.py`); `LMDEPLOY_TRITON_GEMV=0` (read at import) keeps cuBLAS for them. A norm and
 the one-row linear that reads it (`OpType.RMSNormLinear`: a decode layer's input and post-attention norms with the
-projection after each) run as one launch, the GEMV with the norm in its prologue (`gemv.norm_gemv`), unless
-`LMDEPLOY_NORM_GEMV=0` (read at import).
+projection after each) can run as one launch, the GEMV with the norm in its prologue (`gemv.norm_gemv`), with
+`LMDEPLOY_NORM_GEMV=1` (read at import; off by default: on the H200 the fused GEMV lost more than the norm launch
+cost, run 45).
 """
 from __future__ import annotations
 
@@ -62,10 +63,11 @@ from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
 _TRITON_GEMV = os.environ.get('LMDEPLOY_TRITON_GEMV', '1') != '0'
-_NORM_GEMV = _TRITON_GEMV and os.environ.get('LMDEPLOY_NORM_GEMV', '1') != '0'
-# the decode gating inside the pool kernel (the fused gating kernel's code, so _FUSED_OPS too); opt-in until its
-# gpu tests and a decode A/B have run (scripts/gpu_pending_jobs.txt)
-_FOLD_GATING = _FUSED_OPS and os.environ.get('LMDEPLOY_FOLD_GATING', '0') == '1'
+# the norm in the GEMV's prologue: opt-in, slower than the two launches on the H200 (run 45, docs/benchmarks.md)
+_NORM_GEMV = _TRITON_GEMV and os.environ.get('LMDEPLOY_NORM_GEMV', '0') == '1'
+# the decode gating inside the pool kernel (the fused gating kernel's code, so _FUSED_OPS too; H200 run 45: gpu
+# tests passed, decode within noise of the two launches); LMDEPLOY_FOLD_GATING=0 keeps the separate launch
+_FOLD_GATING = _FUSED_OPS and os.environ.get('LMDEPLOY_FOLD_GATING', '1') != '0'
 
 
 def fused_prefill_enabled() -> bool:
