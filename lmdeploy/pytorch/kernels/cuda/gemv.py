@@ -66,18 +66,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 
 
 @triton.jit
-def _norm_input_step(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, k, cols, K, is_first, HAS_RESIDUAL: tl.constexpr,
-                     ZERO_CENTERED: tl.constexpr, STORE_RESIDUAL: tl.constexpr):
-    """(s, w') at columns k + cols in float32: s = x + residual rounded to x's dtype (stored as the new residual by
-    the first program when STORE_RESIDUAL), w' the norm scale."""
+def _norm_input_step(x_ptr, res_ptr, norm_w_ptr, k, cols, K, HAS_RESIDUAL: tl.constexpr,
+                     ZERO_CENTERED: tl.constexpr):
+    """(s, w') at columns k + cols in float32: s = x + residual rounded to x's dtype (the new residual stream), w'
+    the norm scale. Loads only, so the weight loop that calls it stays free of stores and branches."""
     col_mask = k + cols < K
     s = tl.load(x_ptr + k + cols, mask=col_mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + k + cols, mask=col_mask, other=0.0)
-        s = (s.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        if STORE_RESIDUAL:
-            if is_first:
-                tl.store(res_out_ptr + k + cols, s, mask=col_mask)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
     scale = tl.load(norm_w_ptr + k + cols, mask=col_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         scale += 1.0
@@ -99,14 +96,12 @@ def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, y_ptr, res_out_ptr, h_o
     else:
         w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
     wait_for_inputs(PDL)
-    s, scale = _norm_input_step(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, 0, cols, K, pid == 0, HAS_RESIDUAL,
-                                ZERO_CENTERED, True)
+    s, scale = _norm_input_step(x_ptr, res_ptr, norm_w_ptr, 0, cols, K, HAS_RESIDUAL, ZERO_CENTERED)
     sq = s * s
     acc = w.to(tl.float32) * (s * scale)[None, :]
     w_ptrs += BLOCK_K
     for k in range(BLOCK_K, K, BLOCK_K):
-        s, scale = _norm_input_step(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, k, cols, K, pid == 0, HAS_RESIDUAL,
-                                    ZERO_CENTERED, True)
+        s, scale = _norm_input_step(x_ptr, res_ptr, norm_w_ptr, k, cols, K, HAS_RESIDUAL, ZERO_CENTERED)
         sq += s * s
         if EVEN_K:
             w = tl.load(w_ptrs, mask=row_mask[:, None], other=0.0)
@@ -117,13 +112,16 @@ def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, y_ptr, res_out_ptr, h_o
     rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
     y = tl.sum(acc, 1) * rstd
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
-    if STORE_NORMED:
-        if pid == 0:  # the normed row, as the norm alone writes it: (s * rstd) * w' in float32, then rounded
+    if HAS_RESIDUAL or STORE_NORMED:
+        if pid == 0:  # the new residual and the normed row as the norm alone writes it: (s * rstd) * w', rounded
             for k in range(0, K, BLOCK_K):
                 col_mask = k + cols < K
-                s, scale = _norm_input_step(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, k, cols, K, False,
-                                            HAS_RESIDUAL, ZERO_CENTERED, False)
-                tl.store(h_out_ptr + k + cols, ((s * rstd) * scale).to(h_out_ptr.dtype.element_ty), mask=col_mask)
+                s, scale = _norm_input_step(x_ptr, res_ptr, norm_w_ptr, k, cols, K, HAS_RESIDUAL, ZERO_CENTERED)
+                if HAS_RESIDUAL:
+                    tl.store(res_out_ptr + k + cols, s.to(res_out_ptr.dtype.element_ty), mask=col_mask)
+                if STORE_NORMED:
+                    tl.store(h_out_ptr + k + cols, ((s * rstd) * scale).to(h_out_ptr.dtype.element_ty),
+                             mask=col_mask)
 
 
 def gemv_config(n: int, k: int, sms: int) -> dict:
