@@ -6,7 +6,8 @@
 #            (job commands may hold single quotes and pipes, not double quotes)
 #   Phase 2: benchmarks from $BENCH_LIST (lines "name timeout command"), one at a time, while LIMIT seconds last.
 # Writes few files (the device returns only a handful): $OUT/summary.txt (one line per job), $OUT/all.txt (each
-# failed job's tail, FULL=1: every job's), $OUT/<bench>.txt. Run from the repo root:
+# failed job's tail, FULL=1: every job's), $OUT/benches.txt (each benchmark's log tail, a failed one's longer) and
+# $OUT/reports.md (the reports the benchmark commands wrote with --out, this run's only). Run from the repo root:
 #   OUT=./out P=14 EXTRA_JOBS=scripts/gpu_pending_jobs.txt BENCH_LIST=scripts/gpu_pending_benches.txt LIMIT=580 \
 #       bash scripts/gpu_jobs.sh
 set -u
@@ -57,8 +58,15 @@ rm -rf "$OUT/j" "$jobs_file"
   if [ "$left" -lt 30 ]; then stamp "$name SKIPPED (only ${left}s left)"; continue; fi
   [ "$t" -gt "$left" ] && t=$left
   stamp "$name ($t s)"
-  timeout -k 5 "$t" bash -c "$cmd" > "$OUT/$name.txt" 2>&1
-  echo "rc=$?" >> "$OUT/$name.txt"
-  stamp "$name done"
+  timeout -k 5 "$t" bash -c "$cmd" > "$OUT/b.log" 2>&1
+  rc=$?
+  stamp "$name done (rc=$rc)"
+  # one file for every benchmark's log tail and one for their reports (the device returns only a handful of files);
+  # a command without --out reports on its output: its last 150 lines are kept
+  report=$(echo "$cmd" | sed -n 's/.*--out \([^ ]*\).*/\1/p')
+  lines=4; [ "$rc" = 0 ] || lines=80; [ -n "$report" ] || lines=150
+  { echo "##### $name rc=$rc"; tail -"$lines" "$OUT/b.log"; } >> "$OUT/benches.txt"
+  [ -n "$report" ] && [ -f "$report" ] && { echo "##### $name: $report"; cat "$report"; } >> "$OUT/reports.md"
+  rm -f "$OUT/b.log"
 done < "$BENCH_LIST"
 stamp end
