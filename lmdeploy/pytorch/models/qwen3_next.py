@@ -194,8 +194,8 @@ class HybridDecoderLayer(nn.Module):
                          ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before the MLP): their sum is the stream after this layer. The stream
         before the layer is `x`, or `x + residual` when a residual is given (the previous layer's pair), an add
-        that fuses into the input norm. The sums are those `forward` takes, in the same dtype: bit-identical. Each norm
-runs with the projection after it (`forward_normed` of the mixer and the MLP, `RMSNorm.linear`)."""
+        that fuses into the input norm. The sums are those `forward` takes, in the same dtype: bit-identical. Each
+        norm runs with the projection after it (`forward_normed` of the mixer and the MLP, `RMSNorm.linear`)."""
         if self.layer_type == LINEAR_ATTENTION:
             h, residual = self.linear_attn.forward_normed(x, residual, self.input_layernorm, ctx)
         else:

@@ -49,6 +49,4 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; `qk_norm` normalises q and k heads, then `cos_sin`
         ([T, rotary_dim] each) rotates them; `output_gate` [T, Hq, D] gates the output."""
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
-        if output_gate is None:
-            return self._impl(q, k, v, k_cache, v_cache, ctx.inputs, self.scale, cos_sin, qk_norm)
         return self._impl(q, k, v, k_cache, v_cache, ctx.inputs, self.scale, cos_sin, qk_norm, output_gate)

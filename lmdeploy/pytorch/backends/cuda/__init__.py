@@ -57,6 +57,7 @@ from ..base import Backend, OpType
 from ..default import BACKEND as DEFAULT_BACKEND
 from ..default import blocked_fp8_builder, gated_delta_rule_builder
 from ..default.elementwise import gated_delta_gating as default_gated_delta_gating
+from ..default.elementwise import norm_then_linear
 from ..default.elementwise import sigmoid_gate_mul as default_sigmoid_gate_mul
 from ..default.elementwise import silu_and_mul as default_silu_and_mul
 from ..default.moe import softmax_topk as default_softmax_topk
@@ -307,9 +308,9 @@ def triton_gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.linear(x, weight, bias)
 
 
-_linear = triton_gemv_linear if _TRITON_GEMV else F.linear
 _rms_norm = _norm_rows.rms_norm if _FUSED_PREFILL else rms_norm
 _add_rms_norm = (_norm_rows.add_rms_norm if _FUSED_PREFILL else add_rms_norm) if _FUSED_OPS else _unfused_add_rms_norm
+_norm_then_linear = norm_then_linear(_rms_norm, _add_rms_norm, triton_gemv_linear if _TRITON_GEMV else F.linear)
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -321,11 +322,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                       and residual.is_contiguous()))):
         return norm_gemv(x, residual, norm_weight, eps, zero_centered, weight, store_normed=store_normed)
-    if residual is None:
-        h, s = _rms_norm(x, norm_weight, eps, zero_centered), x
-    else:
-        h, s = _add_rms_norm(x, residual, norm_weight, eps, zero_centered)
-    return _linear(h, weight), s, h
+    return _norm_then_linear(x, residual, norm_weight, eps, zero_centered, weight)
 
 
 _BUILDERS = {

@@ -23,17 +23,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(new_residual, weight, eps, zero_centered), new_residual
 
 
-def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    zero_centered: bool, weight: torch.Tensor, store_normed: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(`F.linear(h, weight)`, s, h) with s = x + residual (x itself when residual is None) and h = rms_norm(s):
-    a norm and the projection that reads it as one op (`OpType.RMSNormLinear`); here the two ops in sequence,
-    which return h whatever `store_normed` asks."""
-    if residual is None:
-        h, s = rms_norm(x, norm_weight, eps, zero_centered), x
-    else:
-        h, s = add_rms_norm(x, residual, norm_weight, eps, zero_centered)
-    return F.linear(h, weight), s, h
+def norm_then_linear(norm, add_norm, linear):
+    """`rms_norm_linear`'s semantics as a backend's own norm (`norm`, `add_norm`: `rms_norm` / `add_rms_norm`'s
+    signatures) and then its linear (`linear(h, weight)`), the two ops in sequence (h returned always)."""
+    def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        zero_centered: bool, weight: torch.Tensor, store_normed: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, s = norm(x, norm_weight, eps, zero_centered), x
+        else:
+            h, s = add_norm(x, residual, norm_weight, eps, zero_centered)
+        return linear(h, weight), s, h
+    return rms_norm_linear
+
+
+rms_norm_linear = norm_then_linear(rms_norm, add_rms_norm, F.linear)
+rms_norm_linear.__doc__ = """(`F.linear(h, weight)`, s, h) with s = x + residual (x itself when residual is None) and
+h = rms_norm(s): a norm and the projection that reads it as one op (`OpType.RMSNormLinear`); here the two ops in
+sequence, which return h whatever `store_normed` asks."""
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,9 +10,9 @@ views of the packed pool). Softmax is online (flash attention) in fp32 and the b
 `Hq / Hkv` query heads of a GQA group against split `s` of the keys; stage 2, program `(b, h)`, merges the splits
 by their log-sum-exp. The grid depends only on B, Hkv / Hq and `max_num_splits`, and the split length is computed
 on the device from `kv_lens`, so a captured CUDA graph replays for any lengths. A sequence with `kv_len == 0`
-(graph padding) gets a zero output. With `gate` (gated attention's output gate, [B, Hq, D], any strides) the merge
-returns `out * sigmoid(gate)` rounded as the separate `activation.sigmoid_gate_mul` launch would (the same code,
-`activation.sigmoid_gated`): one launch less an attention layer of a decode step.
+(graph padding) gets a zero output. With `gate` (gated attention's output gate, [B, Hq, D], unit stride along D)
+the merge returns `out * sigmoid(gate)` rounded as the separate `activation.sigmoid_gate_mul` launch would (the
+same code, `activation.sigmoid_gated`): one launch less an attention layer of a decode step.
 """
 from __future__ import annotations
 
