@@ -2,8 +2,10 @@
 backend's one-row kernel: tests/kernels/test_norm_gemv_kernel.py): the MLPs' and MoE blocks' `forward_normed` must
 give what the norm followed by the plain forward gives, bit for bit on the default backend (whose op is the two ops
 in sequence), return the residual stream x + residual, and call the fused op exactly once where the projection is a
-plain weight (none where LoRA or FP8 make it run alone). Whole-model parity through these paths: the reference
-tests (tests/models/test_hybrid_models.py, tests/models/test_qwen3_reference.py) on CPU and the engine's gpu tests.
+plain weight (none where LoRA or FP8 make it run alone); a MoE block whose shared expert folds into the experts' op
+runs its norm and routing as one op instead (`TopKRouter.norm_route`, `OpType.NormRoute`). Whole-model parity
+through these paths: the reference tests (tests/models/test_hybrid_models.py, tests/models/test_qwen3_reference.py)
+on CPU and the engine's gpu tests.
 """
 from __future__ import annotations
 
@@ -62,12 +64,16 @@ def test_moe_forward_normed(monkeypatch, fold, tokens):
     block = make_block(torch.bfloat16)
     assert block.fuse_input_projections()
     norm, calls = counted_norm(32, torch.bfloat16)
+    route_calls, route_impl = [], block.gate._norm_route_impl
+    block.gate._norm_route_impl = lambda *a, **kw: route_calls.append((a[5].shape, a[8])) or route_impl(*a, **kw)
     x, residual = inputs(tokens, 32, torch.bfloat16, first=False)
     routes, want_routes = (torch.empty(tokens, 2, dtype=torch.int32) for _ in range(2))
     out, s = block.forward_normed(x, residual, norm, routes)
     want, want_s = expected(norm, x, residual, lambda h: block(h, want_routes))
-    stacked = block._fused_in.shape[0] - (block.shared_expert.gate_up_proj.weight.shape[0] if fold else 0)
-    assert calls == [(stacked, 32)]      # folded: the router's and shared gate's rows; else the whole stack
+    if fold:   # the norm, the router's and shared gate's rows and the routing as one op
+        assert calls == [] and route_calls == [((block.gate.weight.shape[0] + 1, 32), True)]
+    else:      # the norm with the whole stack
+        assert calls == [(block._fused_in.shape[0], 32)] and route_calls == []
     assert torch.equal(out, want) and torch.equal(s, want_s) and torch.equal(routes, want_routes)
 
 

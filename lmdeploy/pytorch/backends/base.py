@@ -28,6 +28,7 @@ class OpType(enum.Enum):
     GatedDeltaRule = enum.auto()
     CausalConv1d = enum.auto()
     SoftmaxTopK = enum.auto()
+    NormRoute = enum.auto()
     MoE = enum.auto()
     MoEBlockedF8 = enum.auto()
     CacheBlockCopy = enum.auto()

@@ -14,7 +14,9 @@ as one more pair of its two launches, up to 4 tokens), or `FOLD_MAX_TOKENS` with
 (opt-in; H200 run 13: the kernels' tests pass, an engine's start-up with it did not finish within 100 s, not yet
 understood), else none. Larger forwards (prefill, where a plain GEMM runs the shared rows faster) keep the separate
 shared expert. When the input projections are stacked (below), a folded forward takes the router's and the shared
-gate's logits from one GEMM over their adjacent rows of the stack.
+gate's logits from one GEMM over their adjacent rows of the stack; from the decoder layer (`forward_normed`) the
+layer's post-attention norm, that GEMM and the routing are one op (`TopKRouter.norm_route`, `OpType.NormRoute`: one
+launch on the `cuda` backend).
 
 Otherwise, after loading, the shared expert's `gate_up_proj`, the router and the shared-expert gate read the input
 through one stacked GEMM (`SparseMoeBlock.fuse_input_projections`, `nn.linear.fuse_rows`) while none of them carries
@@ -42,7 +44,9 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        self._impl = current_backend().build(OpType.SoftmaxTopK)  # softmax + top-k + renormalisation, fused
+        backend = current_backend()
+        self._impl = backend.build(OpType.SoftmaxTopK)  # softmax + top-k + renormalisation, fused
+        self._norm_route_impl = backend.build(OpType.NormRoute)
 
     def forward(self, x: torch.Tensor, shared_logit: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +58,15 @@ class TopKRouter(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` from the expert logits [T, E] (any row stride)."""
         return self._impl(logits, self.top_k, self.norm_topk_prob, shared_logit)
+
+    def norm_route(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rows: torch.Tensor,
+                   has_shared: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, ids, s, h): `norm` of the residual stream s = x + residual (x when residual is None) as h, then
+        `forward`'s routing of h through `rows`, this router's weight as a row slice of a stacked projection (with
+        `has_shared` one row more, the shared expert's gate: `forward`'s `shared_logit`), as one op
+        (`OpType.NormRoute`: one launch on the `cuda` backend for a few tokens)."""
+        return self._norm_route_impl(x, residual, norm.weight, norm.eps, norm.zero_centered, rows, self.top_k,
+                                     self.norm_topk_prob, has_shared)
 
 
 class FusedExperts(nn.Module):
@@ -202,6 +215,9 @@ class SparseMoeBlock(nn.Module):
         if stacked is None:
             h, residual = norm_residual(norm, x, residual)
             return self.forward(h, routes_out), residual
+        if shared is not None:  # the stacked rows are the router's and the shared gate's: norm and routing as one op
+            weights, ids, residual, h = self.gate.norm_route(x, residual, norm, stacked, has_shared=True)
+            return self._forward_routed(h, weights, ids, shared, routes_out), residual
         projected, residual, h = norm.linear(x, residual, stacked, need_normed=True)
         return self._forward_projected(h, projected, shared, routes_out), residual
 
@@ -214,9 +230,7 @@ class SparseMoeBlock(nn.Module):
                 weights, ids = self.gate.route(*projected.split((projected.shape[-1] - 1, 1), dim=-1))
             else:
                 weights, ids = self.gate(x, shared_logit=self.shared_expert_gate(x))
-            if routes_out is not None:
-                routes_out.copy_(ids[:, :-1])
-            return self.experts(x, weights, ids, shared=shared)
+            return self._forward_routed(x, weights, ids, shared, routes_out)
         if projected is not None:
             sizes = (self.shared_expert.gate_up_proj.weight.shape[0], self.gate.weight.shape[0], 1)
             shared_gate_up, logits, shared_logit = projected.split(sizes, dim=-1)
@@ -232,6 +246,14 @@ class SparseMoeBlock(nn.Module):
         elif self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def _forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        shared: tuple[torch.Tensor, torch.Tensor], routes_out: torch.Tensor | None) -> torch.Tensor:
+        """The experts with the shared one folded in (`foldable_shared`), given the routing (its last column the
+        shared expert's)."""
+        if routes_out is not None:
+            routes_out.copy_(ids[:, :-1])
+        return self.experts(x, weights, ids, shared=shared)
 
     def fold_max_tokens(self) -> int:
         """Forwards of up to this many tokens fold the shared expert in where they can (`foldable_shared`): 0 none."""

@@ -19,7 +19,9 @@ Linears of one half-precision row (batch-1 decode, one sequence's logits) run th
 the one-row linear that reads it (`OpType.RMSNormLinear`: a decode layer's input and post-attention norms with the
 projection after each) can run as one launch, the GEMV with the norm in its prologue (`gemv.norm_gemv`), with
 `LMDEPLOY_NORM_GEMV=1` (read at import; off by default: on the H200 the fused GEMV lost more than the norm launch
-cost, run 45).
+cost, run 45). A MoE layer's post-attention norm, its router's GEMV and the top-k routing run as one launch for a
+few tokens (`OpType.NormRoute`, `kernels/cuda/moe_routing.norm_route`; `LMDEPLOY_NORM_ROUTE=0`, read at import,
+keeps the three launches).
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ from ...kernels.cuda.lora import sgmv_lora
 from ...kernels.cuda.moe import fused_moe
 from ...kernels.cuda.moe import warm_up_tiles as warm_up_moe_tiles  # noqa: F401 (ModelAgent.tune_kernels)
 from ...kernels.cuda.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
-from ...kernels.cuda.moe_routing import softmax_topk
+from ...kernels.cuda.moe_routing import norm_route as _norm_route
+from ...kernels.cuda.moe_routing import norm_route_supported, softmax_topk
 from ...kernels.cuda.paged_attention import paged_decode_attention
 from ...kernels.cuda.paged_prefill_attention import paged_prefill_attention
 from ...kernels.cuda.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
@@ -60,6 +63,7 @@ from ..default.elementwise import gated_delta_gating as default_gated_delta_gati
 from ..default.elementwise import norm_then_linear
 from ..default.elementwise import sigmoid_gate_mul as default_sigmoid_gate_mul
 from ..default.elementwise import silu_and_mul as default_silu_and_mul
+from ..default.moe import norm_then_route
 from ..default.moe import softmax_topk as default_softmax_topk
 
 _FUSED_OPS = os.environ.get('LMDEPLOY_FUSED_OPS', '1') != '0'
@@ -69,6 +73,9 @@ _NORM_GEMV = _TRITON_GEMV and os.environ.get('LMDEPLOY_NORM_GEMV', '0') == '1'
 # the decode gating inside the pool kernel (the fused gating kernel's code, so _FUSED_OPS too; H200 run 45: gpu
 # tests passed, decode within noise of the two launches); LMDEPLOY_FOLD_GATING=0 keeps the separate launch
 _FOLD_GATING = _FUSED_OPS and os.environ.get('LMDEPLOY_FOLD_GATING', '1') != '0'
+# a MoE layer's norm, router GEMV and top-k in one launch for a few tokens (`kernels/cuda/moe_routing.norm_route`);
+# LMDEPLOY_NORM_ROUTE=0 keeps the three
+_NORM_ROUTE = _FUSED_OPS and os.environ.get('LMDEPLOY_NORM_ROUTE', '1') != '0'
 
 
 def fused_prefill_enabled() -> bool:
@@ -325,6 +332,21 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return _norm_then_linear(x, residual, norm_weight, eps, zero_centered, weight)
 
 
+_softmax_topk = softmax_topk if _FUSED_OPS else default_softmax_topk
+_norm_then_route = norm_then_route(rms_norm_linear, _softmax_topk)
+
+
+def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               zero_centered: bool, rows: torch.Tensor, top_k: int, renormalize: bool, has_shared: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`OpType.NormRoute` (semantics: `default.moe.norm_then_route`): one launch of `moe_routing.norm_route` for up
+    to the few-token MoE's tokens, else this backend's norm + linear, then its routing."""
+    if (_NORM_ROUTE and x.shape[0] <= MOE_GEMV_MAX_TOKENS and norm_route_supported(x, rows)
+            and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))):
+        return _norm_route(x, residual, norm_weight, eps, zero_centered, rows, top_k, renormalize, has_shared)
+    return _norm_then_route(x, residual, norm_weight, eps, zero_centered, rows, top_k, renormalize, has_shared)
+
+
 _BUILDERS = {
     OpType.PagedAttention: _build_attention,
     OpType.VisionAttention: _build_vision_attention,
@@ -340,7 +362,8 @@ _BUILDERS = {
     OpType.SigmoidGateMul: _const(_sigmoid_gate_mul),
     OpType.GatedDeltaGating: _const(gated_delta_gating if _FUSED_OPS else default_gated_delta_gating),
     OpType.GatedDeltaRule: _build_gated_delta_rule,
-    OpType.SoftmaxTopK: _const(softmax_topk if _FUSED_OPS else default_softmax_topk),
+    OpType.SoftmaxTopK: _const(_softmax_topk),
+    OpType.NormRoute: _const(norm_route),
     OpType.MoE: _build_moe,
     OpType.LinearBlockedF8: _build_linear_blocked_f8,
     OpType.MoEBlockedF8: blocked_fp8_builder(fused_moe_blocked_fp8),

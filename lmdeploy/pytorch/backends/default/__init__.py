@@ -123,6 +123,7 @@ _BUILDERS = {
     OpType.GatedDeltaRule: _build_gated_delta_rule,
     OpType.CausalConv1d: _build_causal_conv1d,
     OpType.SoftmaxTopK: _const(moe.softmax_topk),
+    OpType.NormRoute: _const(moe.norm_then_route(elementwise.rms_norm_linear, moe.softmax_topk)),
     OpType.MoE: _const(moe.fused_moe),
     OpType.MoEBlockedF8: blocked_fp8_builder(_fp8.fused_moe_blocked_fp8),
     OpType.Sampling: _const(sampling.sample),

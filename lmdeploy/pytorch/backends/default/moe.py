@@ -24,6 +24,25 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, shared_log
     return weights, ids
 
 
+
+def norm_then_route(norm_linear, route):
+    """`OpType.NormRoute` as a backend's `RMSNormLinear` (`norm_linear`) and then its `SoftmaxTopK` (`route`), in
+    sequence: (weights, ids, s, h) of a MoE layer's input norm and router. x [T, H] and residual (or None) give the
+    residual stream s = x + residual and h = RMSNorm(s); the router's logits are `F.linear(h, rows)` in x's dtype,
+    rows [E (+1), H] the router's, with `has_shared` last the shared expert's gate row (`softmax_topk`'s
+    `shared_logit`)."""
+    def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                   zero_centered: bool, rows: torch.Tensor, top_k: int, renormalize: bool, has_shared: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, s, h = norm_linear(x, residual, norm_weight, eps, zero_centered, rows, store_normed=True)
+        if has_shared:
+            logits, shared_logit = logits.split((logits.shape[-1] - 1, 1), dim=-1)
+            weights, ids = route(logits, top_k, renormalize, shared_logit)
+        else:
+            weights, ids = route(logits, top_k, renormalize)
+        return weights, ids, s, h
+    return norm_route
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts.
