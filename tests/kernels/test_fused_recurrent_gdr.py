@@ -190,10 +190,43 @@ GATING_CPU_CASES = [c for c in CPU_CASES if not c.cuts]
 GATING_GPU_CASES = [c for c in GPU_CASES if not c.cuts]
 
 
+def check_out_norm(case: Case, device: str) -> None:
+    """`out_norm`: the kernel's gated RMSNorm of its outputs (the last program of each (sequence, head) normalising
+    the head's rows) gives what the separate norm kernel gives the plain call's outputs (the engine's unfused pair),
+    and the torch norm within the dtype's tolerance; the pool is the plain call's; a second launch gives the same
+    (the arrival counters are back at zero)."""
+    from lmdeploy.pytorch.backends.default.elementwise import gated_rms_norm as torch_gated_rms_norm
+    from lmdeploy.pytorch.kernels.cuda.rms_norm_rows import gated_rms_norm
+    q, k, v, g, beta = _inputs(case, device)
+    gen = torch.Generator().manual_seed(sum(case.lens) + 17)
+    dtype = _DTYPES[case.dtype]
+    wide = randn(sum(case.lens), case.heads, case.dim_v + 5, gen=gen).to(dtype).to(device)
+    z = wide[..., 2:2 + case.dim_v]                     # a view into wider rows, as z after the projection's split
+    norm_w = (1.0 + 0.1 * randn(case.dim_v, gen=gen)).to(dtype).to(device)
+    backing, pool, ref_backing, ref_pool = _pools(case, device)
+    ids, fresh, _ = _slots(case, device)
+    cu = cu_seqlens_of(case.lens).to(device)
+    plain = fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, ref_pool, ids, fresh, use_qk_l2norm=case.l2norm,
+                                             block_v=case.block_v)
+    want = gated_rms_norm(plain, z, norm_w, 1e-6)
+    for _ in range(2):
+        pool.copy_(_pools(case, device)[1])
+        got = fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, pool, ids, fresh, use_qk_l2norm=case.l2norm,
+                                               out_norm=(z, norm_w, 1e-6), block_v=case.block_v)
+        exact = _same_kernel_tolerance(case, device)
+        torch.testing.assert_close(got, want, **exact, msg=case.id)
+        torch.testing.assert_close(backing, ref_backing, **exact, equal_nan=True, msg=case.id)
+    close = tol(dtype, fp32=1e-4, bf16=5e-2)
+    torch.testing.assert_close(got.cpu().float(), torch_gated_rms_norm(plain.cpu(), z.cpu(), norm_w.cpu(),
+                                                                       1e-6).float(), **close, msg=case.id)
+
+
 def run_interpreted(kernel: str) -> None:
     """Entry point of the interpreter subprocess."""
     if kernel == 'folded_gating':
         check_cases_interpreted(check_folded_gating, GATING_CPU_CASES)
+    elif kernel == 'out_norm':
+        check_cases_interpreted(check_out_norm, GATING_CPU_CASES)
     else:
         check_cases_interpreted(check, CPU_CASES)
 
@@ -204,6 +237,18 @@ def test_kernel_under_triton_interpreter():
 
 def test_folded_gating_under_triton_interpreter():
     run_checks_interpreted(__file__, 'folded_gating', len(GATING_CPU_CASES))
+
+
+def test_out_norm_under_triton_interpreter():
+    run_checks_interpreted(__file__, 'out_norm', len(GATING_CPU_CASES))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', GATING_GPU_CASES, ids=lambda c: c.id)
+def test_out_norm_matches_the_norm_kernel_gpu(case):
+    if not torch.cuda.is_available():
+        pytest.skip('needs CUDA')
+    check_out_norm(case, 'cuda')
 
 
 @pytest.mark.gpu
@@ -246,8 +291,9 @@ def test_verify_forward_takes_the_backends_draft_cuts_entry_or_falls_back_to_rou
 
 def test_decode_takes_the_backends_folded_gating_or_gates_first():
     """`nn.GatedDeltaRule.forward_gating` hands a forward without cuts to the backend op's `with_gating` entry when
-    it has one and it accepts, else runs the gating module and then the rule; a forward with cuts always gates
-    first (its rounds and draft entry take g and beta)."""
+    it has one and it accepts (with a gated output norm, that norm's z, weight and eps too), else runs the gating
+    module, then the rule, then the norm; a forward with cuts always gates first (its rounds and draft entry take g
+    and beta) and norms last."""
     from types import SimpleNamespace
 
     from lmdeploy.pytorch.nn import gated_delta
@@ -263,14 +309,27 @@ def test_decode_takes_the_backends_folded_gating_or_gates_first():
         calls.append(('gating', a, b))
         return 'g', 'beta'
     args = ('q', 'k', 'v', 'a', 'b', 'A_log', 'dt_bias', gating, 'state')
+
+    def norm_fn(out, z):
+        calls.append(('norm', out, z))
+        return 'normed'
+    norm_module = type('Norm', (), {'weight': 'w', 'eps': 1e-6, '__call__': lambda self, out, z: norm_fn(out, z)})()
+    seen = []
     for accepts in (True, False):
-        impl.with_gating = lambda *a, use_qk_l2norm, accepts=accepts: 'folded' if accepts else None
+        def with_gating(*a, use_qk_l2norm, out_norm=None, accepts=accepts):
+            seen.append(out_norm)
+            return 'folded' if accepts else None
+        impl.with_gating = with_gating
         module._impl = impl
         assert module.forward_gating(*args, plain) == ('folded' if accepts else 'rule')
-    assert calls == [('gating', 'a', 'b'), ('rule', 'g', 'beta')]
+        assert module.forward_gating(*args, plain, norm=norm_module, z='z') == ('folded' if accepts else 'normed')
+    assert seen == [None, ('z', 'w', 1e-6)] * 2   # the norm's z, weight and eps go to the entry
+    assert calls == [('gating', 'a', 'b'), ('rule', 'g', 'beta'), ('gating', 'a', 'b'), ('rule', 'g', 'beta'),
+                     ('norm', 'rule', 'z')]
     calls.clear()
-    impl.with_gating = lambda *a, use_qk_l2norm: 'folded'
+    impl.with_gating = lambda *a, use_qk_l2norm, out_norm=None: 'folded'
     verify = SimpleNamespace(draft_state_slots=None, state_cuts='cuts')
     module.forward = lambda q, k, v, g, beta, state, inputs: calls.append(('rule', g, beta)) or 'rule'
     assert module.forward_gating(*args, verify) == 'rule'
-    assert calls == [('gating', 'a', 'b'), ('rule', 'g', 'beta')]
+    assert module.forward_gating(*args, verify, norm=norm_module, z='z') == 'normed'
+    assert calls == [('gating', 'a', 'b'), ('rule', 'g', 'beta')] * 2 + [('norm', 'rule', 'z')]

@@ -161,9 +161,10 @@ class GatedDeltaNet(nn.Module):
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        # the gating and the gated output norm inside the rule's kernel where the backend can (decode)
         out = self.gated_delta_rule.forward_gating(q, k, v, a, b, self.A_log, self.dt_bias, self.gating,
-                                                   states['recurrent'], ctx.inputs)
-        out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+                                                   states['recurrent'], ctx.inputs, norm=self.norm,
+                                                   z=z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         return self.out_proj(out.flatten(-2))
 
 

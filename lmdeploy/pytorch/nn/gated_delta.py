@@ -133,18 +133,21 @@ class GatedDeltaRule(nn.Module):
 
     def forward_gating(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        A_log: torch.Tensor, dt_bias: torch.Tensor, gating: GatedDeltaGating, state: torch.Tensor,
-                       inputs: ModelInputs) -> torch.Tensor:
-        """`forward(q, k, v, *gating(a, b, A_log, dt_bias), state, inputs)`; a backend op with a `with_gating` entry
-        (the `cuda` backend's pool kernel with `LMDEPLOY_FOLD_GATING=1`, for decode and graph-replayed prefills)
-        computes the gating inside the rule's kernel instead: one launch less a layer. Forwards with cuts gate
-        first."""
+                       inputs: ModelInputs, norm=None, z: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward(q, k, v, *gating(a, b, A_log, dt_bias), state, inputs)`, then `norm(out, z)` when a gated output
+        norm (`nn.norm.GatedRMSNorm`) is given. A backend op with a `with_gating` entry (the `cuda` backend's pool
+        kernel, for decode and graph-replayed prefills) computes the gating, and the output norm, inside the rule's
+        kernel instead: up to two launches less a layer. Forwards with cuts gate first and norm last."""
         fused = getattr(self._impl, 'with_gating', None)
         if fused is not None and inputs.state_cuts is None and inputs.draft_state_slots is None:
-            out = fused(q, k, v, a, b, A_log, dt_bias, state, inputs, use_qk_l2norm=self.use_qk_l2norm)
+            out_norm = None if norm is None else (z, norm.weight, norm.eps)
+            out = fused(q, k, v, a, b, A_log, dt_bias, state, inputs, use_qk_l2norm=self.use_qk_l2norm,
+                        out_norm=out_norm)
             if out is not None:
                 return out
         g, beta = gating(a, b, A_log, dt_bias)
-        return self(q, k, v, g, beta, state, inputs)
+        out = self(q, k, v, g, beta, state, inputs)
+        return out if norm is None else norm(out, z)
 
 
 def _rounds(inputs: ModelInputs, device: torch.device) -> list[tuple]:

@@ -40,7 +40,7 @@ from ...kernels.cuda.activation import sigmoid_gate_mul, silu_and_mul
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache, copy_state_slots
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
-from ...kernels.cuda.fused_recurrent_gated_delta import fused_recurrent_gated_delta_rule
+from ...kernels.cuda.fused_recurrent_gated_delta import fused_recurrent_gated_delta_rule, out_norm_supported
 from ...kernels.cuda.gated_delta_gating import gated_delta_gating
 from ...kernels.cuda.gathered_prefill_attention import gathered_prefill_attention, use_gathered_prefill
 from ...kernels.cuda.gemv import gemv, norm_gemv
@@ -73,6 +73,9 @@ _NORM_GEMV = _TRITON_GEMV and os.environ.get('LMDEPLOY_NORM_GEMV', '0') == '1'
 # the decode gating inside the pool kernel (the fused gating kernel's code, so _FUSED_OPS too; H200 run 45: gpu
 # tests passed, decode within noise of the two launches); LMDEPLOY_FOLD_GATING=0 keeps the separate launch
 _FOLD_GATING = _FUSED_OPS and os.environ.get('LMDEPLOY_FOLD_GATING', '1') != '0'
+# the gated DeltaNet output norm inside the pool kernel too, where it folds the gating (decode);
+# LMDEPLOY_FOLD_OUT_NORM=0 keeps the norm's own launch
+_FOLD_OUT_NORM = _FOLD_GATING and os.environ.get('LMDEPLOY_FOLD_OUT_NORM', '1') != '0'
 # a MoE layer's norm, router GEMV and top-k in one launch for a few tokens (`kernels/cuda/moe_routing.norm_route`);
 # LMDEPLOY_NORM_ROUTE=0 keeps the three
 _NORM_ROUTE = _FUSED_OPS and os.environ.get('LMDEPLOY_NORM_ROUTE', '1') != '0'
@@ -228,14 +231,19 @@ def _build_gated_delta_rule(**kwargs):
         return fused_recurrent_gated_delta_rule(q, k, v, g, beta, inputs.cu_seqlens_q, state, inputs.state_ids,
                                                 inputs.is_fresh, use_qk_l2norm=use_qk_l2norm,
                                                 cut_slots=inputs.draft_state_slots)
-    def with_gating(q, k, v, a, b, A_log, dt_bias, state, inputs, use_qk_l2norm=True):
+    def with_gating(q, k, v, a, b, A_log, dt_bias, state, inputs, use_qk_l2norm=True, out_norm=None):
         """The pool kernel computing `gated_delta_gating(a, b, A_log, dt_bias)` itself (the gating kernel's code:
-        one launch less a layer), or None where `forward` would not run the pool kernel: the caller gates first."""
+        one launch less a layer) and, given `out_norm` (z, weight, eps), the gated output norm of its outputs
+        (another launch less, unless `LMDEPLOY_FOLD_OUT_NORM=0`), or None where `forward` would not run the pool
+        kernel: the caller gates first and norms last."""
         if not pool or q.dtype == torch.float32 or not (inputs.is_decode or inputs.use_recurrent_kernel):
+            return None
+        if out_norm is not None and not (_FOLD_OUT_NORM and out_norm[0].stride(-1) == 1
+                                         and out_norm_supported(inputs.state_ids.shape[0], v.shape[1])):
             return None
         return fused_recurrent_gated_delta_rule(q, k, v, a, b, inputs.cu_seqlens_q, state, inputs.state_ids,
                                                 inputs.is_fresh, use_qk_l2norm=use_qk_l2norm,
-                                                gating_params=(A_log, dt_bias))
+                                                gating_params=(A_log, dt_bias), out_norm=out_norm)
     forward.draft_cuts = draft_cuts
     if _FOLD_GATING:
         forward.with_gating = with_gating

@@ -37,14 +37,16 @@ _L2NORM_EPS = 1e-6
 @fast_kernel
 @triton.jit
 def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, ids_ptr, fresh_ptr,
-                            cut_ptr, a_log_ptr, dt_bias_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                            stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh, stride_s0,
-                            stride_sh, stride_sk, stride_cut, scale,
+                            cut_ptr, a_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, count_ptr, stride_qt, stride_qh,
+                            stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
+                            stride_s0, stride_sh, stride_sk, stride_cut, stride_zt, stride_zh, scale, norm_eps,
                             EPS: tl.constexpr, GROUP: tl.constexpr, DIM_K: tl.constexpr, DIM_V: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
                             NUM_CUTS: tl.constexpr, ROUND: tl.constexpr, GATING: tl.constexpr,
-                            THRESHOLD: tl.constexpr, PDL: tl.constexpr = False):
-    """With GATING, g_ptr / beta_ptr are the raw projections a / b (see `fused_recurrent_gated_delta_rule`)."""
+                            THRESHOLD: tl.constexpr, OUT_NORM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    """With GATING, g_ptr / beta_ptr are the raw projections a / b; with OUT_NORM the outputs are gated-normed
+    in place by the last program of their (sequence, head) (see `fused_recurrent_gated_delta_rule`)."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -93,6 +95,33 @@ def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_p
                 tl.store(state_ptr + cut_slot * stride_s0 + head * stride_sh + tile,
                          s.to(state_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask)
+    if OUT_NORM:
+        gated_norm_head(o_ptr, z_ptr, norm_w_ptr, count_ptr + seq * tl.num_programs(1) + head, bos, eos, head,
+                        stride_ot, stride_oh, stride_zt, stride_zh, norm_eps, DIM_V, BLOCK_DV)
+
+
+@triton.jit
+def gated_norm_head(o_ptr, z_ptr, w_ptr, count_ptr, bos, eos, head, stride_ot, stride_oh, stride_zt, stride_zh, eps,
+                    DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The gated RMSNorm of one head's output rows (tokens bos..eos), in place, by the last of the head's programs
+    (column blocks) to arrive at `count_ptr`, which it puts back to 0: every thread's output stores precede the
+    barrier, the counter's acq_rel add orders them before that program's reads (which bypass L1). The rows it reads
+    are in the output dtype, as the separate norm kernel reads them; the arithmetic is `rms_norm_rows`'
+    (w * rmsnorm(o) * silu(z), float32)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem='acq_rel')
+    if done == tl.num_programs(2) - 1:
+        cols = tl.arange(0, BLOCK_DV)
+        mask = cols < DIM_V
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        for t in range(bos, eos):
+            o_ptrs = o_ptr + t * stride_ot + head * stride_oh + cols
+            o = tl.load(o_ptrs, mask=mask, other=0.0, cache_modifier='.cg').to(tl.float32)
+            z = tl.load(z_ptr + t * stride_zt + head * stride_zh + cols, mask=mask, other=0.0).to(tl.float32)
+            y = o * tl.rsqrt(tl.sum(o * o, axis=0) / DIM_V + eps) * w
+            y = y * z * tl.sigmoid(z)
+            tl.store(o_ptrs, y.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr, 0)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -113,6 +142,7 @@ def fused_recurrent_gated_delta_rule(
     max_seqlen: int | None = None,
     cut_slots: torch.Tensor | None = None,
     gating_params: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     block_v: int = 32,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -122,7 +152,12 @@ def fused_recurrent_gated_delta_rule(
 
     With `gating_params` = (A_log, dt_bias) [H], `g` and `beta` are the raw per-head projections a and b [T, H]
     and each program computes `gated_delta_gating(a, b, A_log, dt_bias)` for its head itself (the same code, so
-    the same bits): the decode step's gating launch folded into this one."""
+    the same bits): the decode step's gating launch folded into this one.
+
+    With `out_norm` = (z [T, H, Dv] with unit stride in Dv, weight [Dv], eps) the outputs come back as the gated
+    DeltaNet's output norm of them, weight * rmsnorm(o) * silu(z) (`nn.norm.GatedRMSNorm`; o rounded to v's dtype
+    first, as the separate norm reads it), computed by the last of each (sequence, head)'s programs to
+    finish (`gated_norm_head`): the norm's launch folded into this one. `out_norm_supported` says when."""
     check_shapes(q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh)
     num_tokens, num_k_heads, dim_k = q.shape
     num_heads, dim_v = v.shape[1:]
@@ -142,14 +177,42 @@ def fused_recurrent_gated_delta_rule(
     else:
         a_log = dt_bias = g  # unread
     fresh = fresh_flags(is_fresh, q.device)  # a view: no launch
+    if out_norm is not None:
+        z, norm_w, norm_eps = out_norm
+        assert out_norm_supported(batch, num_heads) and z.shape == v.shape and z.stride(-1) == 1 \
+            and norm_w.shape == (dim_v,), f'out_norm: z {tuple(z.shape)}, weight {tuple(norm_w.shape)}'
+        norm_w, counters = norm_w.contiguous(), _norm_counters(q.device)
+    else:
+        z, norm_w, norm_eps, counters = v, v, 0.0, v   # unread
     block_v = min(block_v, triton.next_power_of_2(dim_v))
     grid = (batch, num_heads, triton.cdiv(dim_v, block_v))
     _fused_recurrent_kernel[grid](
-        q, k, v, g, beta, out, state, cu_seqlens, state_ids, fresh, cut_slots, a_log, dt_bias,
+        q, k, v, g, beta, out, state, cu_seqlens, state_ids, fresh, cut_slots, a_log, dt_bias, z, norm_w, counters,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), cut_slots.stride(0),
-        dim_k ** -0.5, EPS=_L2NORM_EPS, GROUP=num_heads // num_k_heads, DIM_K=dim_k, DIM_V=dim_v,
-        BLOCK_K=triton.next_power_of_2(dim_k), BLOCK_V=block_v, L2NORM=use_qk_l2norm, NUM_CUTS=num_cuts,
-        ROUND=num_cuts > 0 and state.dtype != torch.float32, GATING=gating_params is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=num_warps)
+        z.stride(0), z.stride(1), dim_k ** -0.5, float(norm_eps), EPS=_L2NORM_EPS, GROUP=num_heads // num_k_heads,
+        DIM_K=dim_k, DIM_V=dim_v, BLOCK_K=triton.next_power_of_2(dim_k), BLOCK_V=block_v, L2NORM=use_qk_l2norm,
+        NUM_CUTS=num_cuts, ROUND=num_cuts > 0 and state.dtype != torch.float32, GATING=gating_params is not None,
+        THRESHOLD=SOFTPLUS_THRESHOLD, OUT_NORM=out_norm is not None, BLOCK_DV=triton.next_power_of_2(dim_v),
+        num_warps=num_warps)
     return out
+
+
+_MAX_NORM_COUNTERS = 1 << 16
+_norm_counters_of: dict[torch.device, torch.Tensor] = {}
+
+
+def out_norm_supported(batch: int, num_heads: int) -> bool:
+    """Whether a launch of `batch` sequences and `num_heads` value heads can take `out_norm`: one arrival counter
+    per (sequence, head) in a fixed zeroed buffer (`_norm_counters`)."""
+    return batch * num_heads <= _MAX_NORM_COUNTERS
+
+
+def _norm_counters(device: torch.device) -> torch.Tensor:
+    """The (sequence, head) arrival counters of `gated_norm_head` on `device`: zeros between launches (each
+    launch's last programs reset theirs), shared by every launch on the device, which the one forward stream
+    orders."""
+    counters = _norm_counters_of.get(device)
+    if counters is None:
+        counters = _norm_counters_of[device] = torch.zeros(_MAX_NORM_COUNTERS, dtype=torch.int32, device=device)
+    return counters
