@@ -9,8 +9,8 @@ to the dtype as the unfused GEMV does, so in half precision near-equal logits ma
 must be among the reference's top-k up to that rounding (its probability at least the reference's k-th largest less
 the tolerance), distinct, in descending order, with its weight within the tolerance of the reference's
 (renormalised over the chosen ones); in float32 the ids must equal the reference's. The shared column is id E
-with weight sigmoid(logit). Shapes on purpose: one program (narrow rows) and many (2048 wide: two router rows a
-program, so the last program's routing reads the others' logits), a width and an expert count that are no powers of
+with weight sigmoid(logit). Shapes on purpose: a program per router row, so the last program's routing reads the
+others' logits, a width and an expert count that are no powers of
 two, top-1, no shared row, no residual (the first layer: s is x itself), several tokens, rows that are a slice of a
 wider stacked projection, and repeated launches (the arrival counters go back to zero, in a CUDA graph too).
 `test_cpu_*` run under the Triton interpreter in the subprocess `test_norm_route_kernel_interpreted` starts;

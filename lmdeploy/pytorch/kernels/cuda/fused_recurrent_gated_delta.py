@@ -94,10 +94,10 @@ def _fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_p
                 cut_slot = tl.load(cut_ptr + seq * stride_cut + j)
                 tl.store(state_ptr + cut_slot * stride_s0 + head * stride_sh + tile,
                          s.to(state_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask)
-    if OUT_NORM:
+    if OUT_NORM:  # before the state's store, so the arrival's release waits for the outputs' stores only
         gated_norm_head(o_ptr, z_ptr, norm_w_ptr, count_ptr + seq * tl.num_programs(1) + head, bos, eos, head,
                         stride_ot, stride_oh, stride_zt, stride_zh, norm_eps, DIM_V, BLOCK_DV)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

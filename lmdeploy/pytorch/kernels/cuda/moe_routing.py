@@ -189,8 +189,8 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
     the logits `F.linear(h, rows)` rounded to x's dtype: rows [E (+1), H] are the router's (and with `has_shared`
     last the shared expert's gate row, its column id E with weight sigmoid(logit)).
 
-    Program (token, block of router rows) normalises the whole row (each program alike, from the same loads), dots
-    it with its rows and stores their logits; the token's last program to arrive (an atomic counter per token)
+    Program (token, router row) normalises the whole row (each program alike, from the same loads), dots it with
+    its row and stores the logit; the token's last program to arrive (an atomic counter per token)
     routes from all of them. Program 0 of a token writes s and h. Three launches (norm, router GEMV, top-k) in one:
     a decode step's MoE layers each run these before the experts."""
     num_tokens, hidden = x.shape
@@ -206,13 +206,14 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
     s = torch.empty_like(h) if residual is not None else x
     logits = torch.empty(num_tokens, num_rows, dtype=torch.float32, device=x.device)
     block_h = triton.next_power_of_2(hidden)
-    block_n = max(1, 4096 // block_h)
-    _norm_route_kernel[(num_tokens, triton.cdiv(num_rows, block_n))](
+    # One router row a program, on as few warps as hold the row (one up to 2048 wide): the norm's, the dot's and
+    # the routing's reductions then stay inside a warp, as the one-warp routing kernel's do.
+    _norm_route_kernel[(num_tokens, num_rows)](
         x, residual if residual is not None else x, norm_weight if norm_weight.stride(0) == 1 else
         norm_weight.contiguous(), rows, s, h, logits, _route_counters(x.device), weights, ids, hidden, num_rows,
         num_experts, x.stride(0), residual.stride(0) if residual is not None else x.stride(0), rows.stride(0),
         h.stride(0), logits.stride(0), weights.stride(0), ids.stride(0), float(eps), ZERO_CENTERED=zero_centered,
         HAS_RESIDUAL=residual is not None, TOP_K=top_k, RENORMALIZE=renormalize, HAS_SHARED=int(has_shared),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_K=triton.next_power_of_2(cols), num_warps=4 if block_h <= 2048 else 8)
+        BLOCK_H=block_h, BLOCK_N=1, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_K=triton.next_power_of_2(cols), num_warps=max(1, min(4, block_h // 2048)))
     return weights, ids, s, h
