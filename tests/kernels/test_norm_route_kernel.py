@@ -1,20 +1,19 @@
-"""A MoE layer's norm, router GEMV and routing in one launch (`kernels/cuda/moe_routing.norm_route`) against a
-float64 reference of the three ops, and the `cuda` backend's `OpType.NormRoute` dispatch to it (up to the few-token
-MoE's tokens, unless `LMDEPLOY_NORM_ROUTE=0`).
+"""A MoE layer's norm, router GEMV and routing in one launch (`kernels/cuda/moe_routing.norm_route`) against a float64
+reference of the three ops, and the `cuda` backend's `OpType.NormRoute` dispatch to it (up to the few-token MoE's
+tokens, unless `LMDEPLOY_NORM_ROUTE=0`).
 
 Reference: s = x + residual rounded to the dtype (the residual stream: bit-exact), h = s * rsqrt(mean(s^2) + eps) *
 w' in float64 (w' = 1 + w when zero-centred; the kernel's h within one rounding), the logits F.linear(h, rows) in
-float64 from the kernel's own h, their float64 softmax, and the top-k of it. The kernel rounds its float32 logits
-to the dtype as the unfused GEMV does, so in half precision near-equal logits may tie or swap: each chosen expert
-must be among the reference's top-k up to that rounding (its probability at least the reference's k-th largest less
-the tolerance), distinct, in descending order, with its weight within the tolerance of the reference's
-(renormalised over the chosen ones); in float32 the ids must equal the reference's. The shared column is id E
-with weight sigmoid(logit). Shapes on purpose: a program per router row, so the last program's routing reads the
-others' logits, a width and an expert count that are no powers of
-two, top-1, no shared row, no residual (the first layer: s is x itself), several tokens, rows that are a slice of a
-wider stacked projection, and repeated launches (the arrival counters go back to zero, in a CUDA graph too).
-`test_cpu_*` run under the Triton interpreter in the subprocess `test_norm_route_kernel_interpreted` starts;
-`@pytest.mark.gpu` tests run on CUDA.
+float64 from the kernel's own h, their float64 softmax, and the top-k of it. The kernel rounds its float32 logits to
+the dtype as the unfused GEMV does, so in half precision near-equal logits may tie or swap: each chosen expert must
+be among the reference's top-k up to that rounding (its probability at least the reference's k-th largest less the
+tolerance), distinct, in descending order, with its weight within the tolerance of the reference's (renormalised
+over the chosen ones); in float32 the ids must equal the reference's. The shared column is id E with weight
+sigmoid(logit). Shapes on purpose: a program per router row, so the last program's routing reads the others' logits,
+a width and an expert count that are no powers of two, top-1, no shared row, no residual (the first layer: s is x
+itself), several tokens, rows that are a slice of a wider stacked projection, and repeated launches (the arrival
+counters go back to zero, in a CUDA graph too). `test_cpu_*` run under the Triton interpreter in the subprocess
+`test_norm_route_kernel_interpreted` starts; `@pytest.mark.gpu` tests run on CUDA.
 """
 from __future__ import annotations
 
