@@ -29,7 +29,7 @@ import triton.language as tl
 from .causal_conv1d import fresh_flags
 from .gated_delta_gating import SOFTPLUS_THRESHOLD, gating_values
 from .gated_delta_rule import check_shapes
-from .launch import fast_kernel, wait_for_inputs
+from .launch import arrival_counters, fast_kernel, wait_for_inputs
 
 _L2NORM_EPS = 1e-6
 
@@ -199,7 +199,6 @@ def fused_recurrent_gated_delta_rule(
 
 
 _MAX_NORM_COUNTERS = 1 << 16
-_norm_counters_of: dict[torch.device, torch.Tensor] = {}
 
 
 def out_norm_supported(batch: int, num_heads: int) -> bool:
@@ -209,10 +208,5 @@ def out_norm_supported(batch: int, num_heads: int) -> bool:
 
 
 def _norm_counters(device: torch.device) -> torch.Tensor:
-    """The (sequence, head) arrival counters of `gated_norm_head` on `device`: zeros between launches (each
-    launch's last programs reset theirs), shared by every launch on the device, which the one forward stream
-    orders."""
-    counters = _norm_counters_of.get(device)
-    if counters is None:
-        counters = _norm_counters_of[device] = torch.zeros(_MAX_NORM_COUNTERS, dtype=torch.int32, device=device)
-    return counters
+    """The (sequence, head) arrival counters of `gated_norm_head` on `device` (`launch.arrival_counters`)."""
+    return arrival_counters('gated_norm_head', _MAX_NORM_COUNTERS, device)

@@ -164,3 +164,19 @@ def fast_kernel(fn: Any) -> FastKernel:
     """Decorator over `@triton.jit`: `@fast_kernel @triton.jit def _kernel(...)`. Only for kernels launched from the
     host; a `@triton.jit` helper called from other kernels must stay a plain JITFunction."""
     return FastKernel(fn)
+
+
+_arrivals: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def arrival_counters(name: str, size: int, device: torch.device) -> torch.Tensor:
+    """`size` int32 counters for kernel family `name` on `device`, zero between launches, for the pattern where the
+    last of a group of programs to finish (an acq_rel `tl.atomic_add` on its group's counter returns the group size
+    less one) does the group's epilogue and puts the counter back to 0. Allocated once and shared by every launch of
+    the family on the device, which the one forward stream orders; CUDA graphs capture the fixed address."""
+    key = (name, device)
+    counters = _arrivals.get(key)
+    if counters is None:
+        counters = _arrivals[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    assert counters.numel() == size, f'{name}: counters allocated with {counters.numel()}, asked {size}'
+    return counters

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast_kernel, wait_for_inputs
+from .launch import arrival_counters, fast_kernel, wait_for_inputs
 
 _MAX_EXPERTS = 4096
 
@@ -159,17 +159,11 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, shared_log
 
 NORM_ROUTE_MAX_TOKENS = 64   # tokens a `norm_route` launch takes (one counter each)
 _NORM_ROUTE_MAX_HIDDEN = 8192  # a program holds the whole normed row and BLOCK_N router rows in registers
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _route_counters(device: torch.device) -> torch.Tensor:
-    """The per-token arrival counters of `_norm_route_kernel` on `device`: zeros between launches (each launch's
-    last program resets its token's), shared by every launch on the device, which the one forward stream
-    orders."""
-    counters = _counters.get(device)
-    if counters is None:
-        counters = _counters[device] = torch.zeros(NORM_ROUTE_MAX_TOKENS, dtype=torch.int32, device=device)
-    return counters
+    """The per-token arrival counters of `_norm_route_kernel` on `device` (`launch.arrival_counters`)."""
+    return arrival_counters('norm_route', NORM_ROUTE_MAX_TOKENS, device)
 
 
 def norm_route_supported(x: torch.Tensor, rows: torch.Tensor) -> bool:
