@@ -1,6 +1,6 @@
 """A MoE layer's norm, router GEMV and routing in one launch (`kernels/cuda/moe_routing.norm_route`) against a float64
 reference of the three ops, and the `cuda` backend's `OpType.NormRoute` dispatch to it (up to the few-token MoE's
-tokens, unless `LMDEPLOY_NORM_ROUTE=0`).
+tokens, with `LMDEPLOY_NORM_ROUTE=1`: opt-in).
 
 Reference: s = x + residual rounded to the dtype (the residual stream: bit-exact), h = s * rsqrt(mean(s^2) + eps) *
 w' in float64 (w' = 1 + w when zero-centred; the kernel's h within one rounding), the logits F.linear(h, rows) in
@@ -128,11 +128,13 @@ def test_cpu_norm_route_repeats_with_counters_reset():
 
 @interpreted
 def test_cpu_backend_fuses_few_tokens_only(monkeypatch):
-    """Up to the few-token MoE's tokens the backend's `OpType.NormRoute` is one launch of the kernel; more tokens
-    take its norm + linear, then its routing, with a routing of the same semantics."""
+    """With the switch on, up to the few-token MoE's tokens the backend's `OpType.NormRoute` is one launch of the
+    kernel; more tokens (and every call with it off) take its norm + linear, then its routing, of the same
+    semantics."""
     from lmdeploy.pytorch.backends import cuda as backend
     from lmdeploy.pytorch.backends.default.moe import norm_then_route
     calls = []
+    monkeypatch.setattr(backend, '_NORM_ROUTE', True)     # opt-in (LMDEPLOY_NORM_ROUTE=1): not faster on the H100
     monkeypatch.setattr(backend, '_norm_route', lambda *a, **kw: calls.append(a[0].shape) or norm_route(*a, **kw))
     for tokens, used in ((1, True), (backend.MOE_GEMV_MAX_TOKENS, True), (backend.MOE_GEMV_MAX_TOKENS + 1, False)):
         case = Case(tokens, 48, 6, 2)
@@ -141,6 +143,12 @@ def test_cpu_backend_fuses_few_tokens_only(monkeypatch):
         out = backend.norm_route(*inputs[:3], 1e-6, True, inputs[3], 2, True, True)
         assert bool(calls) == used, tokens
         check(case, torch.float32, 'cpu', out=out, inputs=inputs)
+    monkeypatch.setattr(backend, '_NORM_ROUTE', False)    # the default: the three launches
+    calls.clear()
+    inputs = make_inputs(Case(1, 48, 6, 2), torch.float32, 'cpu')
+    check(Case(1, 48, 6, 2), torch.float32, 'cpu', out=backend.norm_route(*inputs[:3], 1e-6, True, inputs[3], 2, True,
+                                                                          True), inputs=inputs)
+    assert calls == []
     from lmdeploy.pytorch.backends.default import elementwise, moe
     inputs = make_inputs(Case(2, 48, 6, 2), torch.float32, 'cpu')       # the default backend's composition
     ref = norm_then_route(elementwise.rms_norm_linear, moe.softmax_topk)(*inputs[:3], 1e-6, True, inputs[3], 2,

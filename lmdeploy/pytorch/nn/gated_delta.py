@@ -136,8 +136,9 @@ class GatedDeltaRule(nn.Module):
                        inputs: ModelInputs, norm=None, z: torch.Tensor | None = None) -> torch.Tensor:
         """`forward(q, k, v, *gating(a, b, A_log, dt_bias), state, inputs)`, then `norm(out, z)` when a gated output
         norm (`nn.norm.GatedRMSNorm`) is given. A backend op with a `with_gating` entry (the `cuda` backend's pool
-        kernel, for decode and graph-replayed prefills) computes the gating, and the output norm, inside the rule's
-        kernel instead: up to two launches less a layer. Forwards with cuts gate first and norm last."""
+        kernel, for decode and graph-replayed prefills) computes the gating, and with `LMDEPLOY_FOLD_OUT_NORM=1` the
+        output norm, inside the rule's kernel instead: up to two launches less a layer. Forwards with cuts gate first
+        and norm last."""
         fused = getattr(self._impl, 'with_gating', None)
         if fused is not None and inputs.state_cuts is None and inputs.draft_state_slots is None:
             out_norm = None if norm is None else (z, norm.weight, norm.eps)

@@ -16,7 +16,7 @@ understood), else none. Larger forwards (prefill, where a plain GEMM runs the sh
 shared expert. When the input projections are stacked (below), a folded forward takes the router's and the shared
 gate's logits from one GEMM over their adjacent rows of the stack; from the decoder layer (`forward_normed`) the
 layer's post-attention norm, that GEMM and the routing are one op (`TopKRouter.norm_route`, `OpType.NormRoute`: one
-launch on the `cuda` backend).
+launch on the `cuda` backend with `LMDEPLOY_NORM_ROUTE=1`, else the three).
 
 Otherwise, after loading, the shared expert's `gate_up_proj`, the router and the shared-expert gate read the input
 through one stacked GEMM (`SparseMoeBlock.fuse_input_projections`, `nn.linear.fuse_rows`) while none of them carries

@@ -19,9 +19,10 @@ Linears of one half-precision row (batch-1 decode, one sequence's logits) run th
 the one-row linear that reads it (`OpType.RMSNormLinear`: a decode layer's input and post-attention norms with the
 projection after each) can run as one launch, the GEMV with the norm in its prologue (`gemv.norm_gemv`), with
 `LMDEPLOY_NORM_GEMV=1` (read at import; off by default: on the H200 the fused GEMV lost more than the norm launch
-cost, run 45). A MoE layer's post-attention norm, its router's GEMV and the top-k routing run as one launch for a
-few tokens (`OpType.NormRoute`, `kernels/cuda/moe_routing.norm_route`; `LMDEPLOY_NORM_ROUTE=0`, read at import,
-keeps the three launches).
+cost, run 45). A MoE layer's post-attention norm, its router's GEMV and the top-k routing can run as one launch
+for a few tokens (`OpType.NormRoute`, `kernels/cuda/moe_routing.norm_route`), and the gated DeltaNet output norm
+inside the recurrent pool kernel (`out_norm`), with `LMDEPLOY_NORM_ROUTE=1` / `LMDEPLOY_FOLD_OUT_NORM=1` (read at
+import; off by default: neither beat the launches it saves on the H100, runs 47-48).
 """
 from __future__ import annotations
 
@@ -73,12 +74,12 @@ _NORM_GEMV = _TRITON_GEMV and os.environ.get('LMDEPLOY_NORM_GEMV', '0') == '1'
 # the decode gating inside the pool kernel (the fused gating kernel's code, so _FUSED_OPS too; H200 run 45: gpu
 # tests passed, decode within noise of the two launches); LMDEPLOY_FOLD_GATING=0 keeps the separate launch
 _FOLD_GATING = _FUSED_OPS and os.environ.get('LMDEPLOY_FOLD_GATING', '1') != '0'
-# the gated DeltaNet output norm inside the pool kernel too, where it folds the gating (decode);
-# LMDEPLOY_FOLD_OUT_NORM=0 keeps the norm's own launch
-_FOLD_OUT_NORM = _FOLD_GATING and os.environ.get('LMDEPLOY_FOLD_OUT_NORM', '1') != '0'
-# a MoE layer's norm, router GEMV and top-k in one launch for a few tokens (`kernels/cuda/moe_routing.norm_route`);
-# LMDEPLOY_NORM_ROUTE=0 keeps the three
-_NORM_ROUTE = _FUSED_OPS and os.environ.get('LMDEPLOY_NORM_ROUTE', '1') != '0'
+# the gated DeltaNet output norm inside the pool kernel too, where it folds the gating (decode): opt-in with
+# LMDEPLOY_FOLD_OUT_NORM=1, slower than the norm's own launch on the H100 (runs 47-48, docs/benchmarks.md)
+_FOLD_OUT_NORM = _FOLD_GATING and os.environ.get('LMDEPLOY_FOLD_OUT_NORM', '0') == '1'
+# a MoE layer's norm, router GEMV and top-k in one launch for a few tokens (`kernels/cuda/moe_routing.norm_route`):
+# opt-in with LMDEPLOY_NORM_ROUTE=1 (H100 run 47: its first form was slower than the three launches)
+_NORM_ROUTE = _FUSED_OPS and os.environ.get('LMDEPLOY_NORM_ROUTE', '0') == '1'
 
 
 def fused_prefill_enabled() -> bool:
@@ -234,8 +235,8 @@ def _build_gated_delta_rule(**kwargs):
     def with_gating(q, k, v, a, b, A_log, dt_bias, state, inputs, use_qk_l2norm=True, out_norm=None):
         """The pool kernel computing `gated_delta_gating(a, b, A_log, dt_bias)` itself (the gating kernel's code:
         one launch less a layer) and, given `out_norm` (z, weight, eps), the gated output norm of its outputs
-        (another launch less, unless `LMDEPLOY_FOLD_OUT_NORM=0`), or None where `forward` would not run the pool
-        kernel: the caller gates first and norms last."""
+        (another launch less, with `LMDEPLOY_FOLD_OUT_NORM=1`), or None where `forward` would not run the pool
+        kernel or not fold the norm: the caller gates first and norms last."""
         if not pool or q.dtype == torch.float32 or not (inputs.is_decode or inputs.use_recurrent_kernel):
             return None
         if out_norm is not None and not (_FOLD_OUT_NORM and out_norm[0].stride(-1) == 1
@@ -347,8 +348,9 @@ _norm_then_route = norm_then_route(rms_norm_linear, _softmax_topk)
 def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                zero_centered: bool, rows: torch.Tensor, top_k: int, renormalize: bool, has_shared: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`OpType.NormRoute` (semantics: `default.moe.norm_then_route`): one launch of `moe_routing.norm_route` for up
-    to the few-token MoE's tokens, else this backend's norm + linear, then its routing."""
+    """`OpType.NormRoute` (semantics: `default.moe.norm_then_route`): with `LMDEPLOY_NORM_ROUTE=1` one launch of
+    `moe_routing.norm_route` for up to the few-token MoE's tokens, else this backend's norm + linear, then its
+    routing."""
     if (_NORM_ROUTE and x.shape[0] <= MOE_GEMV_MAX_TOKENS and norm_route_supported(x, rows)
             and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))):
         return _norm_route(x, residual, norm_weight, eps, zero_centered, rows, top_k, renormalize, has_shared)

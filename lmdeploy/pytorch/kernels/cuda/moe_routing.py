@@ -10,7 +10,9 @@ and picks the k winners by k rounds of max + lowest-index-of-max (`route_row`).
 
 `norm_route` runs a MoE layer's input norm (with the residual add before it), the router's one-row GEMV and this
 routing as one launch for a few tokens (a decode step's MoE layers), where they were three launches of a few
-microseconds each; the `cuda` backend's `OpType.NormRoute`.
+microseconds each; the `cuda` backend's `OpType.NormRoute` with `LMDEPLOY_NORM_ROUTE=1` (opt-in: its first form,
+four warps and two router rows a program, was slower than the three launches on the H100, run 47; this one, a warp
+and a row a program, is not yet measured).
 """
 from __future__ import annotations
 
