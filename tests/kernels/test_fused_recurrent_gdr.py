@@ -245,18 +245,11 @@ def test_out_norm_under_triton_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('case', GATING_GPU_CASES, ids=lambda c: c.id)
-def test_out_norm_matches_the_norm_kernel_gpu(case):
+@pytest.mark.parametrize('checker', [check_folded_gating, check_out_norm], ids=['gating', 'out_norm'])
+def test_folded_gating_and_out_norm_match_the_separate_kernels_gpu(checker, case):
     if not torch.cuda.is_available():
         pytest.skip('needs CUDA')
-    check_out_norm(case, 'cuda')
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize('case', GATING_GPU_CASES, ids=lambda c: c.id)
-def test_folded_gating_matches_the_gating_kernel_gpu(case):
-    if not torch.cuda.is_available():
-        pytest.skip('needs CUDA')
-    check_folded_gating(case, 'cuda')
+    checker(case, 'cuda')
 
 
 @pytest.mark.gpu
