@@ -26,6 +26,7 @@ from ..backends.base import OpType
 from ..backends.selector import current_backend
 from ..model_inputs import ModelInputs, StateCuts, upload_index_tensors
 from .draft_cuts import gated_delta_draft_rounds, save_conv_draft_cuts
+from .norm import GatedRMSNorm
 
 
 class CausalConv1d(nn.Module):
@@ -133,7 +134,8 @@ class GatedDeltaRule(nn.Module):
 
     def forward_gating(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        A_log: torch.Tensor, dt_bias: torch.Tensor, gating: GatedDeltaGating, state: torch.Tensor,
-                       inputs: ModelInputs, norm=None, z: torch.Tensor | None = None) -> torch.Tensor:
+                       inputs: ModelInputs, norm: GatedRMSNorm | None = None, z: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """`forward(q, k, v, *gating(a, b, A_log, dt_bias), state, inputs)`, then `norm(out, z)` when a gated output
         norm (`nn.norm.GatedRMSNorm`) is given. A backend op with a `with_gating` entry (the `cuda` backend's pool
         kernel, for decode and graph-replayed prefills) computes the gating, and with `LMDEPLOY_FOLD_OUT_NORM=1` the

@@ -24,7 +24,6 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, shared_log
     return weights, ids
 
 
-
 def norm_then_route(norm_linear, route):
     """`OpType.NormRoute` as a backend's `RMSNormLinear` (`norm_linear`) and then its `SoftmaxTopK` (`route`), in
     sequence: (weights, ids, s, h) of a MoE layer's input norm and router. x [T, H] and residual (or None) give the
@@ -42,6 +41,7 @@ def norm_then_route(norm_linear, route):
             weights, ids = route(logits, top_k, renormalize)
         return weights, ids, s, h
     return norm_route
+
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
