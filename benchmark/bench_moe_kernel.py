@@ -175,7 +175,13 @@ def check_align(a) -> None:
                                                                               out[0] < static.numel()))
             t_ref = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs_reference(t, a.experts, m), 4)
             t_tri = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs(t, a.experts, m), 4)
-            print(f'align T={tokens:5d} BLOCK_M={block_m:3d}: torch {t_ref:7.1f} us, triton {t_tri:6.1f} us, '
+            three = ''
+            if moe_align.uses_one_launch(ids.numel()):  # the three-launch form it replaces, on the same ids
+                got3 = moe_align.align_pairs(ids, a.experts, block_m, one_launch=False)
+                same &= bool(torch.equal(ref[1], got3[1]) and torch.equal(ref[0] < ids.numel(), got3[0] < ids.numel()))
+                t3 = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs(t, a.experts, m, one_launch=False), 4)
+                three = f' (one launch; three launches {t3:6.1f} us)'
+            print(f'align T={tokens:5d} BLOCK_M={block_m:3d}: torch {t_ref:7.1f} us, triton {t_tri:6.1f} us{three}, '
                   f'equal {same}, graph replays equal {replay_ok}', flush=True)
 
 

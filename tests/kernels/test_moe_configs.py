@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from lmdeploy.pytorch.kernels.cuda import moe
+from lmdeploy.pytorch.kernels.cuda import moe, moe_align
 from lmdeploy.pytorch.kernels.cuda.launch import arg_key
 
 SHAPE = dict(num_experts=64, hidden=2048, inter=512)
@@ -86,19 +86,19 @@ def test_a_malformed_table_is_a_clear_error(table_dir):
 
 @pytest.mark.parametrize('top_k', [1, 8, 10])
 def test_warm_up_counts_reach_every_binary(table_dir, top_k):
-    """Every token count up to the limit picks a (config, pair-count class) that one warm-up count also picks, and
-    the warm-up counts are few."""
+    """Every token count up to the limit picks a (config, pair-count class, alignment form) that one warm-up count
+    also picks, and the warm-up counts are few."""
     write(table_dir, ENTRIES)
     max_tokens = 3000
     counts = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name=DEVICE, **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, device_name=DEVICE, **SHAPE),  # noqa: E731
-                          arg_key(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.uses_one_launch(tokens * top_k))
     warmed = {key(t) for t in counts}
     assert all(key(t) in warmed for t in range(1, max_tokens + 1))
-    assert len(counts) == len(warmed) <= 3 * len(ENTRIES) and all(1 <= t <= max_tokens for t in counts)
+    assert len(counts) == len(warmed) <= 4 * len(ENTRIES) and all(1 <= t <= max_tokens for t in counts)
     untuned = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name='Other GPU', **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, SHAPE['num_experts']),  # noqa: E731
-                          arg_key(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.uses_one_launch(tokens * top_k))
     assert {key(t) for t in untuned} == {key(t) for t in range(1, max_tokens + 1)}   # no table: the untuned tiles
 
 

@@ -28,10 +28,11 @@ import triton.language as tl
 
 from . import moe_gemv
 from .launch import arg_key, fast_kernel, wait_for_inputs
-from .moe_align import align_pairs, align_pairs_reference
+from .moe_align import align_pairs, align_pairs_reference, uses_one_launch
 from .moe_gemv import expert_weights
 
-# The alignment: three Triton launches (default), or `moe_align.py`'s ~20 torch ops with LMDEPLOY_MOE_ALIGN=torch.
+# The alignment: three Triton launches (default), one for up to 2048 pairs with LMDEPLOY_MOE_ALIGN=one (opt-in),
+# or `moe_align.py`'s ~20 torch ops with LMDEPLOY_MOE_ALIGN=torch.
 _TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'triton') != 'torch'
 # Forwards of up to `moe_gemv.MAX_TOKENS` tokens take `moe_gemv.py`'s two launches (default since H200 runs 40-41: the
 # 35B-A3B shape's batch-1 decode from 0.35 to 0.45 of the weight roofline); LMDEPLOY_MOE_GEMV=0 keeps this module's
@@ -283,12 +284,14 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
 def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
                          device_name: str | None) -> list[int]:
-    """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count) that any count
-    there reaches (through this shape's table for `device_name`, or the untuned tiles): the first count of each."""
+    """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count, alignment form)
+    that any count there reaches (through this shape's table for `device_name`, or the untuned tiles): the first
+    count of each."""
     first = {}
     for tokens in range(1, max_tokens + 1):
         pairs = tokens * top_k
-        first.setdefault((_call_config(pairs, num_experts, hidden, inter, device_name), arg_key(pairs)), tokens)
+        key = (_call_config(pairs, num_experts, hidden, inter, device_name), arg_key(pairs), uses_one_launch(pairs))
+        first.setdefault(key, tokens)
     return sorted(first.values())
 
 

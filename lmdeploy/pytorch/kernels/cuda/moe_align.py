@@ -1,4 +1,4 @@
-"""Triton MoE alignment: group the (token, expert) pairs by expert in three launches instead of ~20 torch ops.
+"""Triton MoE alignment: group the (token, expert) pairs by expert in one or three launches, not ~20 torch ops.
 
 Contract (`moe.py` step 1, `align_pairs_reference` below): for the ``N = T * top_k`` pairs (flattened ``topk_ids``)
 and ``BLOCK_M``, each expert's pairs occupy a run of ``sorted_pairs`` that starts at the sum of the previous
@@ -9,9 +9,14 @@ hold ``max_blocks = cdiv(N, BLOCK_M) + min(E, N)`` blocks (the bound of the modu
 Within an expert's run the pairs' order is not specified (the scatter takes ranks with atomics); the expert GEMMs
 compute every row independently and write each pair's result to row ``pair``, so the MoE output does not depend
 on it. Launches: count (atomic histogram), offsets (one program: padded prefix sums, ``block_expert``, sentinel
-fill), scatter (each pair takes the next row of its expert's run).
+fill), scatter (each pair takes the next row of its expert's run). With ``LMDEPLOY_MOE_ALIGN=one`` (opt-in until an
+H200 run has checked and timed it), up to ``ONE_LAUNCH_PAIRS`` pairs (a suffix or a short prompt, where each of the
+three launches and the counts' memset costs a few microseconds of latency) one program does all of it: the counts
+as a histogram in registers (no memset), the offsets and the fill, then, after a barrier, the scatter.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -22,6 +27,8 @@ from .launch import fast_kernel, wait_for_inputs
 _PAIRS_PER_PROGRAM = 1024
 _COMPARE_ELEMS = 4096  # blocks x experts compared per step of the offsets program
 _FILL = 1024  # sentinel elements per step of the offsets program
+ONE_LAUNCH_PAIRS = 2048  # the most pairs `align_pairs` groups in one program (`_align_one_kernel`)
+_ONE_LAUNCH = os.environ.get('LMDEPLOY_MOE_ALIGN', 'triton') == 'one'
 
 
 @fast_kernel
@@ -72,8 +79,54 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, num_expert
     tl.store(sorted_pairs_ptr + row, offs.to(tl.int64), mask=mask)
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_pairs [max_blocks * BLOCK_M] int64, block_expert [max_blocks] int64); see the module docstring."""
+@fast_kernel
+@triton.jit
+def _align_one_kernel(ids_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, num_experts, max_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                      FILL: tl.constexpr, PDL: tl.constexpr = False):
+    """The three launches' work in one program (BLOCK_E > num_experts: its last bin takes the masked and invalid
+    ids, which are never placed)."""
+    wait_for_inputs(PDL)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        ok = (offs < num_pairs) & (expert >= 0) & (expert < num_experts)
+        counts += tl.histogram(tl.where(ok, expert, BLOCK_E - 1).to(tl.int32), BLOCK_E)
+    counts = tl.where(valid, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + experts, ends - padded, mask=valid)
+    for b0 in range(0, max_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        done = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & valid[None, :]
+        tl.store(block_expert_ptr + blocks, tl.sum(done.to(tl.int64), axis=1), mask=blocks < max_blocks)
+    total = max_blocks * BLOCK_M
+    sentinel = tl.full([FILL], 0, tl.int64) + num_pairs
+    for s0 in range(0, total, FILL):
+        rows = s0 + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + rows, sentinel, mask=rows < total)
+    # the cursors and the fill above are visible to every thread of the program before any pair is placed
+    tl.debug_barrier()
+    for p0 in range(0, num_pairs, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
+        ok = (offs < num_pairs) & (expert >= 0) & (expert < num_experts)
+        row = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
+        tl.store(sorted_pairs_ptr + row, offs.to(tl.int64), mask=ok)
+
+
+def uses_one_launch(num_pairs: int) -> bool:
+    """Whether `align_pairs` groups this many pairs in one program (the warm-up compiles both forms apart)."""
+    return _ONE_LAUNCH and num_pairs <= ONE_LAUNCH_PAIRS
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [max_blocks * BLOCK_M] int64, block_expert [max_blocks] int64); see the module docstring.
+    `one_launch` (default: `uses_one_launch`) picks the form, for tests and benchmarks."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1)
     if flat.stride(0) != 1:
@@ -85,6 +138,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     if num_pairs == 0:
         return sorted_pairs, block_expert
 
+    if uses_one_launch(num_pairs) if one_launch is None else one_launch:
+        cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+        block_e = max(32, triton.next_power_of_2(num_experts + 1))  # Triton's histogram: bins a multiple of 32
+        _align_one_kernel[(1,)](flat, cursor, block_expert, sorted_pairs, num_pairs, num_experts, max_blocks,
+                                BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=_PAIRS_PER_PROGRAM,
+                                CHUNK=max(1, _COMPARE_ELEMS // block_e), FILL=_FILL, num_warps=4)
+        return sorted_pairs, block_expert
     counts = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)  # [counts, cursors]
     cursor = counts[num_experts:]
     grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
