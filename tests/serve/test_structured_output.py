@@ -95,6 +95,22 @@ def test_regex_and_grammar_constraints(server):
     assert {c.text for c in r.choices} <= {'yes', 'no', 'maybe so'} and len(r.choices) == 8
 
 
+def test_a_grammar_that_ends_before_the_request_does_stays_matched(server):
+    """With ignore_eos the request goes on after its grammar accepted a stop token: the rest is stop tokens only, so
+    the text still matches; with min_tokens past the grammar's end the tokens up to it are free, then it stops
+    (both were a 500 for the whole request)."""
+    live, _ = server
+    client = live.client()
+    r = client.completions.create(model='tiny', prompt='Digit:', extra_body={'guided_regex': '0', 'ignore_eos': True},
+                                  **{**SAMPLE, 'max_tokens': 8})
+    assert len(r.choices) == 8 and all(c.text == '0' and c.finish_reason == 'length' for c in r.choices), r.choices
+    assert r.usage.completion_tokens == 8 * 8, r.usage
+    r = client.completions.create(model='tiny', prompt='Digit:', extra_body={'guided_regex': '[ab]', 'min_tokens': 6},
+                                  **{**SAMPLE, 'max_tokens': 40})
+    assert len(r.choices) == 8 and all(c.text[0] in 'ab' and c.finish_reason == 'stop' for c in r.choices), r.choices
+    assert r.usage.completion_tokens == 8 * 6, r.usage  # then the stop token, the only one its row allows (uncounted)
+
+
 def test_bad_constraints_are_400s(server):
     live, _ = server
     client = live.client()
