@@ -42,15 +42,11 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constex
     tl.atomic_add(counts_ptr + expert, 1, mask=mask)
 
 
-@fast_kernel
 @triton.jit
-def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_experts, num_pairs, max_blocks,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
-    experts = tl.arange(0, BLOCK_E)
-    valid = experts < num_experts
-    counts = tl.load(counts_ptr + experts, mask=valid, other=0)
+def lay_out_runs(counts, experts, valid, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, max_blocks,
+                 BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """From the experts' pair counts: each run's first row into the cursors, `block_expert`, and the sentinel in
+    every row of `sorted_pairs` (the scatter then overwrites the rows that hold pairs)."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(cursor_ptr + experts, ends - padded, mask=valid)
@@ -64,6 +60,19 @@ def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, 
     for s0 in range(0, total, FILL):
         rows = s0 + tl.arange(0, FILL)
         tl.store(sorted_pairs_ptr + rows, sentinel, mask=rows < total)
+
+
+@fast_kernel
+@triton.jit
+def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_experts, num_pairs, max_blocks,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    counts = tl.load(counts_ptr + experts, mask=valid, other=0)
+    lay_out_runs(counts, experts, valid, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, max_blocks,
+                 BLOCK_M, CHUNK, FILL)
 
 
 @fast_kernel
@@ -95,19 +104,8 @@ def _align_one_kernel(ids_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, n
         expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
         ok = (offs < num_pairs) & (expert >= 0) & (expert < num_experts)
         counts += tl.histogram(tl.where(ok, expert, BLOCK_E - 1).to(tl.int32), BLOCK_E)
-    counts = tl.where(valid, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(cursor_ptr + experts, ends - padded, mask=valid)
-    for b0 in range(0, max_blocks, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        done = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & valid[None, :]
-        tl.store(block_expert_ptr + blocks, tl.sum(done.to(tl.int64), axis=1), mask=blocks < max_blocks)
-    total = max_blocks * BLOCK_M
-    sentinel = tl.full([FILL], 0, tl.int64) + num_pairs
-    for s0 in range(0, total, FILL):
-        rows = s0 + tl.arange(0, FILL)
-        tl.store(sorted_pairs_ptr + rows, sentinel, mask=rows < total)
+    lay_out_runs(tl.where(valid, counts, 0), experts, valid, cursor_ptr, block_expert_ptr, sorted_pairs_ptr,
+                 num_pairs, max_blocks, BLOCK_M, CHUNK, FILL)
     # the cursors and the fill above are visible to every thread of the program before any pair is placed
     tl.debug_barrier()
     for p0 in range(0, num_pairs, BLOCK):
