@@ -43,9 +43,10 @@ class GrammarState:
         self.num_consumed = len(generated)
 
 
-def _set_bit(row: torch.Tensor, token: int) -> None:
+def _bit(token: int) -> int:
+    """The token's bit in its int32 word of a bitmask row (two's complement for bit 31)."""
     bit = 1 << (token % 32)
-    row[token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 two's complement
+    return bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 def _allows_other_than(row: torch.Tensor, tokens: list[int]) -> bool:
@@ -53,8 +54,7 @@ def _allows_other_than(row: torch.Tensor, tokens: list[int]) -> bool:
     rest = row.clone()
     for token in tokens:
         if token // 32 < rest.numel():
-            bit = 1 << (token % 32)
-            rest[token // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)
+            rest[token // 32] &= ~_bit(token)
     return bool(rest.any())
 
 
@@ -85,5 +85,5 @@ def grammar_bitmask(seqs: list[SchedulerSequence]) -> torch.Tensor | None:
             continue
         bitmask[i] = 0
         for token in state.matcher.stop_token_ids:
-            _set_bit(bitmask[i], token)
+            bitmask[i, token // 32] |= _bit(token)
     return bitmask
