@@ -1,7 +1,8 @@
 """fla's chunked gated delta rule inside a CUDA graph (`kernels/cuda/gated_delta_rule.py`, static padded chunk
 indices): one capture per bucket replays batches of other lengths exactly like an eager call on the unpadded
-batch, and the static path never synchronises. CPU: the wrapper hands fla a fresh ``cu_seqlens`` object per call
-(fla memoises what it derives from it by identity), checked with a recording stand-in for fla."""
+batch, and the static path never synchronises; two layers of one captured forward share one view of the static
+``cu_seqlens`` (fla derives its chunk offsets once, inside the graph, and both layers read them on every replay's
+lengths). CPU: the wrapper hands fla the view it is given, checked with a recording stand-in for fla."""
 from __future__ import annotations
 
 import sys
@@ -28,9 +29,10 @@ CASES = [
 ]
 
 
-def test_cu_seqlens_in_place_hands_fla_a_fresh_object(monkeypatch):
-    """With `cu_seqlens_in_place` every call passes fla a new tensor object with the same values (so fla's
-    identity memo cannot return offsets derived on an earlier call's lengths); without it, the caller's object."""
+def test_cu_seqlens_view_is_the_object_fla_gets(monkeypatch):
+    """`cu_seqlens_view` is what fla receives for ``cu_seqlens`` (its identity is fla's memo key: one view per
+    forward, shared by the forward's layers); without it, the caller's object; a tensor that does not view the
+    buffer is refused."""
     seen = []
 
     def fake_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -47,13 +49,49 @@ def test_cu_seqlens_in_place_hands_fla_a_fresh_object(monkeypatch):
     cu, pool = torch.tensor([0, 4, 10, 10]), torch.zeros(4, H, 8, 8)
     ids, fresh = torch.tensor([1, 2, 0]), torch.tensor([True, True, True])
     indices = cuda_gdr.padded_chunk_indices_host([4, 6, 0], 3, pad_seq=2)
-    for in_place in (True, True, False):
+    view = cu.view(-1)
+    for cu_view in (view, view, None):
         cuda_gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu, pool, ids, fresh, chunk_indices=indices,
-                                        cu_seqlens_in_place=in_place)
+                                        cu_seqlens_view=cu_view)
     (a, ia), (b, _), (c, _) = seen
-    assert a is not cu and b is not cu and a is not b and c is cu
-    assert a.tolist() == b.tolist() == cu.tolist() and a.data_ptr() == cu.data_ptr()
+    assert a is view and b is view and c is cu
     assert ia is indices
+    with pytest.raises(AssertionError, match='view the cu_seqlens buffer'):
+        cuda_gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu, pool, ids, fresh, chunk_indices=indices,
+                                        cu_seqlens_view=cu.clone())
+
+
+@pytest.mark.parametrize('once', [True, False])
+def test_forward_memo_builds_once_per_forward_and_apart_inside_a_capture(monkeypatch, once):
+    """`backends/cuda.forward_memo`: eager calls of one forward share one build; a capture on the same inputs (the
+    graph runner's warm-up, then its capture) builds its own, never the eager one, and with
+    `LMDEPLOY_GRAPH_INDEX_ONCE` shares it between its layers (else builds at every call); CPU tensors never ask
+    whether a capture runs."""
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    from lmdeploy.pytorch.model_inputs import ModelInputs
+    monkeypatch.setattr(cuda_backend, '_INDEX_ONCE', once)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, 'is_current_stream_capturing', lambda: capturing[0])
+    zeros = torch.zeros(2, dtype=torch.int64)
+    inputs = ModelInputs(input_ids=zeros, position_ids=zeros, q_lens=zeros[:1], kv_lens=zeros[:1],
+                         cu_seqlens_q=zeros, block_tables=zeros.view(1, 2), slot_mapping=zeros,
+                         logits_indices=zeros, state_ids=zeros[:1], is_fresh=zeros[:1].bool(), q_lens_list=[2],
+                         kv_lens_list=[2], max_seqlen_q=2, max_seqlen_k=2)
+    builds = []
+
+    def build():
+        builds.append(object())
+        return builds[-1]
+    cuda = torch.device('cuda')
+    eager = [cuda_backend.forward_memo(inputs, cuda, 'k', build) for _ in range(3)]
+    assert len(builds) == 1 and all(b is builds[0] for b in eager)
+    capturing[0] = True
+    captured = [cuda_backend.forward_memo(inputs, cuda, 'k', build) for _ in range(3)]
+    assert builds[0] not in captured
+    assert len(builds) == (2 if once else 4) and captured[-1] is builds[-1]
+    assert (captured[0] is captured[2]) == once
+    cpu = [cuda_backend.forward_memo(inputs, torch.device('cpu'), 'k', build) for _ in range(2)]
+    assert cpu[0] is cpu[1] is eager[0]  # off CUDA nothing is captured: the eager memo
 
 
 class _StaticBatch:
@@ -85,10 +123,11 @@ class _StaticBatch:
         self.fresh.copy_(torch.tensor(fresh + [True] * (s - len(lens))))
         self.indices.copy_(cuda_gdr.padded_chunk_indices_host(lens + [t - n], self.indices.shape[0], pad_seq=s - 1))
 
-    def run(self) -> torch.Tensor:
+    def run(self, cu_view: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer's call; `cu_view`: the forward's view of the static cu_seqlens (a new one when None)."""
         return cuda_gdr.chunk_gated_delta_rule(self.q, self.k, self.v, self.g, self.beta, self.cu, self.pool,
                                                self.ids, self.fresh, chunk_indices=self.indices,
-                                               cu_seqlens_in_place=True)
+                                               cu_seqlens_view=self.cu.view(-1) if cu_view is None else cu_view)
 
 
 def _case_data(lens, gen):
@@ -109,7 +148,8 @@ def _reference(data, lens, slots, fresh, pool):
 
 
 @pytest.mark.gpu
-def test_chunked_gdr_in_a_cuda_graph_replays_new_lengths_like_eager():
+@pytest.mark.parametrize('layers', [1, 2])
+def test_chunked_gdr_in_a_cuda_graph_replays_new_lengths_like_eager(layers):
     pytest.importorskip('fla')
     gen = torch.Generator().manual_seed(0)
     static = _StaticBatch(gen)
@@ -139,12 +179,16 @@ def test_chunked_gdr_in_a_cuda_graph_replays_new_lengths_like_eager():
         torch.testing.assert_close(static.pool[1:len(lens) + 1], want_pool[1:len(lens) + 1], atol=0, rtol=0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = static.run()
+        cu_view = static.cu.view(-1)  # the captured forward's own view, shared by its layers
+        for _ in range(layers):  # a later layer reads the pool rows the one before wrote (its fresh rows: zeros)
+            graph_out = static.run(cu_view)
     for case in CASES:
         data, lens, slots, fresh = prepare(case)
         graph.replay()
         torch.cuda.synchronize()
-        want, want_pool = _reference(data, lens, slots, fresh, initial.clone())
+        want_pool = initial.clone()
+        for _ in range(layers):
+            want, want_pool = _reference(data, lens, slots, fresh, want_pool)
         n, used = sum(lens), slice(1, len(lens) + 1)
         torch.testing.assert_close(graph_out[:n], want, atol=1e-2, rtol=1e-2, msg=f'{lens}: outputs')
         torch.testing.assert_close(static.pool[used], want_pool[used], atol=1e-3, rtol=1e-3, msg=f'{lens}: states')

@@ -174,7 +174,10 @@ def test_cuda_backend_routes_the_gated_delta_rule_and_hands_fla_chunk_indices(mo
     static = torch.tensor([[0, 0], [1, 0], [2, 0]])   # a CUDA-graph prefill: the runner's static, padded indices
     graph_calls = run([5, 3, 0], graph_chunk_indices=static)
     assert [kind for kind, _ in graph_calls] == ['chunk'] * 2
-    assert all(kw['chunk_indices'] is static and kw['cu_seqlens_in_place'] for _, kw in graph_calls)
+    assert all(kw['chunk_indices'] is static for _, kw in graph_calls)
+    views = [kw['cu_seqlens_view'] for _, kw in graph_calls]  # fla's memo key: one view per forward, its layers'
+    assert views[0] is views[1] and views[0].tolist() == [0, 5, 8, 8]
+    assert run([5, 3, 0], graph_chunk_indices=static)[0][1]['cu_seqlens_view'] is not views[0]  # a new forward
     before = len(calls)
     run([70], dtype=torch.float32)
     assert len(calls) == before  # the torch kernels ran, not fla

@@ -185,12 +185,32 @@ def graph_gdr_chunked() -> bool:
     return mode == 'chunked'
 
 
+# Index tensors a captured prefill graph derives from its static inputs (the conv's token -> sequence map, fla's
+# chunk offsets) built once per capture and shared by its layers, instead of in every gated DeltaNet layer (seven
+# launches a layer): opt-in (`LMDEPLOY_GRAPH_INDEX_ONCE=1`, read at import) until its gpu tests have run.
+_INDEX_ONCE = os.environ.get('LMDEPLOY_GRAPH_INDEX_ONCE', '0') == '1'
+
+
+def forward_memo(inputs, device: torch.device, key, build):
+    """`inputs.derived(key, build)` for tensors on `device`: built once per forward, shared by its layers. A CUDA
+    graph capture builds its own copy (inside the graph, at the first layer that asks), never the one an eager run
+    on the same inputs built (the capture's warm-up: the graph would replay it stale). Without
+    `LMDEPLOY_GRAPH_INDEX_ONCE=1` a capture builds it at every call."""
+    capturing = device.type == 'cuda' and torch.cuda.is_current_stream_capturing()
+    if capturing and not _INDEX_ONCE:
+        return build()
+    return inputs.derived((key, capturing), build)
+
+
 def _fla_chunk_kwargs(inputs, device: torch.device) -> dict:
     """fla's chunk indices of this forward's sequences, built on the host once per forward and uploaded without a
     stream synchronisation (fla would derive them on the device and read a length sum back). In a CUDA graph they
-    are the static, padded indices the graph runner fills, next to a static ``cu_seqlens``."""
+    are the static, padded indices the graph runner fills, next to a static ``cu_seqlens``, which fla gets as a
+    view made once per forward (`kernels/cuda/gated_delta_rule.py`: fla memoises its chunk offsets by the tensor
+    object)."""
     if inputs.graph_chunk_indices is not None:
-        return {'chunk_indices': inputs.graph_chunk_indices, 'cu_seqlens_in_place': True}
+        return {'chunk_indices': inputs.graph_chunk_indices,
+                'cu_seqlens_view': forward_memo(inputs, device, 'fla_cu_seqlens', lambda: inputs.cu_seqlens_q.view(-1))}
     return {'chunk_indices': inputs.derived(('fla_chunk_indices', device), lambda: upload_index_tensors(
         {'i': _gdr.chunk_indices_host(inputs.q_lens_list)}, device)['i'])}
 
@@ -253,16 +273,13 @@ def _build_gated_delta_rule(**kwargs):
 
 def _conv_index(inputs, x: torch.Tensor) -> dict:
     """The conv kernel's per-forward index tensors (fresh flags as bytes, each token's sequence), built once per
-    forward for every gated DeltaNet layer. Under CUDA graph capture they are built inside the graph instead (a
-    memo from an eager warm-up on the same inputs would be replayed stale)."""
+    forward for every gated DeltaNet layer (`forward_memo`: under CUDA graph capture, inside the graph)."""
     def build() -> dict:
         num_tokens = x.shape[0]
         seq = _conv.seq_of_token_of(inputs.cu_seqlens_q, num_tokens) \
             if num_tokens != inputs.state_ids.shape[0] else None
         return {'fresh_u8': _conv.fresh_flags(inputs.is_fresh, x.device), 'seq_of_token': seq}
-    if torch.cuda.is_current_stream_capturing():
-        return build()
-    return inputs.derived(('conv_index', x.device, x.shape[0]), build)
+    return forward_memo(inputs, x.device, ('conv_index', x.shape[0]), build)
 
 
 def _build_causal_conv1d(**_kwargs):

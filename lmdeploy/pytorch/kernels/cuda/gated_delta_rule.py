@@ -17,9 +17,11 @@ replays: ``cu_seqlens`` of the bucket's sequence count and ``chunk_indices`` of 
 *empty* sequence, which every fla kernel masks out entirely (its length is 0), so the grids are fixed per bucket
 and the padding computes nothing; the real rows come first and in order, so each row's position is still the
 global chunk index fla's output kernel reads the chunk states by. fla also derives chunk offsets from
-``cu_seqlens`` on the device and memoises them by tensor identity; with ``cu_seqlens_in_place`` each call hands
-it a fresh view, so the derivation runs (and is captured) every call instead of reusing one from an earlier
-call on other lengths.
+``cu_seqlens`` on the device (its chunk offsets, five small launches) and memoises them by tensor identity, so
+a static ``cu_seqlens`` reaches fla as ``cu_seqlens_view``: a view of the buffer made once per forward (once per
+capture) and shared by that forward's layers, so the first layer derives the offsets (inside the graph, on the
+lengths of each replay) and the others reuse them, while no forward reuses offsets another one derived on other
+lengths (`backends/cuda.forward_memo`).
 """
 from __future__ import annotations
 
@@ -111,19 +113,22 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
-    cu_seqlens_in_place: bool = False,
+    cu_seqlens_view: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked (prefill) gated delta rule over packed varlen sequences via fla's `chunk_gated_delta_rule`.
 
     Shapes and state semantics as the default kernel. `chunk_size` is accepted for signature compatibility; the
     result does not depend on it and fla uses its own (64). `chunk_indices`: `chunk_indices_host` of the sequence
     lengths, on the device (None: fla derives them, synchronising once per new ``cu_seqlens``), or their padded
-    form in a CUDA graph. `cu_seqlens_in_place`: ``cu_seqlens`` is a static buffer rewritten between calls (see
-    the module docstring). Returns ``[T, H, Dv]`` in ``v.dtype``.
+    form in a CUDA graph. `cu_seqlens_view`: the tensor object fla gets for ``cu_seqlens`` (the same buffer: a
+    view of it), for a static buffer rewritten between forwards (see the module docstring). Returns
+    ``[T, H, Dv]`` in ``v.dtype``.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    if cu_seqlens_in_place:
-        cu_seqlens = cu_seqlens.view(-1)  # a new tensor object: fla's identity memo never hits
+    if cu_seqlens_view is not None:
+        assert cu_seqlens_view.data_ptr() == cu_seqlens.data_ptr() and cu_seqlens_view.shape == cu_seqlens.shape, \
+            'cu_seqlens_view must view the cu_seqlens buffer'
+        cu_seqlens = cu_seqlens_view
     return _run(fla_chunk, q, k, v, g, beta, cu_seqlens, state, state_ids, is_fresh, use_qk_l2norm,
                 chunk_indices=chunk_indices)
 
