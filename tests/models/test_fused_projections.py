@@ -13,7 +13,7 @@ import torch
 
 from lmdeploy.pytorch.models.loader import build_model
 from lmdeploy.pytorch.models.qwen3_next import GatedDeltaNet
-from lmdeploy.pytorch.nn.linear import fuse_rows
+from lmdeploy.pytorch.nn.linear import FUSED_ROW_ALIGN, fuse_rows, unstack
 from lmdeploy.pytorch.nn.moe import SparseMoeBlock
 
 
@@ -48,6 +48,8 @@ def test_fused_model_keeps_its_parameters_in_the_same_memory(next_path, monkeypa
         assert mixer.in_proj_ba.weight.data_ptr() == base + rows * mixer._fused_in.element_size()
     for moe in moes:
         assert moe.shared_expert.gate_up_proj.weight.data_ptr() == moe._fused_in.data_ptr()
+    for stacked in (m._fused_in for m in mixers + moes):  # GEMM output rows stay aligned
+        assert stacked.shape[0] % FUSED_ROW_ALIGN == 0
 
 
 @torch.inference_mode()
@@ -91,6 +93,11 @@ def test_fuse_rows_refuses_what_it_cannot_stack():
     d = Linear(8, 5)
     torch.nn.init.normal_(d.weight)  # not left uninitialised: stray NaNs made torch.equal fail at random
     before = (a.weight.clone(), d.weight.clone())
-    stacked = fuse_rows([a, d])
-    assert stacked.shape == (9, 8) and torch.equal(stacked, torch.cat(before))
+    stacked = fuse_rows([a, d])  # 9 rows, padded with zeros to 16 (aligned output rows)
+    assert stacked.shape == (16, 8) and torch.equal(stacked[:9], torch.cat(before)) and not stacked[9:].any()
     assert torch.equal(a.weight, before[0]) and torch.equal(d.weight, before[1])
+    x = torch.randn(3, 8)
+    outs = unstack(torch.nn.functional.linear(x, stacked), [4, 5])
+    assert [o.shape[-1] for o in outs] == [4, 5]
+    assert torch.allclose(outs[0], torch.nn.functional.linear(x, before[0]), atol=1e-6)
+    assert torch.allclose(outs[1], torch.nn.functional.linear(x, before[1]), atol=1e-6)

@@ -22,7 +22,7 @@ from ..model_inputs import StepContext
 from ..nn.activation import GatedMLP
 from ..nn.attention import PagedAttention, qk_norm_of
 from ..nn.gated_delta import CausalConv1d, GatedDeltaGating, GatedDeltaRule
-from ..nn.linear import Embedding, Linear, MergedLinear, fusable, fuse_rows
+from ..nn.linear import Embedding, Linear, MergedLinear, fusable, fuse_rows, unstack
 from ..nn.lora import lora_step
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import GatedRMSNorm, RMSNorm, norm_residual
@@ -136,7 +136,7 @@ class GatedDeltaNet(nn.Module):
         """(mixed_qkv, z, b, a) of x: one GEMM when fused and neither projection has gained a LoRA adapter."""
         qkvz, ba = self.in_proj_qkvz, self.in_proj_ba
         if self._fused_in is not None and qkvz.lora is None and ba.lora is None:
-            return qkvz._impl(x, self._fused_in, None).split(qkvz.shard_sizes + ba.shard_sizes, dim=-1)
+            return unstack(qkvz._impl(x, self._fused_in, None), qkvz.shard_sizes + ba.shard_sizes)
         return (*qkvz(x).split(qkvz.shard_sizes, dim=-1), *ba(x).split(ba.shard_sizes, dim=-1))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -149,7 +149,7 @@ class GatedDeltaNet(nn.Module):
         qkvz, ba = self.in_proj_qkvz, self.in_proj_ba
         if self._fused_in is not None and qkvz.lora is None and ba.lora is None:
             projected, residual, _ = norm.linear(x, residual, self._fused_in)
-            return self._mix(projected.split(qkvz.shard_sizes + ba.shard_sizes, dim=-1), ctx), residual
+            return self._mix(unstack(projected, qkvz.shard_sizes + ba.shard_sizes), ctx), residual
         h, residual = norm_residual(norm, x, residual)
         return self(h, ctx), residual
 

@@ -5,7 +5,10 @@
 runs one GEMM for them (`fuse_input_projections`, below). On the H200 a decode step's GEMM costs at least ~4-5 us
 inside a CUDA graph whatever its size: Qwen3.5-35B-A3B's per-layer router (64 x 2048), shared-expert gate (1 x
 2048) and gated-DeltaNet `in_proj_ba` (64 x 2048) took 5.2 / 4.1 / 5.2 us each for 0.1 us of weight bytes
-(`benchmark/bench_decode_gemms.py`, 2026-12-02).
+(`benchmark/bench_decode_gemms.py`, 2026-12-02). The stack is padded with zero rows to a multiple of
+`FUSED_ROW_ALIGN`, so its GEMM's output rows stay 16-byte aligned (`unstack` drops the padding): cuBLAS runs an
+output of odd width with an align-1 kernel (H100, 2026-12-07: the 35B-A3B shape's 1089-row stack of shared-expert
+gate_up + router + shared gate took 17 us a layer at 100 tokens, `cutlass_75_tensorop_..._align1`).
 """
 from __future__ import annotations
 
@@ -72,11 +75,22 @@ def fusable(module: nn.Module) -> bool:
             and getattr(module, 'weight_scale_inv', None) is None and getattr(module, 'lora', None) is None)
 
 
+FUSED_ROW_ALIGN = 8  # rows (elements of an output row): 16 bytes in bf16 / fp16
+
+
+def unstack(out: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """The outputs of the stacked modules (views, widths `sizes`) in the output of a `fuse_rows` stack's GEMM,
+    without its padding columns."""
+    sizes = [int(n) for n in sizes]
+    return out.split(sizes + [out.shape[-1] - sum(sizes)], dim=-1)[:len(sizes)]
+
+
 def fuse_rows(modules: Sequence[nn.Module]) -> torch.Tensor | None:
     """Stack the weights of `modules` (projections of one input, `fusable`, equal dtype / device / input width)
-    row-wise into one new tensor and re-point each module's `weight` at its rows, so the old tensors are freed and
-    the memory stays the same; each module still runs alone on its rows (e.g. once a LoRA adapter attaches to it).
-    Returns the stacked weight, or None (nothing changed) when a module does not qualify or fusion is off
+    row-wise into one new tensor, zero rows after them up to a multiple of `FUSED_ROW_ALIGN`, and re-point each
+    module's `weight` at its rows, so the old tensors are freed and the memory stays the same (but for the
+    padding); each module still runs alone on its rows (e.g. once a LoRA adapter attaches to it). Returns the
+    stacked weight, or None (nothing changed) when a module does not qualify or fusion is off
     (`LMDEPLOY_FUSE_PROJECTIONS=0`)."""
     if os.environ.get('LMDEPLOY_FUSE_PROJECTIONS', '1') == '0' or len(modules) < 2:
         return None
@@ -85,7 +99,8 @@ def fuse_rows(modules: Sequence[nn.Module]) -> torch.Tensor | None:
     weights = [m.weight for m in modules]
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
         return None
-    fused = torch.cat(weights)
+    pad = -sum(w.shape[0] for w in weights) % FUSED_ROW_ALIGN
+    fused = torch.cat(weights + ([weights[0].new_zeros(pad, weights[0].shape[1])] if pad else []))
     start = 0
     for module, weight in zip(modules, weights):
         module.weight = nn.Parameter(fused[start:start + weight.shape[0]], requires_grad=False)

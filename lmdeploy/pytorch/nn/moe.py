@@ -32,7 +32,7 @@ from torch import nn
 from ..backends.base import OpType
 from ..backends.selector import current_backend
 from .blocked_fp8 import check_fp8_copy, fp8_parameter, scale_parameter
-from .linear import Linear, fusable, fuse_rows
+from .linear import Linear, fusable, fuse_rows, unstack
 from .norm import RMSNorm, norm_residual
 
 
@@ -192,8 +192,9 @@ class SparseMoeBlock(nn.Module):
         stacked."""
         if self._fused_in is None:
             return None
-        if folded:
-            return self._fused_in[self.shared_expert.gate_up_proj.weight.shape[0]:]
+        if folded:  # the router's and the shared gate's rows (the padding after them left out)
+            start = self.shared_expert.gate_up_proj.weight.shape[0]
+            return self._fused_in[start:start + self.gate.weight.shape[0] + 1]
         if self.shared_expert.gate_up_proj.lora is not None or self.shared_expert_gate.lora is not None:
             return None
         return self._fused_in
@@ -233,7 +234,7 @@ class SparseMoeBlock(nn.Module):
             return self._forward_routed(x, weights, ids, shared, routes_out)
         if projected is not None:
             sizes = (self.shared_expert.gate_up_proj.weight.shape[0], self.gate.weight.shape[0], 1)
-            shared_gate_up, logits, shared_logit = projected.split(sizes, dim=-1)
+            shared_gate_up, logits, shared_logit = unstack(projected, sizes)
             weights, ids = self.gate.route(logits)
         else:
             weights, ids = self.gate(x)
