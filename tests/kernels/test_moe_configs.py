@@ -114,3 +114,14 @@ def test_shipped_tables_are_well_formed():
             for v in (bm, *up[:2], *down[:2]):
                 assert v >= 16 and v & (v - 1) == 0, f'{name}: {pairs}: {v}'
             assert up[2] in (1, 2, 4, 8, 16) and down[2] in (1, 2, 4, 8, 16)
+
+
+def test_the_alignment_mode_is_checked(monkeypatch):
+    for mode in ('one', 'triton', 'torch'):
+        monkeypatch.setenv('LMDEPLOY_MOE_ALIGN', mode)
+        assert moe_align.align_mode() == mode
+    monkeypatch.delenv('LMDEPLOY_MOE_ALIGN')
+    assert moe_align.align_mode() == 'one'
+    monkeypatch.setenv('LMDEPLOY_MOE_ALIGN', 'three')
+    with pytest.raises(ValueError, match="LMDEPLOY_MOE_ALIGN must be 'one', 'triton' or 'torch', got 'three'"):
+        moe_align.align_mode()

@@ -28,12 +28,12 @@ import triton.language as tl
 
 from . import moe_gemv
 from .launch import arg_key, fast_kernel, wait_for_inputs
-from .moe_align import align_pairs, align_pairs_reference, uses_one_launch
+from .moe_align import align_mode, align_pairs, align_pairs_reference, uses_one_launch
 from .moe_gemv import expert_weights
 
 # The alignment: Triton, one launch for up to 2048 pairs and three above (default, `LMDEPLOY_MOE_ALIGN=one`), three
 # for every count (`=triton`), or `moe_align.py`'s ~20 torch ops (`=torch`).
-_TRITON_ALIGN = os.environ.get('LMDEPLOY_MOE_ALIGN', 'one') != 'torch'
+_TRITON_ALIGN = align_mode() != 'torch'
 # Forwards of up to `moe_gemv.MAX_TOKENS` tokens take `moe_gemv.py`'s two launches (default since H200 runs 40-41: the
 # 35B-A3B shape's batch-1 decode from 0.35 to 0.45 of the weight roofline); LMDEPLOY_MOE_GEMV=0 keeps this module's
 # launches.

@@ -29,7 +29,18 @@ _PAIRS_PER_PROGRAM = 1024
 _COMPARE_ELEMS = 4096  # blocks x experts compared per step of the offsets program
 _FILL = 1024  # sentinel elements per step of the offsets program
 ONE_LAUNCH_PAIRS = 2048  # the most pairs `align_pairs` groups in one program (`_align_one_kernel`)
-_ONE_LAUNCH = os.environ.get('LMDEPLOY_MOE_ALIGN', 'one') == 'one'
+
+
+def align_mode() -> str:
+    """`LMDEPLOY_MOE_ALIGN`: `one` (default: one program up to `ONE_LAUNCH_PAIRS` pairs, three launches above),
+    `triton` (three launches at every count) or `torch` (`align_pairs_reference`, used by `moe.py`)."""
+    mode = os.environ.get('LMDEPLOY_MOE_ALIGN', 'one')
+    if mode not in ('one', 'triton', 'torch'):
+        raise ValueError(f"LMDEPLOY_MOE_ALIGN must be 'one', 'triton' or 'torch', got {mode!r}")
+    return mode
+
+
+_ONE_LAUNCH = align_mode() == 'one'  # read at import
 
 
 @fast_kernel
