@@ -4,6 +4,8 @@ Harness and geometry: `trie_harness.py`.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from trie_harness import SAMPLED, live, make_scheduler, make_seq, run, step, tokens
 
@@ -114,16 +116,19 @@ def test_a_reply_checkpoint_computed_again_past_the_prompt_carries_no_hits():
 
 
 @pytest.mark.parametrize('lru', [False, True])
-def test_priority_of_size_equals_priority_bit_for_bit(lru):
+def test_touch_prices_each_item_as_priority_does_bit_for_bit(lru):
     # touch_path prices a whole path of KV blocks with one size's terms: the values must be priority's exactly
     policy = ReusePolicy(lru=lru)
     for clock in (0.0, 1e-9, 3.7e-6):
         policy.clock = clock
         for size, nbytes in ((16, 1 << 20), (64, 3 << 19), (7, 1), (1, 0)):
-            priced = policy.priority_of_size(size, nbytes)
-            for hits in (0, 1, 2, 5, 1000):
-                for now in (0, 3, 10 ** 6):
-                    assert priced(hits, now) == policy.priority(hits, size, nbytes, now)
+            for now in (0, 3, 10 ** 6):
+                items = [SimpleNamespace(num_hits=hits, last_access=-1, priority=None) for hits in (0, 1, 2, 5, 1000)]
+                before = [item.num_hits for item in items]
+                policy.touch(items, size, nbytes, now)
+                for item, hits in zip(items, before):
+                    assert item.num_hits == hits + 1 and item.last_access == now
+                    assert item.priority == policy.priority(hits + 1, size, nbytes, now)
 
 
 def test_lazy_min_heap_pops_the_lowest_live_eligible_entry():

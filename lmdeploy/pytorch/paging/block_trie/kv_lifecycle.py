@@ -93,11 +93,7 @@ class TrieKVLifecycle:
 
     def touch_path(self, nodes: list[Node], now: int) -> None:
         """A request was admitted sharing `nodes`: one more use of each."""
-        priority = self.policy.priority_of_size(self.block_size, self.kv_block_bytes)  # one block's terms, once
-        for node in nodes:
-            node.last_access = now
-            node.num_hits += 1
-            node.priority = priority(node.num_hits, now)
+        self.policy.touch(nodes, self.block_size, self.kv_block_bytes, now)
         if nodes:
             self.refresh(nodes[-1])
 
