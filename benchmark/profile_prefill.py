@@ -84,13 +84,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def host_profile(bench: Bench, engine, prompt: list[int], what: str, top: int) -> None:
-    """One more request under cProfile: the host functions by own time (a C call's time includes its waits)."""
+    """One more request under cProfile: the host functions by own time (a C call's time includes its waits), then by
+    cumulative time (which phase of the step they belong to)."""
     profile = cProfile.Profile()
     profile.enable()
     t0, (rec,) = engine_run(bench, engine, [prompt], 1)
     profile.disable()
     bench.log(f'cProfiled: {what}-token TTFT {(rec.first - t0) * 1e3:.1f} ms (cached {rec.num_cached})')
-    pstats.Stats(profile, stream=sys.stdout).sort_stats('tottime').print_stats(top)
+    stats = pstats.Stats(profile, stream=sys.stdout)
+    stats.sort_stats('tottime').print_stats(top)
+    stats.sort_stats('cumulative').print_stats(top)
 
 
 def print_graph_launches(engine, reps: int = 7) -> None:

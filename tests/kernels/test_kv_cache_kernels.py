@@ -1,5 +1,5 @@
-"""Triton cache-copy and KV-fill kernels (`copy_packed_cache`, `copy_state_slots`, `fill_kv_cache`) against their
-pure-torch references.
+"""Triton cache-copy and KV-fill kernels (`copy_packed_cache`, `copy_state_slots`, `fill_kv_cache`, the state rows'
+gather and scatter of `state_rows`) against their pure-torch references.
 
 The same case checkers run twice:
 - on the CPU under the Triton interpreter (tiny shapes), in a subprocess started with TRITON_INTERPRET=1, because
@@ -20,7 +20,9 @@ from paged_kv_pool import DTYPES, make_kv_pool
 
 from lmdeploy.pytorch.kernels.cuda.copy_packed_cache import copy_packed_cache, copy_state_slots
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
+from lmdeploy.pytorch.kernels.cuda.state_rows import gather_state_rows, scatter_state_rows
 from lmdeploy.pytorch.kernels.default import cache_copy as ref_copy
+from lmdeploy.pytorch.kernels.default import gated_delta_rule as ref_gdr
 from lmdeploy.pytorch.kernels.default import paged_attention as ref_attn
 
 # --------------------------------------------------------------------------------------------- copy_packed_cache
@@ -112,6 +114,58 @@ STATE_CASES_GPU = [
     StateCase(3, 64, ()),
 ]
 
+# --------------------------------------------------------------------------------------------- state rows
+@dataclass(frozen=True)
+class RowsCase:
+    """fla's dense states <-> state-pool slots (`state_rows`): a pool view [S, *shape] whose slot stride is a row of
+    `row_words` words of the pool dtype (>= the block: other layers' states sit in the rest of the row)."""
+    num_slots: int
+    shape: tuple[int, ...]
+    row_words: int
+    ids: tuple[int, ...]
+    fresh: tuple[bool, ...]
+    dtype: str = 'float32'
+
+    @property
+    def id(self) -> str:
+        return f'S{self.num_slots}-{"x".join(map(str, self.shape))}-R{self.row_words}-B{len(self.ids)}-{self.dtype}'
+
+
+def check_state_rows(case: RowsCase, device: str) -> None:
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator().manual_seed(case.row_words + len(case.ids))
+    rows = torch.randn(case.num_slots, case.row_words, generator=gen).to(dtype)
+    block = torch.Size(case.shape).numel()
+    rows[:, :block].view(case.num_slots, *case.shape)[0] = float('nan')  # slot 0 holds garbage (fresh reads skip it)
+    rows = rows.to(device)
+    pool = rows[:, :block].view(case.num_slots, *case.shape)
+    ids = torch.tensor(case.ids, dtype=torch.int64, device=device)
+    fresh = torch.tensor(case.fresh, dtype=torch.bool, device=device)
+    got = gather_state_rows(pool, ids, fresh)
+    assert got.dtype == torch.float32 and got.is_contiguous(), case.id
+    assert torch.equal(got, ref_gdr._load_states(pool, ids, fresh)), case.id   # exact, fresh rows 0 (not NaN)
+    final = torch.randn(len(case.ids), *case.shape, generator=gen).to(device)
+    expected = rows.clone()
+    ref_gdr._store_states(expected[:, :block].view(case.num_slots, *case.shape), ids, final)
+    scatter_state_rows(pool, ids, final)
+    got, expected = rows.nan_to_num(7.0), expected.nan_to_num(7.0)  # the rest of each row untouched, NaN included
+    if device == 'cpu' and dtype != torch.float32:  # the interpreter's float32 -> half cast truncates (GPU: nearest)
+        torch.testing.assert_close(got, expected, rtol=2 ** -7, atol=0, msg=case.id)
+    else:
+        assert torch.equal(got, expected), case.id
+
+
+STATE_ROWS_CASES_CPU = [
+    RowsCase(5, (2, 4, 8), 80, (3, 0, 1), (False, True, False)),
+    RowsCase(4, (3, 5, 7), 120, (2,), (False,), 'bfloat16'),               # odd sizes, a half-precision pool
+    RowsCase(3, (2, 4, 4), 32, (), ()),                                      # no sequence: no launch
+]
+STATE_ROWS_CASES_GPU = [
+    RowsCase(6, (32, 128, 128), 32 * 128 * 128 + 4096, (4, 0, 2, 5), (False, True, False, False)),  # 9B / 80B layer
+    RowsCase(4, (3, 5, 7), 120, (2, 1), (True, False), 'bfloat16'),
+    RowsCase(3, (16, 128, 128), 16 * 128 * 128, (1,), (False,)),              # slots back to back
+]
+
 # --------------------------------------------------------------------------------------------- fill_kv_cache
 
 
@@ -185,6 +239,7 @@ _CHECKS = {
     'copy_packed_cache': (check_copy, COPY_CASES_CPU),
     'copy_state_slots': (check_state_copy, STATE_CASES_CPU),
     'fill_kv_cache': (check_fill, FILL_CASES_CPU),
+    'state_rows': (check_state_rows, STATE_ROWS_CASES_CPU),
 }
 
 
@@ -217,3 +272,9 @@ def test_copy_state_slots_matches_reference(case):
 @pytest.mark.parametrize('case', FILL_CASES_GPU, ids=lambda c: c.id)
 def test_fill_kv_cache_matches_reference(case):
     check_fill(case, 'cuda')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', STATE_ROWS_CASES_GPU, ids=lambda c: c.id)
+def test_state_rows_match_reference(case):
+    check_state_rows(case, 'cuda')
