@@ -373,9 +373,11 @@ MOE_CASES_LARGE = [MoeCase(3, 2048, 512, 128, 8), MoeCase(200, 2048, 512, 128, 8
 
 
 def check_moe(case: MoeCase, dtype, device: str, config: cuda_moe.MoeConfig | None = None,
-              with_shared: bool = False) -> None:
+              with_shared: bool = False, gated: bool = False) -> None:
     """`with_shared`: one more column naming a shared expert (id E, its own weights, a sigmoid-like scale), run in
-    the same launches; the reference computes it on its own (`backends/default/moe.fused_moe(shared=...)`)."""
+    the same launches; the reference computes it on its own (`backends/default/moe.fused_moe(shared=...)`).
+    `gated`: a shared expert's output and gate logit (a column of a wider tensor, as the stacked projection's
+    is) added by the op (`gated_shared`), against the reference's torch ops."""
     gen = torch.Generator().manual_seed(6)
     t, e, k = case.num_tokens, case.num_experts, case.top_k
     x = randn(t, case.hidden, gen=gen, dtype=dtype)
@@ -394,9 +396,16 @@ def check_moe(case: MoeCase, dtype, device: str, config: cuda_moe.MoeConfig | No
         ref_shared = tuple(w.float() for w in shared)
         ids = torch.cat([ids, torch.full((t, 1), e, dtype=torch.int64)], dim=1)
         weights = torch.cat([weights, torch.rand(t, 1, generator=gen).to(dtype)], dim=1)
-    ref = ref_fused_moe(x.float(), gate_up.float(), down.float(), weights.float(), ids, shared=ref_shared)
+    gated_shared, ref_gated = None, None
+    if gated:
+        shared_out = randn(t, case.hidden, gen=gen, dtype=dtype)
+        logit = randn(t, 3, gen=gen, dtype=dtype)[:, 1:2] * 4
+        gated_shared, ref_gated = (shared_out, logit), (shared_out.float(), logit.float())
+    ref = ref_fused_moe(x.float(), gate_up.float(), down.float(), weights.float(), ids, shared=ref_shared,
+                        gated_shared=ref_gated)
     out = cuda_moe.fused_moe(x.to(device), gate_up.to(device), down.to(device), weights.to(device), ids.to(device),
-                             config, shared=None if shared is None else tuple(w.to(device) for w in shared))
+                             config, shared=None if shared is None else tuple(w.to(device) for w in shared),
+                             gated_shared=None if gated_shared is None else tuple(w.to(device) for w in gated_shared))
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, ref, what='moe', **tol(dtype, fp32=1e-4, bf16=3e-2))
 
@@ -445,6 +454,20 @@ def test_cpu_fused_moe_with_a_shared_expert(case):
 @pytest.mark.parametrize('case', MOE_CASES + MOE_CASES_LARGE, ids=str)
 def test_fused_moe_with_a_shared_expert_gpu(case, dtype):
     check_moe(case, dtype, 'cuda', with_shared=True)
+
+
+@interpreted
+@pytest.mark.parametrize('case', [MOE_CASES[0], MOE_CASES[1], MOE_CASES[3]], ids=str)
+def test_cpu_fused_moe_adds_a_gated_shared_output(case):
+    check_moe(case, torch.float32, 'cpu', gated=True)                   # few tokens: the GEMV path, torch add
+    check_moe(case, torch.float32, 'cpu', MOE_CONFIGS[1], gated=True)   # the GEMM path: the combine launch
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize('case', MOE_CASES + MOE_CASES_LARGE, ids=str)
+def test_fused_moe_adds_a_gated_shared_output_gpu(case, dtype):
+    check_moe(case, dtype, 'cuda', gated=True)
 
 
 # ------------------------------------------------------------------------------------------------ interpreter

@@ -100,14 +100,20 @@ class FusedExperts(nn.Module):
         self.fold_shared_max_tokens = 0
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                gated_shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`shared` (gate_up [2I, H], down [H, I]): a shared expert run as expert id E, named by the last column
-        of `topk_ids` (bf16 / fp16 / fp32 experts only)."""
+        of `topk_ids` (bf16 / fp16 / fp32 experts only). `gated_shared` (out [T, H], logit [T, 1]): a shared
+        expert's output computed apart, added as ``sigmoid(logit) * out`` (inside the op where the backend sums the
+        routed outputs: one launch on `cuda`)."""
         if shared is not None:
             return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, shared=shared)
         if self.weight_block_size is not None:
-            return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                              self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
+            out = self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                             self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
+            return out if gated_shared is None else out + torch.sigmoid(gated_shared[1]) * gated_shared[0]
+        if gated_shared is not None:
+            return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, gated_shared=gated_shared)
         return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     def load_weight(self, key: str, tensor: torch.Tensor) -> list[str]:
@@ -240,13 +246,12 @@ class SparseMoeBlock(nn.Module):
             weights, ids = self.gate(x)
         if routes_out is not None:
             routes_out.copy_(ids)
-        out = self.experts(x, weights, ids)
+        gated = None  # the shared expert's output and gate logit, added inside the experts' op
         if projected is not None:
-            shared = self.shared_expert.down_proj(self.shared_expert.act(shared_gate_up))
-            out = out + torch.sigmoid(shared_logit) * shared
+            gated = (self.shared_expert.down_proj(self.shared_expert.act(shared_gate_up)), shared_logit)
         elif self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            gated = (self.shared_expert(x), self.shared_expert_gate(x))
+        return self.experts(x, weights, ids, gated_shared=gated)
 
     def _forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                         shared: tuple[torch.Tensor, torch.Tensor], routes_out: torch.Tensor | None) -> torch.Tensor:

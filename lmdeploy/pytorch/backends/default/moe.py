@@ -44,15 +44,21 @@ def norm_then_route(norm_linear, route):
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              gated_shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts.
 
     x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
     float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype. `shared` (gate_up
     [2I_s, H], down [H, I_s]): a shared expert, named by the last column of `topk_ids` (id E) and scaled by the last
     column of `topk_weights`; here computed on its own: the routed sum plus scale * shared(x), each rounded to x's
-    dtype as the unfused block does.
+    dtype as the unfused block does. `gated_shared` (shared [T, H], logit [T, 1]): a shared expert's output computed
+    apart, added as ``sigmoid(logit) * shared`` (each op rounded to x's dtype).
     """
+    if gated_shared is not None:
+        shared_out, logit = gated_shared
+        return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared) + \
+            torch.sigmoid(logit) * shared_out
     if shared is not None:
         routed = fused_moe(x, gate_up_proj, down_proj, topk_weights[:, :-1], topk_ids[:, :-1])
         gate, up = F.linear(x, shared[0]).chunk(2, dim=-1)

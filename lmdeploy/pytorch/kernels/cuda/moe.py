@@ -10,7 +10,8 @@ Algorithm (no host sync; every size comes from host-side shapes):
    ``gate_up_proj`` for the block's token rows and stores ``silu(gate) * up`` in sorted-row order.
 3. Down GEMM: program (row block, column block of H) multiplies by ``down_proj[e]``, scales by the pair's routing
    weight and stores row ``pair`` of a ``[T * top_k, H]`` buffer (each pair written by exactly one program).
-4. The ``top_k`` rows of each token are summed (deterministic: no atomics).
+4. The ``top_k`` rows of each token are summed (deterministic: no atomics), with a shared expert's gated output
+   added in the same launch when the block passes it (`combine_pairs`).
 
 Accumulation is float32; the intermediate and per-pair outputs are rounded to ``x.dtype``.
 """
@@ -137,6 +138,53 @@ def _moe_down_kernel(a_ptr, w_ptr, shared_ptr, out_ptr, weights_ptr, sorted_pair
     store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, stride_ot)
 
 
+@fast_kernel
+@triton.jit(do_not_specialize=['stride_lt'])
+def _combine_kernel(pairs_ptr, shared_ptr, logit_ptr, out_ptr, hidden, stride_st, stride_lt, TOP_K: tl.constexpr,
+                    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, column block): the token's TOP_K weighted rows summed, plus sigmoid(logit) * shared (float32,
+    one rounding)."""
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (token * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        gate = tl.sigmoid(tl.load(logit_ptr + token * stride_lt).to(tl.float32))
+        acc += gate * tl.load(shared_ptr + token * stride_st + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine_pairs(per_pair: torch.Tensor, top_k: int, gated_shared: tuple[torch.Tensor, torch.Tensor] | None
+                  ) -> torch.Tensor:
+    """[T, H]: the sum of each token's `top_k` rows of `per_pair` [T * top_k, H] (contiguous), plus
+    ``sigmoid(logit) * shared`` for `gated_shared` = (shared [T, H], logit [T, 1]), in one launch."""
+    num_pairs, hidden = per_pair.shape
+    num_tokens = num_pairs // top_k
+    out = torch.empty(num_tokens, hidden, dtype=per_pair.dtype, device=per_pair.device)
+    if num_tokens == 0:
+        return out
+    shared, logit = gated_shared if gated_shared is not None else (per_pair, per_pair)
+    if gated_shared is not None:
+        assert shared.shape == (num_tokens, hidden) and shared.stride(-1) == 1, f'bad shared {tuple(shared.shape)}'
+        assert logit.shape == (num_tokens, 1), f'bad shared logit {tuple(logit.shape)}'
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        per_pair, shared, logit, out, hidden, shared.stride(0), logit.stride(0), TOP_K=top_k,
+        HAS_SHARED=gated_shared is not None, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def add_gated_shared(out: torch.Tensor, gated_shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``out + sigmoid(logit) * shared`` in torch ops (each rounded to out's dtype, as the unfused block does)."""
+    if gated_shared is None:
+        return out
+    shared, logit = gated_shared
+    return out + torch.sigmoid(logit) * shared
+
+
 def few_token_path_enabled() -> bool:
     """Whether `fused_moe` takes `moe_gemv.py` for forwards of up to `moe_gemv.MAX_TOKENS` tokens."""
     return _MOE_GEMV
@@ -219,7 +267,8 @@ _call_config = functools.lru_cache(maxsize=4096)(default_config)
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | None = None,
-              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              gated_shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts.
 
     x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
@@ -228,7 +277,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     `LMDEPLOY_MOE_GEMV=0`, forwards of up to `moe_gemv.MAX_TOKENS` tokens run `moe_gemv.fused_moe_gemv`. `shared`
     (gate_up [2I, H], down [H, I], the strides of one routed expert): a shared expert run as expert id E in the
     same launches; the last column of `topk_ids` is then E for every token and that of `topk_weights` its scale (the
-    sigmoid gate).
+    sigmoid gate). `gated_shared` (shared [T, H], logit [T, 1]): a shared expert's output computed apart, added as
+    ``sigmoid(logit) * shared`` (in the launch that sums the pairs: `combine_pairs`).
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -238,7 +288,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     assert down_proj.shape == (num_experts, hidden, inter), f'bad down_proj {tuple(down_proj.shape)}'
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
     if num_tokens == 0 or top_k == 0:
-        return torch.zeros_like(x)
+        return add_gated_shared(torch.zeros_like(x), gated_shared)
     if x.stride(-1) != 1:
         x = x.contiguous()
     gate_up_proj = gate_up_proj if gate_up_proj.stride(-1) == 1 else gate_up_proj.contiguous()
@@ -251,7 +301,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     has_shared = int(shared is not None)
     if _MOE_GEMV and config is None:
         if num_tokens <= moe_gemv.MAX_TOKENS:
-            return moe_gemv.fused_moe_gemv(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
+            return add_gated_shared(moe_gemv.fused_moe_gemv(x, gate_up_proj, down_proj, topk_weights, topk_ids,
+                                                            shared), gated_shared)
     num_pairs = num_tokens * top_k
     if config is None:
         name = _device_name(x.device)
@@ -279,7 +330,9 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         stride_wn=down_proj.stride(1), stride_wk=down_proj.stride(2), stride_ot=per_pair.stride(0),
         NUM_EXPERTS=num_experts, HAS_SHARED=has_shared, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+    if gated_shared is None:
+        return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+    return combine_pairs(per_pair, top_k, gated_shared)
 
 
 def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
