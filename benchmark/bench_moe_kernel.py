@@ -28,6 +28,7 @@ line.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -180,7 +181,10 @@ def check_align(a) -> None:
                 got3 = moe_align.align_pairs(ids, a.experts, block_m, one_launch=False)
                 same &= bool(torch.equal(ref[1], got3[1]) and torch.equal(ref[0] < ids.numel(), got3[0] < ids.numel()))
                 t3 = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs(t, a.experts, m, one_launch=False), 4)
-                three = f' (one launch; three launches {t3:6.1f} us)'
+                def one(i, m=block_m, t=ids, w=4):
+                    return moe_align.align_pairs(t, a.experts, m, num_warps=w)
+                warps = ', '.join(f'{w} warps {graph_us(functools.partial(one, w=w), 4):5.1f} us' for w in (4, 8, 16))
+                three = f' (one launch; three launches {t3:6.1f} us; one launch at {warps})'
             print(f'align T={tokens:5d} BLOCK_M={block_m:3d}: torch {t_ref:7.1f} us, triton {t_tri:6.1f} us{three}, '
                   f'equal {same}, graph replays equal {replay_ok}', flush=True)
 

@@ -243,7 +243,7 @@ ALIGN_CASES = [(1, 2, 8, 16), (3, 4, 64, 16), (0, 2, 8, 16), (40, 10, 64, 32), (
                (256, 8, 65, 16), (300, 8, 65, 16), (130, 8, 512, 16)]
 
 
-def check_align(case, device: str, one_launch: bool | None = None) -> None:
+def check_align(case, device: str, one_launch: bool | None = None, num_warps: int | None = None) -> None:
     num_tokens, top_k, num_experts, block_m = case
     gen = torch.Generator().manual_seed(num_tokens + num_experts)
     # skewed routing (half the pairs on experts 0-2) so some experts get several blocks and some none
@@ -253,7 +253,8 @@ def check_align(case, device: str, one_launch: bool | None = None) -> None:
         ids[::2, 0] = torch.randint(0, 3, (ids[::2].shape[0],), generator=gen)
         ids[::2] = torch.stack([row if len(set(row.tolist())) == top_k else torch.arange(top_k) for row in ids[::2]])
     ref_pairs, ref_blocks = cuda_align.align_pairs_reference(ids, num_experts, block_m)
-    pairs, blocks = cuda_align.align_pairs(ids.to(device), num_experts, block_m, one_launch=one_launch)
+    pairs, blocks = cuda_align.align_pairs(ids.to(device), num_experts, block_m, one_launch=one_launch,
+                                           num_warps=num_warps)
     pairs, blocks = pairs.cpu(), blocks.cpu()
     assert pairs.shape == ref_pairs.shape and blocks.shape == ref_blocks.shape
     if num_tokens == 0:
@@ -274,7 +275,8 @@ def check_align(case, device: str, one_launch: bool | None = None) -> None:
 def test_moe_align_matches_torch_grouping_gpu(case):
     check_align(case, 'cuda', one_launch=False)
     if case[0] * case[1] <= cuda_align.ONE_LAUNCH_PAIRS:
-        check_align(case, 'cuda', one_launch=True)
+        for warps in (4, 8, 16):  # the one program's placement does not depend on its width
+            check_align(case, 'cuda', one_launch=True, num_warps=warps)
 
 
 @interpreted

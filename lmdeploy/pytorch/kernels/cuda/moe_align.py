@@ -29,6 +29,8 @@ _PAIRS_PER_PROGRAM = 1024
 _COMPARE_ELEMS = 4096  # blocks x experts compared per step of the offsets program
 _FILL = 1024  # sentinel elements per step of the offsets program
 ONE_LAUNCH_PAIRS = 2048  # the most pairs `align_pairs` groups in one program (`_align_one_kernel`)
+_ONE_LAUNCH_SMALL = 256  # up to this many pairs the one program runs 4 warps, above `_ONE_LAUNCH_WARPS`
+_ONE_LAUNCH_WARPS = int(os.environ.get('LMDEPLOY_MOE_ALIGN_WARPS', '4'))
 
 
 def align_mode() -> str:
@@ -133,10 +135,17 @@ def uses_one_launch(num_pairs: int) -> bool:
     return _ONE_LAUNCH and num_pairs <= ONE_LAUNCH_PAIRS
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def one_launch_warps(num_pairs: int) -> int:
+    """Warps of the one-program form: its pairs are placed by atomics on the experts' cursors, a few per thread in
+    series (each an L2 round trip), so more pairs take more warps; few pairs (decode) keep 4."""
+    return 4 if num_pairs <= _ONE_LAUNCH_SMALL else _ONE_LAUNCH_WARPS
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool | None = None,
+                num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M] int64, block_expert [max_blocks] int64); see the module docstring.
-    `one_launch` (default: `uses_one_launch`) picks the form, for tests and benchmarks."""
+    `one_launch` (default: `uses_one_launch`) picks the form and `num_warps` the one-program form's warps (default
+    `one_launch_warps`), for tests and benchmarks."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1)
     if flat.stride(0) != 1:
@@ -153,7 +162,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_laun
         block_e = max(32, triton.next_power_of_2(num_experts + 1))  # Triton's histogram: bins a multiple of 32
         _align_one_kernel[(1,)](flat, cursor, block_expert, sorted_pairs, num_pairs, num_experts, max_blocks,
                                 BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=_PAIRS_PER_PROGRAM,
-                                CHUNK=max(1, _COMPARE_ELEMS // block_e), FILL=_FILL, num_warps=4)
+                                CHUNK=max(1, _COMPARE_ELEMS // block_e), FILL=_FILL,
+                                num_warps=num_warps or one_launch_warps(num_pairs))
         return sorted_pairs, block_expert
     counts = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)  # [counts, cursors]
     cursor = counts[num_experts:]
