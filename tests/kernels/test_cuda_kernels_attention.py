@@ -45,6 +45,7 @@ class AttnCase:
     dtype: str
     num_splits: int = 0           # decode: the split count; prefill: forced key splits (0: the kernel's rule)
     min_split: int = 0            # prefill with forced splits: the least keys per split (0: the kernel's default)
+    pack: bool | None = None      # prefill: query heads of a KV head as one tile's rows (None: the kernel's rule)
 
     @property
     def kv_lens(self) -> list[int]:
@@ -61,6 +62,7 @@ class AttnCase:
     def id(self) -> str:
         splits = f'-S{self.num_splits}' if self.num_splits else ''
         splits += f'-min{self.min_split}' if self.min_split else ''
+        splits += '' if self.pack is None else f'-pack{int(self.pack)}'
         return (f'B{len(self.q_lens)}-T{sum(self.q_lens)}-K{max(self.kv_lens, default=0)}-H{self.num_heads}x'
                 f'{self.num_kv_heads}-D{self.head_dim}-kbs{self.page_size}-{self.dtype}{splits}')
 
@@ -87,6 +89,8 @@ def check_prefill(case: AttnCase, device: str) -> None:
     split_args = {'num_splits': case.num_splits} if case.num_splits else {}
     if case.min_split:
         split_args['min_split_keys'] = case.min_split
+    if case.pack is not None:
+        split_args['pack_gqa'] = case.pack
     out = paged_prefill_attention(q, k_cache, v_cache, tables, *case.prefill_lens(device),
                                   max(case.q_lens, default=0), case.head_dim ** -0.5, **split_args)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -143,6 +147,10 @@ PREFILL_CASES_CPU = [
     AttnCase((9, 3), (700, 40), 4, 2, 16, 4, 'fp32', num_splits=11, min_split=32),  # 11 / 1 active: 2 merge steps
     AttnCase((7, 1, 20), (0, 5, 30), 4, 2, 16, 4, 'fp32', num_splits=1),           # the unsplit launch
     AttnCase((70, 3), (60, 0), 2, 1, 16, 4, 'fp32', num_splits=1),
+    # Grouped heads: split launches pack a KV head's query heads into one tile's rows (the default); unpacked too.
+    AttnCase((5, 20, 1, 0), (300, 70, 0, 9), 4, 2, 16, 4, 'fp32', num_splits=4, min_split=32, pack=False),
+    AttnCase((9, 3), (700, 40), 8, 2, 16, 4, 'fp32', num_splits=5, min_split=32),  # 4 heads a group, 2 tiles
+    AttnCase((7, 1, 20), (0, 5, 30), 4, 2, 16, 4, 'fp32', num_splits=1, pack=True),  # packed, unsplit
 ]
 
 DECODE_CASES_CPU = [
@@ -176,6 +184,9 @@ PREFILL_CASES_GPU = [
     for d in (128, 256) for kbs, dtype in ((64, 'bf16'), (16, 'fp32'))
 ] + [
     AttnCase((100,), (32_700,), 16, 4, 256, 64, 'bf16'),        # the 9B suffix row's shape
+    AttnCase((100,), (32_700,), 16, 2, 256, 64, 'bf16'),        # the MoE shapes' (8 query heads a KV head)
+    AttnCase((100,), (32_700,), 16, 2, 256, 64, 'bf16', pack=False),
+    AttnCase((100, 7, 1), (5_003, 300, 9_001), 16, 2, 128, 16, 'fp32', num_splits=6, min_split=64),
     AttnCase((100,), (32_700,), 16, 4, 128, 16, 'fp32'),
     AttnCase((100, 70), (4_001, 1_000), 16, 4, 256, 64, 'bf16', num_splits=7, min_split=64),
     AttnCase((300,), (3_000,), 16, 4, 256, 16, 'bf16', num_splits=1),

@@ -22,6 +22,12 @@ Two launch shapes, chosen on the host from static shapes only (`prefill_num_spli
   (a mixed prefill graph of many sequence slots launches no idle programs). Invariant: every split starts at or
   before `full_end <= ` every row's position, so each row sees at least one key in every active split (finite
   lse, no NaN), exactly as in the unsplit loop; split 0 is active for every row.
+- Packed query heads (the split launch of grouped heads, `Hq = GROUP * Hkv`; `pack_gqa`): program `(m, kv_head,
+  b * S + s)`, and the tile's rows are the `(token, query head)` pairs of that KV head's group, token-major (row `r`
+  of tile `m`: token `(m * BLOCK_M + r) // GROUP`). Each key block a tile loads serves all the query heads its rows
+  hold, and a short query pads one tile per KV head instead of one per query head (100 tokens, 8 query heads a KV
+  head: 7 tiles of 128 rows a KV head, 1,792 rows for 1,600, against 16 tiles, 2,048 rows, unpacked). The masking is the
+  unpacked one on each row's own token; `full_end` comes from the tile's first token, `causal_end` from its last.
 The grids depend on (T, Hq, B, S) only and the split lengths on device `q_lens` / `kv_lens`: CUDA-graph safe, and
 eager and graph runs of the same shapes make the same split decision (identical numerics).
 """
@@ -58,9 +64,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
                     stride_cp, stride_co, stride_ch, stride_bt, qk_scale, head_dim, num_splits, min_split,
                     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    PACK: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     # The last tiles (most keys under the causal mask) first: the scheduler then fills the tail with short tiles.
+    # PACK: axis 1 is the KV head and a tile's rows are (token, query head of its group) pairs, token-major.
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     head = tl.program_id(1)
     if SPLIT:
@@ -71,16 +78,30 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
     else:
         seq = tl.program_id(2).to(tl.int64)
     q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
-    if m_start >= q_len:
+    num_rows = q_len
+    if PACK:
+        num_rows = q_len * GROUP
+    if m_start >= num_rows:
         return
     kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
     history = kv_len - q_len
-    # Keys < history + m_start precede every row of the tile; the rest, up to the last row's position, is diagonal.
-    full_end = (history + m_start) // BLOCK_N * BLOCK_N
-    causal_end = history + tl.minimum(m_start + BLOCK_M, q_len)
     q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
-    rows = m_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < q_len
+    if PACK:
+        packed = m_start + tl.arange(0, BLOCK_M)
+        rows = packed // GROUP                     # each row's token
+        heads = head * GROUP + packed % GROUP      # and query head
+        row_mask = packed < num_rows
+        first, last = m_start // GROUP, (m_start + BLOCK_M - 1) // GROUP
+        cache_head = head * stride_ch
+    else:
+        rows = m_start + tl.arange(0, BLOCK_M)
+        heads = tl.zeros([BLOCK_M], dtype=tl.int32) + head
+        row_mask = rows < q_len
+        first, last = m_start, m_start + BLOCK_M - 1
+        cache_head = (head // GROUP) * stride_ch
+    # Keys < history + first precede every row of the tile; the rest, up to the last row's position, is diagonal.
+    full_end = (history + first) // BLOCK_N * BLOCK_N
+    causal_end = history + tl.minimum(last + 1, q_len)
     lo = 0
     hi = full_end
     diag_start = full_end
@@ -88,7 +109,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
         split_len = tl.maximum(min_split, tl.cdiv(tl.cdiv(full_end, num_splits), BLOCK_N) * BLOCK_N)
         num_active = tl.maximum(1, tl.cdiv(full_end, split_len))
         if split >= num_active:  # weighs nothing in the merge, which then never reads this split's partial
-            tl.store(lse_ptr + (q_start + rows) * stride_lt + head, tl.full([BLOCK_M], float('-inf'), tl.float32),
+            tl.store(lse_ptr + (q_start + rows) * stride_lt + heads, tl.full([BLOCK_M], float('-inf'), tl.float32),
                      mask=row_mask)
             return
         lo = split * split_len
@@ -98,7 +119,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
 
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
-    q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q_offs = (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     pos = history + rows
 
@@ -106,7 +127,6 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt
-    cache_head = (head // GROUP) * stride_ch
     for start in range(lo, hi, BLOCK_N):
         acc, l_i, m_i = attend_block(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start, causal_end, pos,
                                      cache_head, stride_cp, stride_co, dims, dim_mask, qk_scale,
@@ -120,10 +140,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
 
     out = acc / l_i[:, None]
     io_mask = row_mask[:, None] & dim_mask[None, :]
-    o_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    o_offs = (q_start + rows)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=io_mask)
     if SPLIT:
-        tl.store(lse_ptr + (q_start + rows) * stride_lt + head, m_i + tl.log2(l_i), mask=row_mask)
+        tl.store(lse_ptr + (q_start + rows) * stride_lt + heads, m_i + tl.log2(l_i), mask=row_mask)
 
 
 @fast_kernel
@@ -204,13 +224,15 @@ def _split_buffer(num_splits: int, shape: tuple[int, ...], device: torch.device)
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
                             max_seqlen_q: int, scale: float, num_splits: int | None = None,
-                            min_split_keys: int = MIN_SPLIT_KEYS, config: dict | None = None) -> torch.Tensor:
+                            min_split_keys: int = MIN_SPLIT_KEYS, config: dict | None = None,
+                            pack_gqa: bool | None = None) -> torch.Tensor:
     """Causal attention of packed queries `q` [T, Hq, D] over each sequence's paged K/V (new tokens included).
 
     Query i of sequence b sits at position `kv_lens[b] - q_lens[b] + i` and sees keys at positions <= its own.
     `max_seqlen_q` (host int) only sizes the grid; it must be >= every `q_lens[b]`. `num_splits` (default: the rule
-    of `prefill_num_splits`), `min_split_keys` and `config` (`prefill_attention_config`'s keys) are for tests and
-    benchmarks. Returns [T, Hq, D] in q's dtype; no host synchronisation.
+    of `prefill_num_splits`), `min_split_keys`, `config` (`prefill_attention_config`'s keys) and `pack_gqa`
+    (default: packed exactly when split and grouped; see the module docstring) are for tests and benchmarks.
+    Returns [T, Hq, D] in q's dtype; no host synchronisation.
     """
     assert q.dim() == 3, f'q must be [T, Hq, D], got {tuple(q.shape)}'
     batch_size = q_lens.numel()
@@ -222,17 +244,23 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     cfg = dict(config or prefill_attention_config(head_dim, q.dtype))
     block_m, block_n = cfg['BLOCK_M'], cfg['BLOCK_N']
-    if num_splits is None:
-        num_splits = prefill_num_splits(num_tokens, num_heads, head_dim, block_m, device_sm_count(q.device))
+    group = num_heads // k_cache.size(2)
+    if num_splits is None:  # tiles counted as the packed launch lays them out where it would run
+        num_splits = prefill_num_splits(num_tokens * group, k_cache.size(2), head_dim, block_m,
+                                        device_sm_count(q.device))
     assert num_splits >= 1
     split = num_splits > 1
+    pack = split and group > 1 if pack_gqa is None else pack_gqa
     min_split = triton.cdiv(max(min_split_keys, 1), block_n) * block_n
     if split:
         part = _split_buffer(num_splits, q.shape, q.device)
         lse = _split_buffer(num_splits, (num_tokens, num_heads), q.device)
     else:
         part, lse = out.unsqueeze(0), out.new_empty((1, 1, 1), dtype=torch.float32)
-    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, batch_size * num_splits)
+    if pack:
+        grid = (triton.cdiv(max_seqlen_q * group, block_m), k_cache.size(2), batch_size * num_splits)
+    else:
+        grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, batch_size * num_splits)
     _prefill_kernel[grid](
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, o_ptr=part, lse_ptr=lse, block_tables_ptr=block_tables,
         cu_seqlens_q_ptr=cu_seqlens_q, q_lens_ptr=q_lens, kv_lens_ptr=kv_lens,
@@ -240,8 +268,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         stride_oh=part.stride(2), stride_ls=lse.stride(0), stride_lt=lse.stride(1),
         stride_cp=k_cache.stride(0), stride_co=k_cache.stride(1), stride_ch=k_cache.stride(2),
         stride_bt=block_tables.stride(0), qk_scale=scale * LOG2E, head_dim=head_dim, num_splits=num_splits,
-        min_split=min_split, PAGE_SIZE=k_cache.size(1), GROUP=num_heads // k_cache.size(2),
-        EVEN_D=cfg['BLOCK_D'] == head_dim, PRECISION=dot_precision(q.dtype), SPLIT=split, **cfg)
+        min_split=min_split, PAGE_SIZE=k_cache.size(1), GROUP=group, EVEN_D=cfg['BLOCK_D'] == head_dim,
+        PRECISION=dot_precision(q.dtype), SPLIT=split, PACK=pack, **cfg)
     if split:
         merge_d = min(MERGE_D, cfg['BLOCK_D'])
         _merge_kernel[(triton.cdiv(num_tokens, MERGE_M), num_heads, triton.cdiv(head_dim, merge_d))](
