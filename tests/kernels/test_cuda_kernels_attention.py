@@ -147,9 +147,10 @@ PREFILL_CASES_CPU = [
     AttnCase((9, 3), (700, 40), 4, 2, 16, 4, 'fp32', num_splits=11, min_split=32),  # 11 / 1 active: 2 merge steps
     AttnCase((7, 1, 20), (0, 5, 30), 4, 2, 16, 4, 'fp32', num_splits=1),           # the unsplit launch
     AttnCase((70, 3), (60, 0), 2, 1, 16, 4, 'fp32', num_splits=1),
-    # Grouped heads: split launches pack a KV head's query heads into one tile's rows (the default); unpacked too.
-    AttnCase((5, 20, 1, 0), (300, 70, 0, 9), 4, 2, 16, 4, 'fp32', num_splits=4, min_split=32, pack=False),
-    AttnCase((9, 3), (700, 40), 8, 2, 16, 4, 'fp32', num_splits=5, min_split=32),  # 4 heads a group, 2 tiles
+    # Grouped heads packed into their KV head's tiles (`pack_gqa`, opt-in: LMDEPLOY_PACK_GQA=1), split and not.
+    AttnCase((5, 20, 1, 0), (300, 70, 0, 9), 4, 2, 16, 4, 'fp32', num_splits=4, min_split=32, pack=True),
+    AttnCase((9, 3), (700, 40), 8, 2, 16, 4, 'fp32', num_splits=5, min_split=32, pack=True),  # 4 heads a group
+    AttnCase((70, 3), (200, 0), 4, 2, 16, 4, 'fp32', num_splits=3, min_split=32, pack=True),  # several tiles
     AttnCase((7, 1, 20), (0, 5, 30), 4, 2, 16, 4, 'fp32', num_splits=1, pack=True),  # packed, unsplit
 ]
 
@@ -185,8 +186,8 @@ PREFILL_CASES_GPU = [
 ] + [
     AttnCase((100,), (32_700,), 16, 4, 256, 64, 'bf16'),        # the 9B suffix row's shape
     AttnCase((100,), (32_700,), 16, 2, 256, 64, 'bf16'),        # the MoE shapes' (8 query heads a KV head)
-    AttnCase((100,), (32_700,), 16, 2, 256, 64, 'bf16', pack=False),
-    AttnCase((100, 7, 1), (5_003, 300, 9_001), 16, 2, 128, 16, 'fp32', num_splits=6, min_split=64),
+    AttnCase((100,), (32_700,), 16, 2, 256, 64, 'bf16', pack=True),
+    AttnCase((100, 7, 1), (5_003, 300, 9_001), 16, 2, 128, 16, 'fp32', num_splits=6, min_split=64, pack=True),
     AttnCase((100,), (32_700,), 16, 4, 128, 16, 'fp32'),
     AttnCase((100, 70), (4_001, 1_000), 16, 4, 256, 64, 'bf16', num_splits=7, min_split=64),
     AttnCase((300,), (3_000,), 16, 4, 256, 16, 'bf16', num_splits=1),

@@ -457,16 +457,20 @@ def test_fused_moe_with_a_shared_expert_gpu(case, dtype):
 
 
 @interpreted
+@pytest.mark.parametrize('combine', [False, True], ids=['torch-add', 'combine-launch'])
 @pytest.mark.parametrize('case', [MOE_CASES[0], MOE_CASES[1], MOE_CASES[3]], ids=str)
-def test_cpu_fused_moe_adds_a_gated_shared_output(case):
+def test_cpu_fused_moe_adds_a_gated_shared_output(case, combine, monkeypatch):
+    monkeypatch.setattr(cuda_moe, '_COMBINE', combine)                  # LMDEPLOY_MOE_COMBINE
     check_moe(case, torch.float32, 'cpu', gated=True)                   # few tokens: the GEMV path, torch add
-    check_moe(case, torch.float32, 'cpu', MOE_CONFIGS[1], gated=True)   # the GEMM path: the combine launch
+    check_moe(case, torch.float32, 'cpu', MOE_CONFIGS[1], gated=True)   # the GEMM path
 
 
 @pytest.mark.gpu
 @DTYPES
+@pytest.mark.parametrize('combine', [False, True], ids=['torch-add', 'combine-launch'])
 @pytest.mark.parametrize('case', MOE_CASES + MOE_CASES_LARGE, ids=str)
-def test_fused_moe_adds_a_gated_shared_output_gpu(case, dtype):
+def test_fused_moe_adds_a_gated_shared_output_gpu(case, dtype, combine, monkeypatch):
+    monkeypatch.setattr(cuda_moe, '_COMBINE', combine)
     check_moe(case, dtype, 'cuda', gated=True)
 
 

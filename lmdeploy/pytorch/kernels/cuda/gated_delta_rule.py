@@ -28,24 +28,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .state_rows import gather_state_rows, scatter_state_rows, slots_contiguous
+from . import state_rows
 
 
 def _load_states(state: torch.Tensor, state_ids: torch.Tensor, is_fresh: torch.Tensor) -> torch.Tensor:
     """Contiguous float32 initial states ``[B, H, Dk, Dv]``; fresh rows are zero whatever the slot holds (one copy
-    kernel, `state_rows.gather_state_rows`, for a CUDA pool whose slots are each contiguous, as the engine's are)."""
-    if state.is_cuda and slots_contiguous(state):
-        return gather_state_rows(state, state_ids, is_fresh)
+    kernel, `state_rows.gather_state_rows`, for a CUDA pool whose slots are each contiguous, as the engine's are,
+    with `LMDEPLOY_STATE_ROWS=1`)."""
+    if state_rows.ENABLED and state.is_cuda and state_rows.slots_contiguous(state):
+        return state_rows.gather_state_rows(state, state_ids, is_fresh)
     init = state[state_ids].to(torch.float32, memory_format=torch.contiguous_format)  # a fresh copy
     fresh = is_fresh.to(device=init.device, dtype=torch.bool).view(-1, 1, 1, 1)
     return init.masked_fill_(fresh, 0.0)  # fill, not multiply: NaN garbage in a fresh slot must not survive
 
 
 def _store_states(state: torch.Tensor, state_ids: torch.Tensor, final: torch.Tensor) -> None:
-    """Scatter final states into the pool in place (one copy kernel for a CUDA pool whose slots are each contiguous;
-    else index_put, so any strided pool works)."""
-    if state.is_cuda and slots_contiguous(state):
-        scatter_state_rows(state, state_ids, final)
+    """Scatter final states into the pool in place (one copy kernel for a CUDA pool whose slots are each contiguous,
+    with `LMDEPLOY_STATE_ROWS=1`; else index_put, so any strided pool works)."""
+    if state_rows.ENABLED and state.is_cuda and state_rows.slots_contiguous(state):
+        state_rows.scatter_state_rows(state, state_ids, final)
     elif state_ids.numel() > 0:
         state[state_ids] = final.to(state.dtype)
 

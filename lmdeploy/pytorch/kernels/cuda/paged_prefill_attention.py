@@ -22,18 +22,20 @@ Two launch shapes, chosen on the host from static shapes only (`prefill_num_spli
   (a mixed prefill graph of many sequence slots launches no idle programs). Invariant: every split starts at or
   before `full_end <= ` every row's position, so each row sees at least one key in every active split (finite
   lse, no NaN), exactly as in the unsplit loop; split 0 is active for every row.
-- Packed query heads (the split launch of grouped heads, `Hq = GROUP * Hkv`; `pack_gqa`): program `(m, kv_head,
-  b * S + s)`, and the tile's rows are the `(token, query head)` pairs of that KV head's group, token-major (row `r`
-  of tile `m`: token `(m * BLOCK_M + r) // GROUP`). Each key block a tile loads serves all the query heads its rows
-  hold, and a short query pads one tile per KV head instead of one per query head (100 tokens, 8 query heads a KV
-  head: 7 tiles of 128 rows a KV head, 1,792 rows for 1,600, against 16 tiles, 2,048 rows, unpacked). The masking is the
-  unpacked one on each row's own token; `full_end` comes from the tile's first token, `causal_end` from its last.
+- Packed query heads (opt-in, `LMDEPLOY_PACK_GQA=1`: the split launch of grouped heads, `Hq = GROUP * Hkv`;
+  `pack_gqa`): program `(m, kv_head, b * S + s)`, and the tile's rows are the `(token, query head)` pairs of that
+  KV head's group, token-major (row `r` of tile `m`: token `(m * BLOCK_M + r) // GROUP`). Each key block a tile
+  loads serves all the query heads its rows hold, and a short query pads one tile per KV head instead of one per
+  query head (100 tokens, 8 query heads a KV head: 7 tiles of 128 rows a KV head, 1,792 rows for 1,600, against 16
+  tiles, 2,048 rows, unpacked). The masking is the unpacked one on each row's own token; `full_end` comes from the
+  tile's first token, `causal_end` from its last.
 The grids depend on (T, Hq, B, S) only and the split lengths on device `q_lens` / `kv_lens`: CUDA-graph safe, and
 eager and graph runs of the same shapes make the same split decision (identical numerics).
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -52,6 +54,10 @@ from .paged_attention import LOG2E, attend_block, check_cache, dot_precision
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 32
 PARTIAL_BYTES = 64 << 20
+# Grouped query heads packed into their KV head's tiles in split launches (`pack_gqa`): opt-in (LMDEPLOY_PACK_GQA=1)
+# until a GPU run checks and times it (written when the session's device time had run out; its kernel tests pass
+# under the Triton interpreter).
+_PACK_GQA = os.environ.get('LMDEPLOY_PACK_GQA', '0') == '1'
 MERGE_M = 8   # merge tile: rows x splits a step x dims (fp32, 4096 values)
 MERGE_S = 8
 MERGE_D = 64
@@ -231,7 +237,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Query i of sequence b sits at position `kv_lens[b] - q_lens[b] + i` and sees keys at positions <= its own.
     `max_seqlen_q` (host int) only sizes the grid; it must be >= every `q_lens[b]`. `num_splits` (default: the rule
     of `prefill_num_splits`), `min_split_keys`, `config` (`prefill_attention_config`'s keys) and `pack_gqa`
-    (default: packed exactly when split and grouped; see the module docstring) are for tests and benchmarks.
+    (default: packed when split and grouped, with `LMDEPLOY_PACK_GQA=1`; see the module docstring) are for tests and
+    benchmarks.
     Returns [T, Hq, D] in q's dtype; no host synchronisation.
     """
     assert q.dim() == 3, f'q must be [T, Hq, D], got {tuple(q.shape)}'
@@ -245,12 +252,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cfg = dict(config or prefill_attention_config(head_dim, q.dtype))
     block_m, block_n = cfg['BLOCK_M'], cfg['BLOCK_N']
     group = num_heads // k_cache.size(2)
-    if num_splits is None:  # tiles counted as the packed launch lays them out where it would run
-        num_splits = prefill_num_splits(num_tokens * group, k_cache.size(2), head_dim, block_m,
-                                        device_sm_count(q.device))
+    packable = group > 1 and _PACK_GQA if pack_gqa is None else pack_gqa
+    if num_splits is None:  # tiles counted as the launch would lay them out
+        rows, heads = (num_tokens * group, k_cache.size(2)) if packable else (num_tokens, num_heads)
+        num_splits = prefill_num_splits(rows, heads, head_dim, block_m, device_sm_count(q.device))
     assert num_splits >= 1
     split = num_splits > 1
-    pack = split and group > 1 if pack_gqa is None else pack_gqa
+    pack = packable and split if pack_gqa is None else pack_gqa
     min_split = triton.cdiv(max(min_split_keys, 1), block_n) * block_n
     if split:
         part = _split_buffer(num_splits, q.shape, q.device)

@@ -13,9 +13,17 @@ program ``(b, c)`` moves chunk ``c`` of sequence ``b``'s block.
   (the slot is not read then, so stale contents, NaN included, never reach the result).
 - `scatter_state_rows`: slot ``state_ids[b]`` := row ``b`` in the pool's dtype. Slots of real sequences are
   distinct; padding sequences of a CUDA graph may share the dummy slot, whose contents nobody reads.
-Values are copied exactly (a float32 pool, the default, round-trips bit for bit). No host synchronisation.
+Values are copied exactly (a float32 pool, the default, round-trips bit for bit; a half-precision pool takes the
+rounded float32 final states, to nearest even as torch's cast; the Triton interpreter truncates instead). No host
+synchronisation.
+
+Opt-in (`LMDEPLOY_STATE_ROWS=1`, read at import) until a GPU run checks it: written in a session whose device time
+ran out (its kernel tests pass under the Triton interpreter); `scripts/gpu_pending_jobs.txt` runs its gpu tests and
+the engine tests with it on, `scripts/gpu_pending_benches.txt` the suffix rows with and without it.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -23,6 +31,7 @@ import triton.language as tl
 
 from .launch import fast_kernel, wait_for_inputs
 
+ENABLED = os.environ.get('LMDEPLOY_STATE_ROWS', '0') == '1'
 _BLOCK = 4096  # elements a program moves (32 a thread at 4 warps)
 
 
@@ -35,9 +44,9 @@ def _gather_kernel(pool_ptr, ids_ptr, fresh_ptr, out_ptr, row_numel, stride_slot
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_numel
     slot = tl.load(ids_ptr + seq).to(tl.int64)
-    fresh = tl.load(fresh_ptr + seq) != 0
+    has_state = tl.load(fresh_ptr + seq) == 0
     # scalar conditions enter masks through tl.where (the interpreter mis-types scalar & vector)
-    vals = tl.load(pool_ptr + slot * stride_slot + offs, mask=tl.where(fresh, False, mask), other=0.0)
+    vals = tl.load(pool_ptr + slot * stride_slot + offs, mask=tl.where(has_state, mask, False), other=0.0)
     tl.store(out_ptr + seq * row_numel + offs, vals.to(tl.float32), mask=mask)
 
 
@@ -51,8 +60,7 @@ def _scatter_kernel(rows_ptr, ids_ptr, pool_ptr, row_numel, stride_slot, BLOCK: 
     mask = offs < row_numel
     slot = tl.load(ids_ptr + seq).to(tl.int64)
     vals = tl.load(rows_ptr + seq * row_numel + offs, mask=mask)
-    tl.store(pool_ptr + slot * stride_slot + offs, vals.to(pool_ptr.dtype.element_ty, fp_downcast_rounding='rtne'),
-             mask=mask)
+    tl.store(pool_ptr + slot * stride_slot + offs, vals.to(pool_ptr.dtype.element_ty), mask=mask)
 
 
 def slots_contiguous(pool: torch.Tensor) -> bool:
