@@ -37,30 +37,25 @@ _BLOCK = 4096  # elements a program moves (32 a thread at 4 warps)
 
 @fast_kernel
 @triton.jit
-def _gather_kernel(pool_ptr, ids_ptr, fresh_ptr, out_ptr, row_numel, stride_slot, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr = False):
+def _rows_kernel(pool_ptr, ids_ptr, fresh_ptr, dense_ptr, row_numel, stride_slot, GATHER: tl.constexpr,
+                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """GATHER: dense row `seq` := pool slot `ids[seq]` in float32 (zeros where fresh); else the reverse, cast to the
+    pool's dtype."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_numel
     slot = tl.load(ids_ptr + seq).to(tl.int64)
-    has_state = tl.load(fresh_ptr + seq) == 0
-    # scalar conditions enter masks through tl.where (the interpreter mis-types scalar & vector)
-    vals = tl.load(pool_ptr + slot * stride_slot + offs, mask=tl.where(has_state, mask, False), other=0.0)
-    tl.store(out_ptr + seq * row_numel + offs, vals.to(tl.float32), mask=mask)
-
-
-@fast_kernel
-@triton.jit
-def _scatter_kernel(rows_ptr, ids_ptr, pool_ptr, row_numel, stride_slot, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < row_numel
-    slot = tl.load(ids_ptr + seq).to(tl.int64)
-    vals = tl.load(rows_ptr + seq * row_numel + offs, mask=mask)
-    tl.store(pool_ptr + slot * stride_slot + offs, vals.to(pool_ptr.dtype.element_ty), mask=mask)
+    pool_row = pool_ptr + slot * stride_slot + offs
+    dense_row = dense_ptr + seq * row_numel + offs
+    if GATHER:
+        has_state = tl.load(fresh_ptr + seq) == 0
+        # scalar conditions enter masks through tl.where (the interpreter mis-types scalar & vector)
+        vals = tl.load(pool_row, mask=tl.where(has_state, mask, False), other=0.0)
+        tl.store(dense_row, vals.to(tl.float32), mask=mask)
+    else:
+        vals = tl.load(dense_row, mask=mask)
+        tl.store(pool_row, vals.to(pool_ptr.dtype.element_ty), mask=mask)
 
 
 def slots_contiguous(pool: torch.Tensor) -> bool:
@@ -77,8 +72,8 @@ def gather_state_rows(pool: torch.Tensor, state_ids: torch.Tensor, is_fresh: tor
     if batch == 0 or row_numel == 0:
         return out
     fresh = is_fresh.view(torch.uint8) if is_fresh.dtype == torch.bool else is_fresh
-    _gather_kernel[(batch, triton.cdiv(row_numel, _BLOCK))](
-        pool, state_ids, fresh, out, row_numel, pool.stride(0), BLOCK=_BLOCK, num_warps=4)
+    _rows_kernel[(batch, triton.cdiv(row_numel, _BLOCK))](
+        pool, state_ids, fresh, out, row_numel, pool.stride(0), GATHER=True, BLOCK=_BLOCK, num_warps=4)
     return out
 
 
@@ -91,5 +86,5 @@ def scatter_state_rows(pool: torch.Tensor, state_ids: torch.Tensor, rows: torch.
     if batch == 0 or row_numel == 0:
         return
     rows = rows.contiguous()
-    _scatter_kernel[(batch, triton.cdiv(row_numel, _BLOCK))](
-        rows, state_ids, pool, row_numel, pool.stride(0), BLOCK=_BLOCK, num_warps=4)
+    _rows_kernel[(batch, triton.cdiv(row_numel, _BLOCK))](
+        pool, state_ids, state_ids, rows, row_numel, pool.stride(0), GATHER=False, BLOCK=_BLOCK, num_warps=4)
