@@ -92,22 +92,29 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
     kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
     history = kv_len - q_len
     q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    # Each row's token (`rows`), and its query head: `heads` as a [BLOCK_M] vector when packed, else the scalar head.
     if PACK:
         packed = m_start + tl.arange(0, BLOCK_M)
-        rows = packed // GROUP                     # each row's token
-        heads = head * GROUP + packed % GROUP      # and query head
+        rows = packed // GROUP
+        heads = head * GROUP + packed % GROUP
+        q_head = heads[:, None] * stride_qh
+        o_head = heads[:, None] * stride_oh
         row_mask = packed < num_rows
-        first, last = m_start // GROUP, (m_start + BLOCK_M - 1) // GROUP
+        first = m_start // GROUP
+        end = (m_start + BLOCK_M - 1) // GROUP + 1
         cache_head = head * stride_ch
     else:
         rows = m_start + tl.arange(0, BLOCK_M)
-        heads = tl.zeros([BLOCK_M], dtype=tl.int32) + head
+        heads = head
+        q_head = head * stride_qh
+        o_head = head * stride_oh
         row_mask = rows < q_len
-        first, last = m_start, m_start + BLOCK_M - 1
+        first = m_start
+        end = m_start + BLOCK_M
         cache_head = (head // GROUP) * stride_ch
     # Keys < history + first precede every row of the tile; the rest, up to the last row's position, is diagonal.
     full_end = (history + first) // BLOCK_N * BLOCK_N
-    causal_end = history + tl.minimum(last + 1, q_len)
+    causal_end = history + tl.minimum(end, q_len)
     lo = 0
     hi = full_end
     diag_start = full_end
@@ -125,7 +132,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
 
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
-    q_offs = (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q_offs = (q_start + rows)[:, None] * stride_qt + q_head + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     pos = history + rows
 
@@ -146,7 +153,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
 
     out = acc / l_i[:, None]
     io_mask = row_mask[:, None] & dim_mask[None, :]
-    o_offs = (q_start + rows)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    o_offs = (q_start + rows)[:, None] * stride_ot + o_head + dims[None, :]
     tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=io_mask)
     if SPLIT:
         tl.store(lse_ptr + (q_start + rows) * stride_lt + heads, m_i + tl.log2(l_i), mask=row_mask)
@@ -238,8 +245,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `max_seqlen_q` (host int) only sizes the grid; it must be >= every `q_lens[b]`. `num_splits` (default: the rule
     of `prefill_num_splits`), `min_split_keys`, `config` (`prefill_attention_config`'s keys) and `pack_gqa`
     (default: packed when split and grouped, with `LMDEPLOY_PACK_GQA=1`; see the module docstring) are for tests and
-    benchmarks.
-    Returns [T, Hq, D] in q's dtype; no host synchronisation.
+    benchmarks. Returns [T, Hq, D] in q's dtype; no host synchronisation.
     """
     assert q.dim() == 3, f'q must be [T, Hq, D], got {tuple(q.shape)}'
     batch_size = q_lens.numel()
