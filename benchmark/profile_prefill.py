@@ -20,8 +20,10 @@ time too (a host stall, e.g. a synchronisation or an allocation, shows there and
 the device's span and busy time in the profiled window and its N longest idle gaps, with the activities around
 each (the H200 run 17 suffix after 32,700 tokens: 19.4 ms TTFT for 11.5 ms of kernels), `--phases` the engine's
 named host phases (`engine/trace.py`) in order with the device's busy time inside each, `--cprofile N` one more
-request under cProfile (N functions by own time: host costs without CUPTI's), `--launch` the host time of each
-captured graph's launch.
+request under cProfile (N functions by own time, then by cumulative time: host costs without CUPTI's),
+`--host-times N` N more requests with no profiler at all, the engine's host phases timed by `time.perf_counter`
+around its own calls (each phase's start after the request's arrival and its host time, median: what `--phases`
+shows without the profiler's cost per torch op), `--launch` the host time of each captured graph's launch.
 """
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--gaps', type=int, default=0, help="also print the device's span, busy time and longest gaps")
     p.add_argument('--cprofile', type=int, default=0, help='also run one more request under cProfile and list this '
                    'many functions by own time (host time without the CUDA profiler\'s per-launch cost)')
+    p.add_argument('--host-times', type=int, default=0, help='also run this many more requests without a profiler '
+                   "and list the engine's host phases (start and wall time, median)")
     p.add_argument('--launch', action='store_true', help='also time the host side of replaying each prefill graph '
                    'and a few decode graphs (cudaGraphLaunch), after the profiled requests')
     p.add_argument('--phases', action='store_true', help="also list the engine's host phases and the device's "
@@ -94,6 +98,56 @@ def host_profile(bench: Bench, engine, prompt: list[int], what: str, top: int) -
     stats = pstats.Stats(profile, stream=sys.stdout)
     stats.sort_stats('tottime').print_stats(top)
     stats.sort_stats('cumulative').print_stats(top)
+
+
+def host_times(bench: Bench, engine, prompts: list[list[int]], what: str) -> None:
+    """The host phases of requests run without any profiler: each phase's start (from the request's arrival) and
+    wall time, median over `prompts` (one request each), from `time.perf_counter` around the engine's own calls
+    (the first call of each phase per request; CUDA calls return once queued, so a phase's time is its host time)."""
+    agent = engine.agent
+    phases = [('add_request', engine, 'add_request'), ('schedule', engine.scheduler, 'schedule'),
+              ('make_inputs', engine.inputs_maker, 'make_cache_inputs'), ('make_inputs', engine.inputs_maker, 'make'),
+              ('upload', agent, '_upload_plain'), ('restore', agent, 'restore')]
+    if getattr(agent, 'graph_runner', None) is not None:
+        phases.append(('graph', agent.graph_runner, 'run'))
+    phases += [('sample', agent, '_sample'), ('save', agent, 'save')]
+    marks: dict[str, list[float]] = {}
+    originals = []
+
+    def wrap(name, owner, attr):
+        original = getattr(owner, attr)
+        originals.append((owner, attr, original))
+
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if name not in marks or name == 'make_inputs' and len(marks[name]) == 2:
+                    marks.setdefault(name, []).extend((began, time.perf_counter()))
+        setattr(owner, attr, timed)
+
+    for name, owner, attr in phases:
+        wrap(name, owner, attr)
+    rows: dict[str, list[tuple[float, float]]] = {}
+    ttfts = []
+    try:
+        for prompt in prompts:
+            marks.clear()
+            t0, (rec,) = engine_run(bench, engine, [prompt], 1)
+            ttfts.append((rec.first - t0) * 1e3)
+            for name, times in marks.items():
+                spans = list(zip(times[::2], times[1::2]))
+                rows.setdefault(name, []).append(((spans[0][0] - t0) * 1e3, sum(b - a for a, b in spans) * 1e3))
+    finally:
+        for owner, attr, original in reversed(originals):
+            setattr(owner, attr, original)
+    print(f'\nhost phases, no profiler ({what}-token TTFT median {statistics.median(ttfts):.2f} ms over '
+          f'{len(prompts)} requests)\n{"phase":12s} {"from_ms":>8s} {"host_ms":>8s}')
+    for name in dict.fromkeys(n for n, _, _ in phases):
+        if name in rows:
+            starts, took = zip(*rows[name])
+            print(f'{name:12s} {statistics.median(starts):8.3f} {statistics.median(took):8.3f}')
 
 
 def print_graph_launches(engine, reps: int = 7) -> None:
@@ -164,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
             print_phases(prof, args.device == 'cuda')
         if args.cprofile:
             host_profile(bench, engine, request(4), what, args.cprofile)
+        if args.host_times:
+            host_times(bench, engine, [request(10 + i) for i in range(args.host_times)], what)
         if args.launch:
             print_graph_launches(engine)
         engine.close()
