@@ -31,6 +31,7 @@ from torch import nn
 
 from ..backends.base import OpType
 from ..backends.selector import current_backend
+from ..kernels.default.expert_groups import add_gated_shared
 from .blocked_fp8 import check_fp8_copy, fp8_parameter, scale_parameter
 from .linear import Linear, fusable, fuse_rows, unstack
 from .norm import RMSNorm, norm_residual
@@ -111,7 +112,7 @@ class FusedExperts(nn.Module):
         if self.weight_block_size is not None:
             out = self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                              self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
-            return out if gated_shared is None else out + torch.sigmoid(gated_shared[1]) * gated_shared[0]
+            return add_gated_shared(out, gated_shared)
         if gated_shared is not None:
             return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, gated_shared=gated_shared)
         return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)

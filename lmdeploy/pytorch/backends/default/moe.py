@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...kernels.default.expert_groups import expert_groups
+from ...kernels.default.expert_groups import add_gated_shared, expert_groups
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, shared_logit: torch.Tensor | None = None
@@ -56,9 +56,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     apart, added as ``sigmoid(logit) * shared`` (each op rounded to x's dtype).
     """
     if gated_shared is not None:
-        shared_out, logit = gated_shared
-        return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared) + \
-            torch.sigmoid(logit) * shared_out
+        return add_gated_shared(fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared), gated_shared)
     if shared is not None:
         routed = fused_moe(x, gate_up_proj, down_proj, topk_weights[:, :-1], topk_ids[:, :-1])
         gate, up = F.linear(x, shared[0]).chunk(2, dim=-1)

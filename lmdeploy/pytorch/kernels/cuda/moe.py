@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..default.expert_groups import add_gated_shared
 from . import moe_gemv
 from .launch import arg_key, fast_kernel, wait_for_inputs
 from .moe_align import align_mode, align_pairs, align_pairs_reference, uses_one_launch
@@ -145,7 +146,7 @@ def _moe_down_kernel(a_ptr, w_ptr, shared_ptr, out_ptr, weights_ptr, sorted_pair
 @fast_kernel
 @triton.jit(do_not_specialize=['stride_lt'])
 def _combine_kernel(pairs_ptr, shared_ptr, logit_ptr, out_ptr, hidden, stride_st, stride_lt, TOP_K: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token, column block): the token's TOP_K weighted rows summed, plus sigmoid(logit) * shared (float32,
     one rounding)."""
     wait_for_inputs(PDL)
@@ -155,38 +156,28 @@ def _combine_kernel(pairs_ptr, shared_ptr, logit_ptr, out_ptr, hidden, stride_st
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         acc += tl.load(pairs_ptr + (token * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SHARED:
-        gate = tl.sigmoid(tl.load(logit_ptr + token * stride_lt).to(tl.float32))
-        acc += gate * tl.load(shared_ptr + token * stride_st + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.sigmoid(tl.load(logit_ptr + token * stride_lt).to(tl.float32))
+    acc += gate * tl.load(shared_ptr + token * stride_st + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine_pairs(per_pair: torch.Tensor, top_k: int, gated_shared: tuple[torch.Tensor, torch.Tensor] | None
+def combine_pairs(per_pair: torch.Tensor, top_k: int, gated_shared: tuple[torch.Tensor, torch.Tensor]
                   ) -> torch.Tensor:
-    """[T, H]: the sum of each token's `top_k` rows of `per_pair` [T * top_k, H] (contiguous), plus
+    """[T, H]: the sum of each token's `top_k` rows of `per_pair` [T * top_k, H] (contiguous) plus
     ``sigmoid(logit) * shared`` for `gated_shared` = (shared [T, H], logit [T, 1]), in one launch."""
     num_pairs, hidden = per_pair.shape
     num_tokens = num_pairs // top_k
+    shared, logit = gated_shared
+    assert shared.shape == (num_tokens, hidden) and shared.stride(-1) == 1, f'bad shared {tuple(shared.shape)}'
+    assert logit.shape == (num_tokens, 1), f'bad shared logit {tuple(logit.shape)}'
     out = torch.empty(num_tokens, hidden, dtype=per_pair.dtype, device=per_pair.device)
     if num_tokens == 0:
         return out
-    shared, logit = gated_shared if gated_shared is not None else (per_pair, per_pair)
-    if gated_shared is not None:
-        assert shared.shape == (num_tokens, hidden) and shared.stride(-1) == 1, f'bad shared {tuple(shared.shape)}'
-        assert logit.shape == (num_tokens, 1), f'bad shared logit {tuple(logit.shape)}'
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        per_pair, shared, logit, out, hidden, shared.stride(0), logit.stride(0), TOP_K=top_k,
-        HAS_SHARED=gated_shared is not None, BLOCK_H=block_h, num_warps=4)
+        per_pair, shared, logit, out, hidden, shared.stride(0), logit.stride(0), TOP_K=top_k, BLOCK_H=block_h,
+        num_warps=4)
     return out
-
-
-def add_gated_shared(out: torch.Tensor, gated_shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """``out + sigmoid(logit) * shared`` in torch ops (each rounded to out's dtype, as the unfused block does)."""
-    if gated_shared is None:
-        return out
-    shared, logit = gated_shared
-    return out + torch.sigmoid(logit) * shared
 
 
 def few_token_path_enabled() -> bool:

@@ -1,4 +1,5 @@
-"""Routed (token, expert) pairs grouped by expert, for the plain-torch MoE paths (bf16 and FP8 experts)."""
+"""Routed (token, expert) pairs grouped by expert, for the plain-torch MoE paths (bf16 and FP8 experts); and the
+gated shared expert's add every MoE path without a fused one uses."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -20,3 +21,12 @@ def expert_groups(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_expert
         if count:
             yield expert_id, token_of[start:start + count], weights[start:start + count, None]
         start += count
+
+
+def add_gated_shared(out: torch.Tensor, gated_shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``out + sigmoid(logit) * shared`` for `gated_shared` = (shared [T, H], logit [T, 1]) in torch ops, each
+    rounded to out's dtype as the unfused MoE block did; `out` itself when None."""
+    if gated_shared is None:
+        return out
+    shared, logit = gated_shared
+    return out + torch.sigmoid(logit) * shared
