@@ -100,10 +100,12 @@ def host_profile(bench: Bench, engine, prompt: list[int], what: str, top: int) -
     stats.sort_stats('cumulative').print_stats(top)
 
 
-def host_times(bench: Bench, engine, prompts: list[list[int]], what: str) -> None:
+def host_times(bench: Bench, engine, request, seeds: range, what: str) -> None:
     """The host phases of requests run without any profiler: each phase's start (from the request's arrival) and
-    wall time, median over `prompts` (one request each), from `time.perf_counter` around the engine's own calls
-    (the first call of each phase per request; CUDA calls return once queued, so a phase's time is its host time)."""
+    wall time, median over one request per seed, from `time.perf_counter` around the engine's own calls (the first
+    call of each phase per request; CUDA calls return once queued, so a phase's time is its host time).
+    `request(seed)` readies each prompt just before it is timed (its prefix cached just then: a pool sized for a
+    few prefixes would evict earlier ones if all were readied first)."""
     agent = engine.agent
     phases = [('add_request', engine, 'add_request'), ('schedule', engine.scheduler, 'schedule'),
               ('make_inputs', engine.inputs_maker, 'make_cache_inputs'), ('make_inputs', engine.inputs_maker, 'make'),
@@ -130,12 +132,14 @@ def host_times(bench: Bench, engine, prompts: list[list[int]], what: str) -> Non
     for name, owner, attr in phases:
         wrap(name, owner, attr)
     rows: dict[str, list[tuple[float, float]]] = {}
-    ttfts = []
+    ttfts, cached = [], []
     try:
-        for prompt in prompts:
+        for seed in seeds:
+            prompt = request(seed)
             marks.clear()
             t0, (rec,) = engine_run(bench, engine, [prompt], 1)
             ttfts.append((rec.first - t0) * 1e3)
+            cached.append(rec.num_cached)
             for name, times in marks.items():
                 spans = list(zip(times[::2], times[1::2]))
                 rows.setdefault(name, []).append(((spans[0][0] - t0) * 1e3, sum(b - a for a, b in spans) * 1e3))
@@ -143,7 +147,8 @@ def host_times(bench: Bench, engine, prompts: list[list[int]], what: str) -> Non
         for owner, attr, original in reversed(originals):
             setattr(owner, attr, original)
     print(f'\nhost phases, no profiler ({what}-token TTFT median {statistics.median(ttfts):.2f} ms over '
-          f'{len(prompts)} requests)\n{"phase":12s} {"from_ms":>8s} {"host_ms":>8s}')
+          f'{len(seeds)} requests, cached {min(cached)}-{max(cached)} tokens)')
+    print(f'{"phase":12s} {"from_ms":>8s} {"host_ms":>8s}')
     for name in dict.fromkeys(n for n, _, _ in phases):
         if name in rows:
             starts, took = zip(*rows[name])
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.cprofile:
             host_profile(bench, engine, request(4), what, args.cprofile)
         if args.host_times:
-            host_times(bench, engine, [request(10 + i) for i in range(args.host_times)], what)
+            host_times(bench, engine, request, range(10, 10 + args.host_times), what)
         if args.launch:
             print_graph_launches(engine)
         engine.close()

@@ -73,7 +73,7 @@ def test_profile_prefill_suffix_after_a_cached_prefix(capsys):
     # --prefix: each timed request resumes after the prefix it cached first, and --host-top adds the host table
     with bench_script('profile_prefill') as module:
         module.main(['--smoke', '--prefix', '150', '--host-top', '5', '--gaps', '3', '--phases', '--cprofile', '4',
-                     '--launch', '--host-times', '2'])
+                     '--launch', '--host-times', '6'])
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert out.count('(cached 150)') == 4 and 'suffix after a cached 150' in out
@@ -93,6 +93,8 @@ def test_profile_prefill_suffix_after_a_cached_prefix(capsys):
     assert [r[1] for r in rows] == sorted(r[1] for r in rows)
     assert all(0 <= r[3] == pytest.approx(r[2] - r[1], abs=0.011) for r in rows)
     # --host-times: the same request path timed without a profiler, the phases in the order a request meets them
+    # (each timed request's prefix cached just before it: more prefixes than the pool holds, all hits)
+    assert 'over 6 requests, cached 150-150 tokens' in captured.out
     timed = captured.out[captured.out.index('host phases, no profiler'):].splitlines()[2:]
     timed = {r[0]: (float(r[1]), float(r[2])) for r in (line.split() for line in timed) if len(r) == 3}
     order = ['add_request', 'schedule', 'make_inputs', 'upload']
