@@ -3,6 +3,8 @@ sequence buckets, the smallest key that fits), the prefill-graph limit and its e
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 
 import pytest
 import torch
@@ -35,6 +37,45 @@ def test_prefill_graph_policy():
     assert not cuda_backend.prefill_graphs_supported(torch.float32, is_hybrid=True)
     assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=True) == cuda_backend._fla_available()
 
+
+
+def _fake_fla(monkeypatch, takes_chunk_indices: bool):
+    """An importable `fla` whose chunked rule has fla-core 0.6.0's signature (`chunk_indices` named) or 0.5.x's
+    (the keyword swallowed by `**kwargs`)."""
+    import types
+    if takes_chunk_indices:
+        def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, **kwargs):
+            raise AssertionError('not run')
+    else:
+        def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, **kwargs):
+            raise AssertionError('not run')
+    gdr = types.ModuleType('fla.ops.gated_delta_rule')
+    gdr.chunk_gated_delta_rule = chunk_gated_delta_rule
+    for name, module in (('fla', types.ModuleType('fla')), ('fla.ops', types.ModuleType('fla.ops')),
+                         ('fla.ops.gated_delta_rule', gdr)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize('takes', [True, False])
+@pytest.mark.parametrize('gdr_mode', ['chunked', 'recurrent'])
+def test_hybrid_prefill_graphs_need_an_fla_that_takes_chunk_indices(monkeypatch, caplog, takes, gdr_mode):
+    """fla-core before 0.6.0 drops precomputed chunk indices and syncs to derive them: no hybrid prefill graph
+    could be captured with its chunked rule, so those prefills stay eager, with a warning naming the fix; the
+    token-by-token graph rule needs no indices."""
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    _fake_fla(monkeypatch, takes)
+    monkeypatch.setenv('LMDEPLOY_GRAPH_GDR', gdr_mode)
+    cuda_backend.fla_takes_chunk_indices.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger='lmdeploy'):
+            supported = cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=True)
+            assert cuda_backend.prefill_graphs_supported(torch.bfloat16, is_hybrid=False)
+    finally:
+        cuda_backend.fla_takes_chunk_indices.cache_clear()
+    assert supported == (takes or gdr_mode == 'recurrent')
+    warned = [r.getMessage() for r in caplog.records if 'chunk indices' in r.getMessage()]
+    assert bool(warned) == (not supported)
+    assert all('fla-core>=0.6.0' in w for w in warned)
 
 def test_graph_keys():
     from lmdeploy.pytorch.engine.cuda_graph import CUDAGraphRunner

@@ -27,6 +27,8 @@ import; off by default: neither beat the launches it saves on the H100, runs 47-
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 import os
 
 import torch
@@ -160,14 +162,43 @@ def _fla_available() -> bool:
         return False
 
 
+@functools.cache
+def fla_takes_chunk_indices() -> bool:
+    """Whether the installed fla-core's chunked gated delta rule takes precomputed `chunk_indices` (fla-core 0.6.0
+    on). Older releases take the keyword into `**kwargs` and drop it: they derive the indices from `cu_seqlens` on
+    the device and read a length back to the host, once per forward, which no CUDA graph can capture (H100 runs
+    58-60 with fla-core 0.5.2: every hybrid prefill capture failed)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return 'chunk_indices' in inspect.signature(chunk_gated_delta_rule).parameters
+
+
 def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
     """Whether prefills replay CUDA graphs too (decode graphs are for every model). Hybrids need fla-core in bf16 /
-    fp16: a prefill graph runs fla's chunked gated delta rule on padded static chunk indices (`graph_gdr_chunked`;
-    or its token-by-token kernel, one launch). The float32 gated delta rule is the exact torch kernels, whose
-    chunked form loops over the sequences by their host lengths and whose token-by-token form is a per-token loop
-    of small ops: neither can replay on other lengths (or would make capture slow and replay no faster), so those
-    hybrids keep eager prefills."""
-    return not is_hybrid or (dtype != torch.float32 and _fla_available())
+    fp16: a prefill graph runs fla's chunked gated delta rule on padded static chunk indices (`graph_gdr_chunked`,
+    which needs an fla-core that takes them: `fla_takes_chunk_indices`, else a warning and eager prefills; or its
+    token-by-token kernel, one launch). The float32 gated delta rule is the exact torch kernels, whose chunked form
+    loops over the sequences by their host lengths and whose token-by-token form is a per-token loop of small ops:
+    neither can replay on other lengths (or would make capture slow and replay no faster), so those hybrids keep
+    eager prefills."""
+    if not is_hybrid:
+        return True
+    if dtype == torch.float32 or not _fla_available():
+        return False
+    if graph_gdr_chunked() and not fla_takes_chunk_indices():
+        logging.getLogger('lmdeploy').warning(
+            'fla-core %s drops precomputed chunk indices (fla-core >= 0.6.0 takes them): hybrid prefills run eagerly, '
+            'each synchronising with the host once; install fla-core>=0.6.0 (the cuda extra) for prefill CUDA graphs',
+            _fla_version())
+        return False
+    return True
+
+
+def _fla_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version('fla-core')
+    except PackageNotFoundError:
+        return '(version unknown)'
 
 
 # Prefill graphs run fla's chunked kernels (as eager prefills do) unless LMDEPLOY_GRAPH_GDR=recurrent (the
