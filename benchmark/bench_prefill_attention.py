@@ -8,8 +8,8 @@ Cases (GQA `--heads` : `--kv-heads`, bf16, pages of `--page-size` tokens in shuf
   forward. For SDPA / flash-attn the K/V of every chunk's context are gathered from the pool first: the gather is
   timed separately (`gather ms`), since the engine would pay it.
 - `suffix`: `--suffix` new tokens after a non-aligned cached prefix of `--prefix` tokens (the graph bucket 128 as
-  the token count); Triton with its split rule against the same with grouped query heads packed into their KV
-  head's tiles (`pack_gqa`) and the unsplit launch (`S=1`).
+  the token count); Triton with its split rule, a tile per query head and with grouped query heads packed into
+  their KV head's tiles (`pack_gqa`, the default), and the unsplit launch (`S=1`).
 FLOPs = 4 * Hq * D * (keys each query attends to, summed). Every Triton config of `--sweep` (BLOCK_M, BLOCK_N,
 num_warps, num_stages) runs the cold cases; the best per head_dim is printed last, to paste into
 `prefill_attention_config`. Outputs are checked against SDPA (max abs error) once per case.
@@ -214,7 +214,7 @@ def suffix_case(pool: Pool, args) -> None:
     ref = pool.triton(rows, prefix + suffix, num_splits=1).float()
     with contextlib.suppress(Exception):
         ref = sdpa_flash(pool.q[rows], k, v, pool.scale).float()
-    variants = [('triton split rule', {}), ('triton split rule, packed', {'pack_gqa': True}),
+    variants = [('triton split rule, unpacked', {'pack_gqa': False}), ('triton split rule, packed', {'pack_gqa': True}),
                 ('triton S=1', {'num_splits': 1})]
     if not args.no_sweep:  # split launches: tile configs x split counts (the rule's count first)
         block_d = max(16, 1 << (pool.head_dim - 1).bit_length())

@@ -147,7 +147,7 @@ PREFILL_CASES_CPU = [
     AttnCase((9, 3), (700, 40), 4, 2, 16, 4, 'fp32', num_splits=11, min_split=32),  # 11 / 1 active: 2 merge steps
     AttnCase((7, 1, 20), (0, 5, 30), 4, 2, 16, 4, 'fp32', num_splits=1),           # the unsplit launch
     AttnCase((70, 3), (60, 0), 2, 1, 16, 4, 'fp32', num_splits=1),
-    # Grouped heads packed into their KV head's tiles (`pack_gqa`, opt-in: LMDEPLOY_PACK_GQA=1), split and not.
+    # Grouped heads packed into their KV head's tiles (`pack_gqa`, the default of split launches), split and not.
     AttnCase((5, 20, 1, 0), (300, 70, 0, 9), 4, 2, 16, 4, 'fp32', num_splits=4, min_split=32, pack=True),
     AttnCase((9, 3), (700, 40), 8, 2, 16, 4, 'fp32', num_splits=5, min_split=32, pack=True),  # 4 heads a group
     AttnCase((70, 3), (200, 0), 4, 2, 16, 4, 'fp32', num_splits=3, min_split=32, pack=True),  # several tiles

@@ -105,8 +105,8 @@ class FusedExperts(nn.Module):
                 gated_shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`shared` (gate_up [2I, H], down [H, I]): a shared expert run as expert id E, named by the last column
         of `topk_ids` (bf16 / fp16 / fp32 experts only). `gated_shared` (out [T, H], logit [T, 1]): a shared
-        expert's output computed apart, added as ``sigmoid(logit) * out`` by the op (on `cuda` with
-        `LMDEPLOY_MOE_COMBINE=1` in the launch that sums the routed outputs)."""
+        expert's output computed apart, added as ``sigmoid(logit) * out`` by the op (on `cuda` in the launch that
+        sums the routed outputs unless `LMDEPLOY_MOE_COMBINE=0`)."""
         if shared is not None:
             return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, shared=shared)
         if self.weight_block_size is not None:

@@ -34,7 +34,7 @@ from . import state_rows
 def _load_states(state: torch.Tensor, state_ids: torch.Tensor, is_fresh: torch.Tensor) -> torch.Tensor:
     """Contiguous float32 initial states ``[B, H, Dk, Dv]``; fresh rows are zero whatever the slot holds (one copy
     kernel, `state_rows.gather_state_rows`, for a CUDA pool whose slots are each contiguous, as the engine's are,
-    with `LMDEPLOY_STATE_ROWS=1`)."""
+    unless `LMDEPLOY_STATE_ROWS=0`)."""
     if state_rows.ENABLED and state.is_cuda and state_rows.slots_contiguous(state):
         return state_rows.gather_state_rows(state, state_ids, is_fresh)
     init = state[state_ids].to(torch.float32, memory_format=torch.contiguous_format)  # a fresh copy
@@ -44,7 +44,7 @@ def _load_states(state: torch.Tensor, state_ids: torch.Tensor, is_fresh: torch.T
 
 def _store_states(state: torch.Tensor, state_ids: torch.Tensor, final: torch.Tensor) -> None:
     """Scatter final states into the pool in place (one copy kernel for a CUDA pool whose slots are each contiguous,
-    with `LMDEPLOY_STATE_ROWS=1`; else index_put, so any strided pool works)."""
+    unless `LMDEPLOY_STATE_ROWS=0`; else index_put, so any strided pool works)."""
     if state_rows.ENABLED and state.is_cuda and state_rows.slots_contiguous(state):
         state_rows.scatter_state_rows(state, state_ids, final)
     elif state_ids.numel() > 0:

@@ -40,10 +40,10 @@ _TRITON_ALIGN = align_mode() != 'torch'
 # 35B-A3B shape's batch-1 decode from 0.35 to 0.45 of the weight roofline); LMDEPLOY_MOE_GEMV=0 keeps this module's
 # launches.
 _MOE_GEMV = os.environ.get('LMDEPLOY_MOE_GEMV', '1') != '0'
-# A shared expert's gated output added in the launch that sums the routed pairs (`combine_pairs`): opt-in
-# (`LMDEPLOY_MOE_COMBINE=1`) until a GPU run checks it (written when the session's device time had run out; its
-# kernel tests pass under the Triton interpreter); off, the top-k sum and the torch add.
-_COMBINE = os.environ.get('LMDEPLOY_MOE_COMBINE', '0') == '1'
+# A shared expert's gated output added in the launch that sums the routed pairs (`combine_pairs`), on by default
+# since H100 runs 58-63 (its gpu tests and the MoE engine tests pass; with the state-row copies and packed GQA
+# below, the 80B suffix rows 0.6-0.8 ms faster); LMDEPLOY_MOE_COMBINE=0: the top-k sum and the torch add.
+_COMBINE = os.environ.get('LMDEPLOY_MOE_COMBINE', '1') != '0'
 # Tuned tile tables (`benchmark/bench_moe_kernel.py --write-config`): this package's `moe_configs/`, or the
 # folder LMDEPLOY_MOE_CONFIG_DIR names (searched first).
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'moe_configs')
@@ -273,7 +273,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     (gate_up [2I, H], down [H, I], the strides of one routed expert): a shared expert run as expert id E in the
     same launches; the last column of `topk_ids` is then E for every token and that of `topk_weights` its scale (the
     sigmoid gate). `gated_shared` (shared [T, H], logit [T, 1]): a shared expert's output computed apart, added as
-    ``sigmoid(logit) * shared`` (with `LMDEPLOY_MOE_COMBINE=1` in the launch that sums the pairs: `combine_pairs`).
+    ``sigmoid(logit) * shared`` (in the launch that sums the pairs, `combine_pairs`, unless `LMDEPLOY_MOE_COMBINE=0`).
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]

@@ -17,9 +17,8 @@ Values are copied exactly (a float32 pool, the default, round-trips bit for bit;
 rounded float32 final states, to nearest even as torch's cast; the Triton interpreter truncates instead). No host
 synchronisation.
 
-Opt-in (`LMDEPLOY_STATE_ROWS=1`, read at import) until a GPU run checks it: written in a session whose device time
-ran out (its kernel tests pass under the Triton interpreter); `scripts/gpu_pending_jobs.txt` runs its gpu tests and
-the engine tests with it on, `scripts/gpu_pending_benches.txt` the suffix rows with and without it.
+On by default since H100 runs 58-63 (its gpu tests and the hybrid engine, graph and warm-start tests pass with it;
+docs/benchmarks.md); `LMDEPLOY_STATE_ROWS=0` (read at import) keeps the masked fill and index put.
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ import triton.language as tl
 
 from .launch import fast_kernel, wait_for_inputs
 
-ENABLED = os.environ.get('LMDEPLOY_STATE_ROWS', '0') == '1'
+ENABLED = os.environ.get('LMDEPLOY_STATE_ROWS', '1') != '0'
 _BLOCK = 4096  # elements a program moves (32 a thread at 4 warps)
 
 
