@@ -292,3 +292,43 @@ def test_state_after_a_graph_prefill_equals_eager(hybrid_pair):
     for got, want in zip(got_states, want_states):
         for name in want:
             torch.testing.assert_close(got[name], want[name], atol=5e-2, rtol=5e-2, msg=name)
+
+
+@pytest.mark.gpu
+def test_a_failed_prefill_capture_leaves_later_captures_working(tiny_model_factory, monkeypatch):
+    """The first prefill shape captured at start-up fails (a host read inside the capture, which CUDA refuses): that
+    shape runs eagerly, the pool it was capturing into is released from its recording
+    (`cuda_graph.end_stale_pool_recording`), and every later warm shape still captures; generation follows eager
+    mode, the failed shape's prefill included."""
+    from lmdeploy.pytorch.engine import cuda_graph
+    capture, broken = cuda_graph.CUDAGraphRunner._capture, []
+
+    def capture_breaking_the_first_prefill(self, key, static_inputs):
+        if key.decode or broken:
+            return capture(self, key, static_inputs)
+        broken.append(key)
+        model = self.model
+
+        def syncing(ctx):
+            torch.ones(1, device=self.device).item()  # a synchronisation: not permitted while the stream captures
+            return model(ctx)
+        self.model = syncing
+        try:
+            return capture(self, key, static_inputs)
+        finally:
+            self.model = model
+    monkeypatch.setattr(cuda_graph.CUDAGraphRunner, '_capture', capture_breaking_the_first_prefill)
+    path = tiny_model_factory('qwen3_5')
+    common = dict(device_type='cuda', dtype='bfloat16', block_size=16, kernel_block_size=8, num_gpu_blocks=128,
+                  max_batch_size=8, max_prefill_token_num=48)
+    graphs = Engine(path, PytorchEngineConfig(**common))
+    runner = graphs.agent.graph_runner
+    assert runner.failed == set(broken) and len(broken) == 1, (runner.failed, broken)
+    warm = [k for k in runner.graphs if not k.decode]
+    assert len(warm) >= 2, sorted(runner.graphs)  # the shapes after the failed one captured
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (broken[0].num_tokens - 3, 5, 20)]
+    got = _generate(graphs, prompts, max_new_tokens=12)
+    ref = _generate(Engine(path, PytorchEngineConfig(eager_mode=True, **common)), prompts, max_new_tokens=12)
+    assert runner.num_prefill_replays > 0
+    _assert_same_greedy_path(got, ref, tol=0.1, min_equal=30)

@@ -247,3 +247,25 @@ def test_models_call_after_layer_once_per_layer_in_order(tiny_model_factory, arc
     assert calls == list(range(len(layers))) and len(layers) >= 2
     assert starts == [(i, i) for i in range(len(layers))]  # layer i begins after the hook of layer i - 1
     torch.testing.assert_close(hooked, reference, rtol=0, atol=0)
+
+
+def test_a_failed_capture_releases_the_pool_it_left_recording(monkeypatch):
+    """`end_stale_pool_recording` ends the allocator's routing to the pool of a failed capture (torch builds that
+    check the capture's end before ending it leave it on); where there is none (torch raised: not recording), or no
+    pool yet, nothing happens. The GPU side: `test_cuda_graph.py`'s failed-capture test."""
+    from lmdeploy.pytorch.engine import cuda_graph
+    recording = {(0, 7)}
+    calls = []
+
+    def end(device_index, pool):
+        calls.append((device_index, pool))
+        if pool not in recording:
+            raise RuntimeError('endAllocatePool: not currently recording to mempool_id')
+        recording.discard(pool)
+    monkeypatch.setattr(torch._C, '_cuda_endAllocateToPool', end, raising=False)
+    device = torch.device('cuda', 1)
+    assert cuda_graph.end_stale_pool_recording(device, (0, 7))
+    assert not recording
+    assert not cuda_graph.end_stale_pool_recording(device, (0, 7))  # already released: torch's error swallowed
+    assert not cuda_graph.end_stale_pool_recording(device, None)
+    assert calls == [(1, (0, 7)), (1, (0, 7))]

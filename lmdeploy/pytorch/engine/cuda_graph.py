@@ -37,7 +37,8 @@ The first run at a key runs eagerly *through the static buffers*: at start-up on
 autotunes every kernel for exactly the captured shapes and writes nothing a sequence owns), on first use with the
 real step itself (capture executes nothing, so the step is not applied twice). Then the graph is captured; later
 runs write their inputs into the buffers (`stage` from the host, else `_fill` on the device) and replay. A prefill
-capture that fails is logged and its key runs eagerly from then on (the step's eager result stands). Every
+capture that fails is logged and its key runs eagerly from then on (the step's eager result stands), and the pool
+is released from the failed capture's recording (`end_stale_pool_recording`), so later keys still capture. Every
 capture shares one memory pool; everything runs on the caller's current stream (the forward stream).
 `capture_all` logs the start-up capture time and the memory the graphs took.
 
@@ -66,6 +67,25 @@ from .static_inputs import EXTRA_BYTES, GraphKey, StaticInputs
 from .trace import phase
 
 logger = logging.getLogger('lmdeploy')
+
+
+def end_stale_pool_recording(device: torch.device, pool) -> bool:
+    """After a failed capture into `pool`: stop the allocator routing allocations to it, if the failure left it so.
+    torch up to at least 2.11 ends a capture with `cudaStreamEndCapture` checked before the allocator's
+    `endAllocateToPool`, so an invalidated capture (an operation a capture does not permit) raises between the two
+    and leaves the pool marked as recording: every later capture into it then fails at its start ("beginAllocateToPool:
+    already recording to mempool_id"; H100 runs 58-60, where one prefill shape's failure made every later one
+    eager). Releases that mark; returns whether there was one (torch builds that end the recording on failure
+    themselves raise here, and nothing changes)."""
+    if pool is None:
+        return False
+    try:
+        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
+                                         pool)
+    except RuntimeError:
+        return False
+    logger.info('released the graph memory pool a failed capture left recording')
+    return True
 
 # Powers of two up to 256 (forwards there are host-bound whatever their padding), then steps of a quarter or a half
 # octave: a prompt just past an edge pads by at most 50% (256..1024) or 25% (1024..4096), where the device time
@@ -336,6 +356,7 @@ class CUDAGraphRunner:
             self._capture(key, static_inputs)
         except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager, keep serving
             self.failed.add(key)
+            end_stale_pool_recording(self.device, self.pool)
             torch.cuda.synchronize(self.device)
             logger.warning('capturing a prefill CUDA graph for %s failed (%s: %s); that shape runs eagerly',
                            key, type(exc).__name__, exc)
