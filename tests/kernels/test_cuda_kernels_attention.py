@@ -152,6 +152,9 @@ PREFILL_CASES_CPU = [
     AttnCase((9, 3), (700, 40), 8, 2, 16, 4, 'fp32', num_splits=5, min_split=32, pack=True),  # 4 heads a group
     AttnCase((70, 3), (200, 0), 4, 2, 16, 4, 'fp32', num_splits=3, min_split=32, pack=True),  # several tiles
     AttnCase((7, 1, 20), (0, 5, 30), 4, 2, 16, 4, 'fp32', num_splits=1, pack=True),  # packed, unsplit
+    AttnCase((9, 3), (200, 40), 6, 2, 16, 4, 'fp32', num_splits=3, min_split=32, pack=True),  # 3 heads a group
+    AttnCase((5, 17), (90, 0), 16, 1, 16, 4, 'fp32', num_splits=2, min_split=32, pack=True),  # 16 heads a group
+    AttnCase((9,), (130,), 4, 2, 80, 8, 'fp32', num_splits=5, min_split=64, pack=True),       # D 80 padded
 ]
 
 DECODE_CASES_CPU = [
