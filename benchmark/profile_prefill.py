@@ -50,7 +50,8 @@ def build_engine(args, folder: str):
     from lmdeploy.pytorch.engine.engine import Engine
     session_len = args.prefix + args.tokens + 64
     # the cached prefixes of the warm-up, timed and profiled requests stay in the pool beside the running one
-    blocks = 4 * -(-session_len // args.block_size) + 8
+    # (`--num-blocks`: a larger pool, so that no admission evicts, as in bench_real_depth's rows)
+    blocks = args.num_blocks or 4 * -(-session_len // args.block_size) + 8
     config = PytorchEngineConfig(
         device_type=args.device, dtype=args.dtype, load_format='dummy', block_size=args.block_size,
         num_gpu_blocks=blocks, max_batch_size=args.max_batch_size, max_prefill_token_num=args.max_prefill_token_num,
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--max-prefill-token-num', type=int, default=8192)
     p.add_argument('--block-size', type=int, default=64)
     p.add_argument('--max-batch-size', type=int, default=4)
+    p.add_argument('--num-blocks', type=int, default=0, help='KV pool blocks (0: four sessions\' worth; the timed '
+                   'requests then evict the earlier prefixes, which `schedule` pays for)')
     p.add_argument('--prefix', type=int, default=0, help='cached prefix before the --tokens timed ones (0: cold)')
     p.add_argument('--top', type=int, default=25)
     p.add_argument('--host-top', type=int, default=0, help='also list this many host ops by self time')
