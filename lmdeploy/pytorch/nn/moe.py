@@ -113,9 +113,7 @@ class FusedExperts(nn.Module):
             out = self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                              self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
             return add_gated_shared(out, gated_shared)
-        if gated_shared is not None:
-            return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, gated_shared=gated_shared)
-        return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return self._impl(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, gated_shared=gated_shared)
 
     def load_weight(self, key: str, tensor: torch.Tensor) -> list[str]:
         """Copy one checkpoint tensor addressed relative to this module; returns the parameter names written.
