@@ -20,8 +20,8 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 # the hybrid prefill graphs need an fla-core that takes precomputed chunk indices (0.6.0 on): stop before any job
 # rather than time eager prefills (H100 runs 58-60 carried 0.5.2)
-python3 -c 'from lmdeploy.pytorch.backends.cuda import _fla_version, fla_takes_chunk_indices as ok
-print("fla-core", _fla_version()); raise SystemExit(0 if ok() else "fla-core >= 0.6.0 needed: carry its wheel in .whl/")' \
+python3 -c 'from lmdeploy.pytorch.backends.cuda import fla_version, fla_takes_chunk_indices as ok
+print("fla-core", fla_version()); raise SystemExit(0 if ok() else "fla-core >= 0.6.0 needed: carry its wheel in .whl/")' \
   || exit 1
 T0=$SECONDS
 stamp() { echo "=== [$((SECONDS - T0))s] $*"; }

@@ -188,12 +188,13 @@ def prefill_graphs_supported(dtype: torch.dtype, is_hybrid: bool) -> bool:
         logging.getLogger('lmdeploy').warning(
             'fla-core %s drops precomputed chunk indices (fla-core >= 0.6.0 takes them): hybrid prefills run eagerly, '
             'each synchronising with the host once; install fla-core>=0.6.0 (the cuda extra) for prefill CUDA graphs',
-            _fla_version())
+            fla_version())
         return False
     return True
 
 
-def _fla_version() -> str:
+def fla_version() -> str:
+    """The installed fla-core's version, for messages."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         return version('fla-core')
