@@ -297,9 +297,10 @@ def test_state_after_a_graph_prefill_equals_eager(hybrid_pair):
 @pytest.mark.gpu
 def test_a_failed_prefill_capture_leaves_later_captures_working(tiny_model_factory, monkeypatch):
     """The first prefill shape captured at start-up fails (a host read inside the capture, which CUDA refuses): that
-    shape runs eagerly, the pool it was capturing into is released from its recording
-    (`cuda_graph.end_stale_pool_recording`), and every later warm shape still captures; generation follows eager
-    mode, the failed shape's prefill included."""
+    shape runs eagerly, torch's capture state is left clean (`cuda_graph.recover_from_failed_capture`: later graphs
+    take a new pool, the CUDA generator's capture mark is cleared), and every later warm shape still captures;
+    generation follows eager mode, the failed shape's prefill included, and a sampled request draws from the
+    device's generator."""
     from lmdeploy.pytorch.engine import cuda_graph
     capture, broken = cuda_graph.CUDAGraphRunner._capture, []
 
@@ -332,3 +333,10 @@ def test_a_failed_prefill_capture_leaves_later_captures_working(tiny_model_facto
     ref = _generate(Engine(path, PytorchEngineConfig(eager_mode=True, **common)), prompts, max_new_tokens=12)
     assert runner.num_prefill_replays > 0
     _assert_same_greedy_path(got, ref, tol=0.1, min_equal=30)
+    out = []
+    graphs.add_request(prompts[1], SamplingParams(max_new_tokens=6, temperature=1.0, top_k=0),
+                       callback=lambda o: out.extend(o.new_token_ids))
+    while graphs.has_work:
+        graphs.step()
+    graphs.check_integrity()
+    assert len(out) == 6, out

@@ -2,6 +2,7 @@
 sequence buckets, the smallest key that fits), the prefill-graph limit and its environment switches."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -269,3 +270,34 @@ def test_a_failed_capture_releases_the_pool_it_left_recording(monkeypatch):
     assert not cuda_graph.end_stale_pool_recording(device, (0, 7))  # already released: torch's error swallowed
     assert not cuda_graph.end_stale_pool_recording(device, None)
     assert calls == [(1, (0, 7)), (1, (0, 7))]
+
+
+def test_recovery_after_a_failed_capture_takes_a_new_pool_kept_alive(monkeypatch):
+    """`recover_from_failed_capture` ends the old pool's stale recording, captures one small kernel into a new pool
+    (clearing torch's capture state) and returns that pool with the graph that keeps it alive; where even that
+    capture fails, a clear error. Torch's capture calls are faked here (the GPU side: `test_cuda_graph.py`'s
+    failed-capture test)."""
+    from lmdeploy.pytorch.engine import cuda_graph
+    ended, captured, broken = [], [], []
+
+    class FakeGraph:
+        pass
+
+    @contextlib.contextmanager
+    def fake_capture(graph, pool=None):
+        if broken:
+            raise RuntimeError('CUDA error: operation failed due to a previous error during capture')
+        captured.append((graph, pool))
+        yield
+
+    monkeypatch.setattr(cuda_graph, 'end_stale_pool_recording', lambda device, pool: ended.append(pool))
+    monkeypatch.setattr(torch.cuda, 'CUDAGraph', FakeGraph)
+    monkeypatch.setattr(torch.cuda, 'graph', fake_capture)
+    monkeypatch.setattr(torch.cuda, 'graph_pool_handle', lambda: (0, 99))
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: None)
+    device = torch.device('cpu')  # the small kernel's tensor: the fake capture does not care where
+    pool, graph = cuda_graph.recover_from_failed_capture(device, (0, 7))
+    assert pool == (0, 99) and ended == [(0, 7)] and captured == [(graph, (0, 99))]
+    broken.append(True)
+    with pytest.raises(RuntimeError, match='does not work after a failed capture'):
+        cuda_graph.recover_from_failed_capture(device, (0, 99))

@@ -37,8 +37,9 @@ The first run at a key runs eagerly *through the static buffers*: at start-up on
 autotunes every kernel for exactly the captured shapes and writes nothing a sequence owns), on first use with the
 real step itself (capture executes nothing, so the step is not applied twice). Then the graph is captured; later
 runs write their inputs into the buffers (`stage` from the host, else `_fill` on the device) and replay. A prefill
-capture that fails is logged and its key runs eagerly from then on (the step's eager result stands), and the pool
-is released from the failed capture's recording (`end_stale_pool_recording`), so later keys still capture. Every
+capture that fails is logged and its key runs eagerly from then on (the step's eager result stands), and torch's
+capture state is left clean (`recover_from_failed_capture`: later graphs take a new pool, the generator's capture
+mark is cleared), so later keys still capture and sampling still draws random numbers. Every
 capture shares one memory pool; everything runs on the caller's current stream (the forward stream).
 `capture_all` logs the start-up capture time and the memory the graphs took.
 
@@ -70,13 +71,11 @@ logger = logging.getLogger('lmdeploy')
 
 
 def end_stale_pool_recording(device: torch.device, pool) -> bool:
-    """After a failed capture into `pool`: stop the allocator routing allocations to it, if the failure left it so.
-    torch up to at least 2.11 ends a capture with `cudaStreamEndCapture` checked before the allocator's
-    `endAllocateToPool`, so an invalidated capture (an operation a capture does not permit) raises between the two
-    and leaves the pool marked as recording: every later capture into it then fails at its start ("beginAllocateToPool:
-    already recording to mempool_id"; H100 runs 58-60, where one prefill shape's failure made every later one
-    eager). Releases that mark; returns whether there was one (torch builds that end the recording on failure
-    themselves raise here, and nothing changes)."""
+    """After a failed capture into `pool`: stop the device allocator routing allocations to it, if the failure left
+    it so (torch up to at least 2.11 checks `cudaStreamEndCapture` before it ends the allocator's recording, so an
+    invalidated capture raises between the two). Returns whether there was such a recording (torch builds that end
+    it on failure themselves raise here, and nothing changes). Not enough to reuse the pool: see
+    `recover_from_failed_capture`."""
     if pool is None:
         return False
     try:
@@ -84,8 +83,31 @@ def end_stale_pool_recording(device: torch.device, pool) -> bool:
                                          pool)
     except RuntimeError:
         return False
-    logger.info('released the graph memory pool a failed capture left recording')
     return True
+
+
+def recover_from_failed_capture(device: torch.device, pool) -> tuple[tuple[int, int], torch.cuda.CUDAGraph]:
+    """After a failed capture into `pool`: a new pool for later captures, and the graph that keeps it alive (hold it
+    as long as the pool is used), with torch's capture state clean again. A capture that fails leaves three marks in
+    torch 2.11 (H100 runs 64-66): the device allocator's recording into `pool` (`end_stale_pool_recording` ends it),
+    the pinned-host allocator's recording into `pool` (no Python call ends it: every later capture into `pool` fails
+    at its start, "beginAllocateToPool: already recording to mempool_id"), and the device's default CUDA generator
+    marked as capturing (every random op outside a graph then raises, "Offset increment outside graph capture
+    encountered unexpectedly", so sampled requests would fail). One capture of a small kernel into a new pool that
+    ends cleanly clears the generator's mark (it keeps its state and offset) and proves the new pool usable; the
+    graph must outlive the pool's use, as torch's host allocator refuses to capture into a pool whose graphs were
+    all freed. Graphs captured before keep the old pool."""
+    end_stale_pool_recording(device, pool)
+    fresh = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=fresh):  # torch's own side stream
+            torch.zeros(1, device=device)
+    except RuntimeError as exc:
+        raise RuntimeError(f'CUDA graph capture does not work after a failed capture: {exc}') from exc
+    torch.cuda.synchronize(device)
+    logger.info('a new graph memory pool for the captures after a failed one')
+    return fresh, graph
 
 # Powers of two up to 256 (forwards there are host-bound whatever their padding), then steps of a quarter or a half
 # octave: a prompt just past an edge pads by at most 50% (256..1024) or 25% (1024..4096), where the device time
@@ -206,6 +228,8 @@ class CUDAGraphRunner:
         self.split_layers = split_layers()  # prefill graphs end after these many layers (and begin again)
         self._warned_full = False
         self.pool = None
+        # each keeps the pool taken after a failed capture alive (`recover_from_failed_capture`)
+        self.recovery_graphs: list = []
         self.num_replays = 0
         self.num_prefill_replays = 0
         self.capture_seconds = 0.0   # start-up capture (`capture_all`)
@@ -356,8 +380,8 @@ class CUDAGraphRunner:
             self._capture(key, static_inputs)
         except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager, keep serving
             self.failed.add(key)
-            end_stale_pool_recording(self.device, self.pool)
-            torch.cuda.synchronize(self.device)
+            self.pool, keep = recover_from_failed_capture(self.device, self.pool)
+            self.recovery_graphs.append(keep)
             logger.warning('capturing a prefill CUDA graph for %s failed (%s: %s); that shape runs eagerly',
                            key, type(exc).__name__, exc)
 
