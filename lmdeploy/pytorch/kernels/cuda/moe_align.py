@@ -29,8 +29,8 @@ _PAIRS_PER_PROGRAM = 1024
 _COMPARE_ELEMS = 4096  # blocks x experts compared per step of the offsets program
 _FILL = 1024  # sentinel elements per step of the offsets program
 ONE_LAUNCH_PAIRS = 2048  # the most pairs `align_pairs` groups in one program (`_align_one_kernel`)
-_ONE_LAUNCH_SMALL = 256  # up to this many pairs the one program runs 4 warps, above `_ONE_LAUNCH_WARPS`
-_ONE_LAUNCH_WARPS = int(os.environ.get('LMDEPLOY_MOE_ALIGN_WARPS', '4'))
+_ONE_LAUNCH_SMALL = 256  # up to this many pairs the one program runs 8 warps, above `_ONE_LAUNCH_WARPS`
+_ONE_LAUNCH_WARPS = int(os.environ.get('LMDEPLOY_MOE_ALIGN_WARPS', '16'))
 
 
 def align_mode() -> str:
@@ -137,8 +137,10 @@ def uses_one_launch(num_pairs: int) -> bool:
 
 def one_launch_warps(num_pairs: int) -> int:
     """Warps of the one-program form: its pairs are placed by atomics on the experts' cursors, a few per thread in
-    series (each an L2 round trip), so more pairs take more warps; few pairs (decode) keep 4."""
-    return 4 if num_pairs <= _ONE_LAUNCH_SMALL else _ONE_LAUNCH_WARPS
+    series (each an L2 round trip), so more pairs take more warps. H100 run 65 (`bench_moe_kernel.py`, 64 experts):
+    8 warps were the fastest or within 0.1 us up to 256 pairs (8 pairs 3.9 us against 4.2 at 4 warps, 256 pairs
+    6.3 against 7.5), 16 warps above (800-1024 pairs 8.2-9.4 us against 11.0-13.3 at 4 warps, 8.9-10.3 at 8)."""
+    return 8 if num_pairs <= _ONE_LAUNCH_SMALL else _ONE_LAUNCH_WARPS
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool | None = None,
