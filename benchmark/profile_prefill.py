@@ -19,8 +19,9 @@ suffix rows run it (pass `--graphs` for their engine). `--host-top` lists the ho
 time too (a host stall, e.g. a synchronisation or an allocation, shows there and not among the kernels), `--gaps N`
 the device's span and busy time in the profiled window and its N longest idle gaps, with the activities around
 each (the H200 run 17 suffix after 32,700 tokens: 19.4 ms TTFT for 11.5 ms of kernels), `--phases` the engine's
-named host phases (`engine/trace.py`) in order with the device's busy time inside each, `--cprofile N` one more
-request under cProfile (N functions by own time, then by cumulative time: host costs without CUPTI's),
+named host phases (`engine/trace.py`) in order with the device's busy time inside each, `--cprofile N` more
+requests under cProfile (`--cprofile-reps`, default 10; N functions by own time, then by cumulative time, in us per
+request: host costs without CUPTI's),
 `--host-times N` N more requests with no profiler at all, the engine's host phases timed by `time.perf_counter`
 around its own calls (each phase's start after the request's arrival and its host time, median: what `--phases`
 shows without the profiler's cost per torch op), `--launch` the host time of each captured graph's launch.
@@ -73,8 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument('--top', type=int, default=25)
     p.add_argument('--host-top', type=int, default=0, help='also list this many host ops by self time')
     p.add_argument('--gaps', type=int, default=0, help="also print the device's span, busy time and longest gaps")
-    p.add_argument('--cprofile', type=int, default=0, help='also run one more request under cProfile and list this '
-                   'many functions by own time (host time without the CUDA profiler\'s per-launch cost)')
+    p.add_argument('--cprofile', type=int, default=0, help='also run --cprofile-reps more requests under cProfile and '
+                   'list this many functions by own and by cumulative time, us per request (host time without the '
+                   'CUDA profiler\'s per-launch cost)')
+    p.add_argument('--cprofile-reps', type=int, default=10, help='requests --cprofile times')
     p.add_argument('--host-times', type=int, default=0, help='also run this many more requests without a profiler '
                    "and list the engine's host phases (start and wall time, median)")
     p.add_argument('--launch', action='store_true', help='also time the host side of replaying each prefill graph '
@@ -90,17 +93,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def host_profile(bench: Bench, engine, prompt: list[int], what: str, top: int) -> None:
-    """One more request under cProfile: the host functions by own time (a C call's time includes its waits), then by
-    cumulative time (which phase of the step they belong to)."""
+def host_profile(bench: Bench, engine, request, seeds: range, what: str, top: int) -> None:
+    """More requests under cProfile, one per seed (`request(seed)` readies each, unprofiled): the host functions by
+    own time (a C call's time includes its waits: a synchronisation's is the device's), then by cumulative time
+    (which phase of the step they belong to), in microseconds per request: pstats' own listing rounds to
+    milliseconds, coarser than most of a suffix request's host phases."""
     profile = cProfile.Profile()
-    profile.enable()
-    t0, (rec,) = engine_run(bench, engine, [prompt], 1)
-    profile.disable()
-    bench.log(f'cProfiled: {what}-token TTFT {(rec.first - t0) * 1e3:.1f} ms (cached {rec.num_cached})')
-    stats = pstats.Stats(profile, stream=sys.stdout)
-    stats.sort_stats('tottime').print_stats(top)
-    stats.sort_stats('cumulative').print_stats(top)
+    ttfts, cached = [], []
+    for seed in seeds:
+        prompt = request(seed)
+        profile.enable()
+        t0, (rec,) = engine_run(bench, engine, [prompt], 1)
+        profile.disable()
+        ttfts.append((rec.first - t0) * 1e3)
+        cached.append(rec.num_cached)
+    reps = len(seeds)
+    bench.log(f'cProfiled: {what}-token TTFT median {statistics.median(ttfts):.1f} ms over {reps} requests '
+              f'(cached {min(cached)}-{max(cached)})')
+    rows = [(tt, ct, nc, f'{os.path.basename(path)}:{line}({name})')
+            for (path, line, name), (_, nc, tt, ct, _) in pstats.Stats(profile).stats.items()]
+    for title, col in (('own', 0), ('cumulative', 1)):
+        print(f'\nhost functions by {title} time under cProfile, per request ({reps} requests)')
+        print(f'{"own us":>9s} {"cum us":>9s} {"calls":>8s}  function')
+        for tt, ct, nc, name in sorted(rows, key=lambda r: -r[col])[:top]:
+            print(f'{tt / reps * 1e6:9.1f} {ct / reps * 1e6:9.1f} {nc / reps:8.1f}  {name}')
 
 
 def host_times(bench: Bench, engine, request, seeds: range, what: str) -> None:
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.phases:
             print_phases(prof, args.device == 'cuda')
         if args.cprofile:
-            host_profile(bench, engine, request(4), what, args.cprofile)
+            host_profile(bench, engine, request, range(100, 100 + args.cprofile_reps), what, args.cprofile)
         if args.host_times:
             host_times(bench, engine, request, range(10, 10 + args.host_times), what)
         if args.launch:

@@ -73,11 +73,16 @@ def test_profile_prefill_suffix_after_a_cached_prefix(capsys):
     # --prefix: each timed request resumes after the prefix it cached first, and --host-top adds the host table
     with bench_script('profile_prefill') as module:
         module.main(['--smoke', '--prefix', '150', '--host-top', '5', '--gaps', '3', '--phases', '--cprofile', '4',
-                     '--launch', '--host-times', '6'])
+                     '--cprofile-reps', '2', '--launch', '--host-times', '6'])
     captured = capsys.readouterr()
     out = captured.out + captured.err
-    assert out.count('(cached 150)') == 4 and 'suffix after a cached 150' in out
-    assert 'cProfiled:' in out and 'Ordered by: internal time' in out and 'no CUDA graphs captured' in out
+    assert out.count('(cached 150)') == 3 and 'suffix after a cached 150' in out
+    assert 'TTFT median' in out and 'over 2 requests (cached 150-150)' in out and 'no CUDA graphs captured' in out
+    # --cprofile: both tables, four functions each, in us per request; the step loop among the cumulative ones
+    own = out[out.index('by own time under cProfile'):].splitlines()[2:6]
+    cumulative = out[out.index('by cumulative time under cProfile'):].splitlines()[2:6]
+    assert len(own) == len(cumulative) == 4 and all(len(line.split()) >= 4 for line in own + cumulative)
+    assert float(cumulative[0].split()[1]) >= float(cumulative[-1].split()[1]) > 0
     assert 'host op' in out and 'profiled wall' in out
     assert 'device span' in out and ' gaps' in out
     # --phases: the engine's named host phases of the profiled request, in order, each with a duration
