@@ -65,15 +65,17 @@ class TrieKVLifecycle:
         return self._by_key.get(prefix_key)
 
     def attach(self, parent: Node, block_id: int, tokens: np.ndarray, mm_identity: MMIdentity, prefix_key: int,
-               now: int) -> Node | None:
+               now: int, leaf: bool = True) -> Node | None:
         """Attach a full block as a child of `parent` (the trie takes one ref); None on a hash collision.
-        `prefix_key` is the key of the block prefix the new node ends."""
-        h = block_hash(parent.hash, tokens, mm_identity)
+        `prefix_key` is the key of the block prefix the new node ends. `leaf=False`: the caller attaches a child
+        under the new node next, or calls `settle_leaf` on it, so it is not queued as a leaf in between (a path of
+        many new blocks queues only its last one)."""
+        token_bytes = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
+        h = block_hash(parent.hash, token_bytes, mm_identity)
         existing = parent.children.get(h)
         if existing is not None:
-            same = existing.mm_identity == mm_identity and np.array_equal(existing.token_ids, tokens)
+            same = existing.mm_identity == mm_identity and existing.token_bytes == token_bytes
             return existing if same else None
-        token_bytes = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
         node = Node(block_id=block_id, token_ids=np.frombuffer(token_bytes, dtype=np.int64), hash=h,
                     depth=parent.depth + 1, parent=parent, adapter_name=parent.adapter_name,
                     mm_identity=mm_identity, last_access=now, token_bytes=token_bytes, prefix_key=prefix_key,
@@ -83,13 +85,21 @@ class TrieKVLifecycle:
         parent.add_continuation(token_bytes)
         self._by_key.setdefault(prefix_key, node)
         self._nodes.add(node)
-        self._leaves.discard(parent)
-        self._leaf_heap.discard(parent)
-        self._leaves.add(node)
+        if parent in self._leaves:
+            self._leaves.discard(parent)
+            self._leaf_heap.discard(parent)
         node.priority = self.policy.priority(0, self.block_size, self.kv_block_bytes, now)
-        self.refresh(node)
+        if leaf:
+            self._leaves.add(node)
+            self.refresh(node)
         self.num_nodes += 1
         return node
+
+    def settle_leaf(self, node: Node) -> None:
+        """Queue `node` as a leaf if it is one and is not yet (the last node of `attach(..., leaf=False)` calls)."""
+        if node.attached and not node.is_root and node.is_leaf and node not in self._leaves:
+            self._leaves.add(node)
+            self.refresh(node)
 
     def touch_path(self, nodes: list[Node], now: int) -> None:
         """A request was admitted sharing `nodes`: one more use of each."""

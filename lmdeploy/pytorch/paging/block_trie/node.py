@@ -26,14 +26,14 @@ def root_hash(adapter_name: str | None) -> int:
     return xxhash.xxh3_64_intdigest(b'lmdeploy-root:' + (adapter_name or '').encode())
 
 
-def block_hash(parent_hash: int, tokens: np.ndarray, mm_identity: MMIdentity = ()) -> int:
-    """Chained hash of one full block: parent hash + token ids + multimodal identity of the block's range."""
-    h = xxhash.xxh3_64()
-    h.update(parent_hash.to_bytes(8, 'little'))
-    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+def block_hash(parent_hash: int, tokens: np.ndarray | bytes, mm_identity: MMIdentity = ()) -> int:
+    """Chained hash of one full block: parent hash + token ids (an array, or its int64 bytes) + multimodal identity
+    of the block's range, hashed as one byte string."""
+    data = tokens if isinstance(tokens, bytes) else np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
+    head = parent_hash.to_bytes(8, 'little')
     if mm_identity:
-        h.update(np.asarray(mm_identity, dtype=np.int64).tobytes())
-    return h.intdigest()
+        return xxhash.xxh3_64_intdigest(head + data + np.asarray(mm_identity, dtype=np.int64).tobytes())
+    return xxhash.xxh3_64_intdigest(head + data)
 
 
 def tail_hash(tokens: np.ndarray, mm_identity: MMIdentity = ()) -> int:

@@ -44,6 +44,8 @@ _MAX_STRIDE = 16
 
 def mm_identity_of(seq: SchedulerSequence, start: int, end: int) -> MMIdentity:
     """Multimodal spans overlapping `[start, end)`, relative to `start`."""
+    if not seq.mm_spans:
+        return ()
     return tuple((max(s.start, start) - start, min(s.end, end) - start, s.content_hash)
                  for s in seq.mm_spans if s.start < end and s.end > start)
 
