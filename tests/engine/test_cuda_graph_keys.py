@@ -275,8 +275,8 @@ def test_a_failed_capture_releases_the_pool_it_left_recording(monkeypatch):
 def test_recovery_after_a_failed_capture_takes_a_new_pool_kept_alive(monkeypatch):
     """`recover_from_failed_capture` ends the old pool's stale recording, captures one small kernel into a new pool
     (clearing torch's capture state) and returns that pool with the graph that keeps it alive; where even that
-    capture fails, a clear error. Torch's capture calls are faked here (the GPU side: `test_cuda_graph.py`'s
-    failed-capture test)."""
+    capture fails, a clear error (`CaptureStateError`, which start-up's capture loop does not swallow). Torch's
+    capture calls are faked here (the GPU side: `test_cuda_graph.py`'s failed-capture test)."""
     from lmdeploy.pytorch.engine import cuda_graph
     ended, captured, broken = [], [], []
 
@@ -299,5 +299,5 @@ def test_recovery_after_a_failed_capture_takes_a_new_pool_kept_alive(monkeypatch
     pool, graph = cuda_graph.recover_from_failed_capture(device, (0, 7))
     assert pool == (0, 99) and ended == [(0, 7)] and captured == [(graph, (0, 99))]
     broken.append(True)
-    with pytest.raises(RuntimeError, match='does not work after a failed capture'):
+    with pytest.raises(cuda_graph.CaptureStateError, match='does not work after a failed capture'):
         cuda_graph.recover_from_failed_capture(device, (0, 99))

@@ -86,6 +86,11 @@ def end_stale_pool_recording(device: torch.device, pool) -> bool:
     return True
 
 
+class CaptureStateError(RuntimeError):
+    """CUDA graph capture no longer works after a failed one (`recover_from_failed_capture`): the engine cannot
+    trust torch's capture state (its generator may refuse random ops), so start-up stops instead of serving on."""
+
+
 def recover_from_failed_capture(device: torch.device, pool) -> tuple[tuple[int, int], torch.cuda.CUDAGraph]:
     """After a failed capture into `pool`: a new pool for later captures, and the graph that keeps it alive (hold it
     as long as the pool is used), with torch's capture state clean again. A capture that fails leaves three marks in
@@ -104,7 +109,7 @@ def recover_from_failed_capture(device: torch.device, pool) -> tuple[tuple[int, 
         with torch.cuda.graph(graph, pool=fresh):  # torch's own side stream
             torch.zeros(1, device=device)
     except RuntimeError as exc:
-        raise RuntimeError(f'CUDA graph capture does not work after a failed capture: {exc}') from exc
+        raise CaptureStateError(f'CUDA graph capture does not work after a failed capture: {exc}') from exc
     torch.cuda.synchronize(device)
     logger.info('a new graph memory pool for the captures after a failed one')
     return fresh, graph
@@ -352,6 +357,8 @@ class CUDAGraphRunner:
                 continue
             try:
                 self._warm_and_capture(key)
+            except CaptureStateError:
+                raise
             except Exception as exc:  # noqa: BLE001 - a prefill shape that cannot run here stays eager
                 self.failed.add(key)
                 torch.cuda.synchronize(self.device)
