@@ -321,7 +321,7 @@ class BlockTrie(PrefixCache):
         now = self.tick()
         for i in range(len(path), num_full):
             node = self.kv.attach(parent, seq.block_ids[i], tokens[i * bs:(i + 1) * bs],
-                                  mm_identity_of(seq, i * bs, (i + 1) * bs), int(keys[i + 1]), now, leaf=False)
+                                  mm_identity_of(seq, i * bs, (i + 1) * bs), int(keys[i + 1]), now)
             if node is None:
                 break
             if node.block_id != seq.block_ids[i]:

@@ -65,11 +65,11 @@ class TrieKVLifecycle:
         return self._by_key.get(prefix_key)
 
     def attach(self, parent: Node, block_id: int, tokens: np.ndarray, mm_identity: MMIdentity, prefix_key: int,
-               now: int, leaf: bool = True) -> Node | None:
+               now: int) -> Node | None:
         """Attach a full block as a child of `parent` (the trie takes one ref); None on a hash collision.
-        `prefix_key` is the key of the block prefix the new node ends. `leaf=False`: the caller attaches a child
-        under the new node next, or calls `settle_leaf` on it, so it is not queued as a leaf in between (a path of
-        many new blocks queues only its last one)."""
+        `prefix_key` is the key of the block prefix the new node ends. The new node is not queued as an evictable
+        leaf: the caller attaches a child under it next, or calls `settle_leaf` on it (a path of many new blocks
+        queues only its last one)."""
         token_bytes = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
         h = block_hash(parent.hash, token_bytes, mm_identity)
         existing = parent.children.get(h)
@@ -89,14 +89,11 @@ class TrieKVLifecycle:
             self._leaves.discard(parent)
             self._leaf_heap.discard(parent)
         node.priority = self.policy.priority(0, self.block_size, self.kv_block_bytes, now)
-        if leaf:
-            self._leaves.add(node)
-            self.refresh(node)
         self.num_nodes += 1
         return node
 
     def settle_leaf(self, node: Node) -> None:
-        """Queue `node` as a leaf if it is one and is not yet (the last node of `attach(..., leaf=False)` calls)."""
+        """Queue `node` as an evictable leaf if it is one and is not yet (the last node `attach` added)."""
         if node.attached and not node.is_root and node.is_leaf and node not in self._leaves:
             self._leaves.add(node)
             self.refresh(node)
