@@ -93,20 +93,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_requests(bench: Bench, engine, request, seeds: range, before, after) -> tuple[list[float], list[int]]:
+    """One request per seed, each readied by `request(seed)` first (untimed), `before()` just before it runs and
+    `after(t0)` just after (t0: its arrival); returns their TTFTs (ms) and cached token counts."""
+    ttfts, cached = [], []
+    for seed in seeds:
+        prompt = request(seed)
+        before()
+        t0, (rec,) = engine_run(bench, engine, [prompt], 1)
+        after(t0)
+        ttfts.append((rec.first - t0) * 1e3)
+        cached.append(rec.num_cached)
+    return ttfts, cached
+
+
 def host_profile(bench: Bench, engine, request, seeds: range, what: str, top: int) -> None:
     """More requests under cProfile, one per seed (`request(seed)` readies each, unprofiled): the host functions by
     own time (a C call's time includes its waits: a synchronisation's is the device's), then by cumulative time
     (which phase of the step they belong to), in microseconds per request: pstats' own listing rounds to
     milliseconds, coarser than most of a suffix request's host phases."""
     profile = cProfile.Profile()
-    ttfts, cached = [], []
-    for seed in seeds:
-        prompt = request(seed)
-        profile.enable()
-        t0, (rec,) = engine_run(bench, engine, [prompt], 1)
-        profile.disable()
-        ttfts.append((rec.first - t0) * 1e3)
-        cached.append(rec.num_cached)
+    ttfts, cached = run_requests(bench, engine, request, seeds, before=profile.enable,
+                                 after=lambda t0: profile.disable())
     reps = len(seeds)
     bench.log(f'cProfiled: {what}-token TTFT median {statistics.median(ttfts):.1f} ms over {reps} requests '
               f'(cached {min(cached)}-{max(cached)})')
@@ -151,17 +159,13 @@ def host_times(bench: Bench, engine, request, seeds: range, what: str) -> None:
     for name, owner, attr in phases:
         wrap(name, owner, attr)
     rows: dict[str, list[tuple[float, float]]] = {}
-    ttfts, cached = [], []
+
+    def collect(t0: float) -> None:
+        for name, times in marks.items():
+            spans = list(zip(times[::2], times[1::2]))
+            rows.setdefault(name, []).append(((spans[0][0] - t0) * 1e3, sum(b - a for a, b in spans) * 1e3))
     try:
-        for seed in seeds:
-            prompt = request(seed)
-            marks.clear()
-            t0, (rec,) = engine_run(bench, engine, [prompt], 1)
-            ttfts.append((rec.first - t0) * 1e3)
-            cached.append(rec.num_cached)
-            for name, times in marks.items():
-                spans = list(zip(times[::2], times[1::2]))
-                rows.setdefault(name, []).append(((spans[0][0] - t0) * 1e3, sum(b - a for a, b in spans) * 1e3))
+        ttfts, cached = run_requests(bench, engine, request, seeds, before=marks.clear, after=collect)
     finally:
         for owner, attr, original in reversed(originals):
             setattr(owner, attr, original)
