@@ -16,12 +16,19 @@ Two workloads:
 
 The model (stubbed), logits and sample rows are device work on a GPU (kernel launches there); the rest is host time.
 
+The mix also reports the cyclic garbage collector's passes during its steps (count, longest and total pause per
+generation) and the longest step: a full (generation-2) pass walks every tracked object and lands inside whichever
+step triggers it. The mix runs as the server does, its start-up heap frozen (`engine/gc_freeze.py`);
+`--no-gc-freeze` runs it unfrozen for the comparison.
+
     python benchmark/bench_decode_host.py [--batches 1 32 128] [--steps 50] [--mix-requests 150] [--repeat 7]
+    python benchmark/bench_decode_host.py --batches --mix-requests 400 --async-scheduling [--no-gc-freeze]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import random
 import tempfile
 import time
@@ -32,6 +39,7 @@ from lmdeploy.demo_model import save_tiny_model
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine import engine_step as engine_step_module
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.gc_freeze import freeze_heap, release_heap
 from lmdeploy.pytorch.messages import SamplingParams
 
 # Phases every step that runs a forward passes through (`other` is the step's wall time outside them).
@@ -155,6 +163,44 @@ def measure_mix(path: str, args: argparse.Namespace) -> tuple[dict[str, dict[str
     all steps, plus counts (steps by kind, requests finished, tokens generated)."""
     engine, timer = build_engine(path, args.mix_batch, args.async_scheduling, prefix_caching=True,
                                  num_blocks=args.mix_blocks, session_len=4096)
+    froze = freeze_heap() if args.gc_freeze else False  # where `AsyncEngine` freezes: its engine built
+    frozen, passes = gc.get_freeze_count(), GCPasses()
+    try:
+        rows, counts = _run_mix(engine, timer, args, passes)
+        return rows, dict(counts, frozen_objects=frozen)
+    finally:
+        passes.close()
+        release_heap(froze)
+
+
+class GCPasses:
+    """The collector's passes from now until `close()`: (generation, pause seconds) each."""
+
+    def __init__(self):
+        self.passes: list[tuple[int, float]] = []
+        self._began = 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == 'start':
+            self._began = time.perf_counter()
+        else:
+            self.passes.append((info['generation'], time.perf_counter() - self._began))
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on)
+
+    def summary(self) -> dict[int, tuple[int, float, float]]:
+        """generation -> (passes, longest ms, total ms)."""
+        out = {}
+        for gen in range(3):
+            pauses = [s for g, s in self.passes if g == gen]
+            out[gen] = (len(pauses), max(pauses, default=0.0) * 1e3, sum(pauses) * 1e3)
+        return out
+
+
+def _run_mix(engine: Engine, timer: PhaseTimer, args: argparse.Namespace, passes: GCPasses
+             ) -> tuple[dict[str, dict[str, float]], dict]:
     vocab = engine.model_config.vocab_size
     workload = mix_workload(args, vocab - 1)  # prompts without the stop id
     generated: collections.Counter = collections.Counter()
@@ -183,7 +229,8 @@ def measure_mix(path: str, args: argparse.Namespace) -> tuple[dict[str, dict[str
     counts = dict(steps=len(timer.steps), steps_by_kind=dict(kinds), finished=len(finished),
                   errors=[e for _, e in finished if e], generated=sum(generated.values()),
                   expected_generated=sum(new for _, _, new in workload), calls=dict(timer.calls),
-                  cached_tokens=sum(cached.values()))
+                  cached_tokens=sum(cached.values()), gc=passes.summary(),
+                  max_step_ms=max(phases['step (wall)'] for _, phases in timer.steps) * 1e3)
     return rows, counts
 
 
@@ -209,6 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--mix-blocks', type=int, default=4096)
     parser.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=False,
                         help='async scheduling in the mix')
+    parser.add_argument('--gc-freeze', action=argparse.BooleanOptionalAction, default=True,
+                        help='freeze the start-up heap before the mix, as the server does (engine/gc_freeze.py)')
     parser.add_argument('--repeat', type=int, default=1,
                         help='measure each row this many times and keep the fastest (a shared machine is noisy)')
     return parser.parse_args(argv)
@@ -241,6 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
                         f'scheduling {"on" if args.async_scheduling else "off"}; ms per step, model stubbed)', rows)
             print(f'steps {counts["steps"]} {counts["steps_by_kind"]}, finished {counts["finished"]}, '
                   f'tokens generated {counts["generated"]}, prompt tokens from the cache {counts["cached_tokens"]}')
+            passes = ', '.join(f'gen{gen} {n} ({longest:.2f} / {total:.1f})'
+                               for gen, (n, longest, total) in counts['gc'].items())
+            print(f'start-up heap frozen: {args.gc_freeze}; longest step {counts["max_step_ms"]:.2f} ms; collector '
+                  f'passes during the steps (count, longest / total ms): {passes}')
     return results
 
 

@@ -113,7 +113,18 @@ class DeviceActivity:
 
 
 def run_continuous(bench: Bench, engine, workload: Workload) -> dict:
-    """Submit each request at its arrival time while stepping the engine; timings per request, busy share."""
+    """Submit each request at its arrival time while stepping the engine; timings per request, busy share. The
+    start-up heap is frozen out of the garbage collector's full passes for the run, as the server freezes it
+    (`engine/gc_freeze.py`)."""
+    from lmdeploy.pytorch.engine.gc_freeze import freeze_heap, release_heap
+    froze = freeze_heap()
+    try:
+        return _run_continuous(bench, engine, workload)
+    finally:
+        release_heap(froze)
+
+
+def _run_continuous(bench: Bench, engine, workload: Workload) -> dict:
     from lmdeploy.pytorch.messages import SamplingParams
     recs = [Rec() for _ in workload.prompts]
     idle_s, steps, i = 0.0, 0, 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop
+from ..pytorch.engine.gc_freeze import freeze_heap, release_heap
 from ..pytorch.engine.request import EngineOutput
 from ..pytorch.messages import SEED_RANGE, MultiModalSpan, SamplingParams
 from ..pytorch.models.model_source import is_hub_id, resolve_model_path
@@ -82,6 +83,8 @@ class AsyncEngine:
         self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix='lmdeploy-detokenizer')
         # seq_id -> (put a response into its astream, its ResponseBuilder), for `fail_requests`
         self._live: dict[int, tuple[Callable, ResponseBuilder]] = {}
+        # the start-up heap out of the collector's full passes while this engine serves (`gc_freeze.py`)
+        self._gc_frozen = freeze_heap()
 
     @property
     def session_len(self) -> int:
@@ -249,3 +252,5 @@ class AsyncEngine:
     def close(self) -> None:
         self._loop.close()
         self._detokenizer.shutdown(wait=True)
+        release_heap(self._gc_frozen)
+        self._gc_frozen = False

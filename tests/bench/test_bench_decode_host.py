@@ -39,3 +39,12 @@ def test_mix_carries_prefills_beside_decodes_and_drains_every_request(bench):
     for phase in bench.PHASES:
         assert rows['prefill steps'][phase] > 0, phase
         assert rows['decode steps'][phase] > 0, phase
+    # the mix ran as the server does, its start-up heap frozen, and reports the collector's passes during its steps
+    assert counts['frozen_objects'] > 0 and set(counts['gc']) == {0, 1, 2}
+    assert counts['max_step_ms'] >= rows['all steps']['step (wall)']
+
+
+def test_mix_without_the_freeze_leaves_the_heap_unfrozen(bench):
+    results = bench.main(['--batches', '--mix-requests', '2', '--mix-prompt-len', '40', '80', '--mix-output-len', '2',
+                          '3', '--no-gc-freeze'])
+    assert results['mix'][1]['frozen_objects'] == 0 and results['mix'][1]['finished'] == 2

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .gc_freeze import freeze_heap
 from .tp_dist import DistInit, destroy_rank, init_rank
 
 
@@ -73,9 +74,11 @@ def _serve(rank: int, init: DistInit, spec: WorkerSpec, commands, reports) -> No
             return
         if op == 'setup':
             cache_engine, agent = build_agent(model, model_config, args[0], device)
+            freeze_heap()  # this process serves until the engine stops: its start-up heap stays frozen
             reports.send(('ready',))
         elif op == 'capture':
             agent.capture_cuda_graphs()
+            freeze_heap()  # and what the warm-up and the graphs added
         elif op == 'run':
             run_forward(agent, *args)
         elif op == 'copy':
