@@ -5,16 +5,17 @@ that is hundreds of thousands of objects (torch, transformers, the tokenizer, th
 ever garbage; the engine's own steady state allocates mostly acyclic objects that reference counting frees. Yet
 the objects a serving process keeps (trie nodes, checkpoint records, request records) age into the oldest
 generation, and once enough have, Python runs a full collection on whatever step allocates next: a stop of 0.1-0.2
-s on a 2-core CPU with the tiny model (`benchmark/bench_decode_host.py --gc`, `docs/benchmarks.md`), more on a GPU
-host's larger heap, paid by every request in flight.
+s on a 2-core CPU with the tiny model, 0.24 s on an H100 machine's host (`benchmark/bench_decode_host.py
+--no-gc-freeze`, `docs/benchmarks.md`), paid by every request in flight.
 
 `freeze_heap` collects once and then moves every tracked object into the collector's permanent generation
 (`gc.freeze`), which later collections skip; objects frozen there are still freed by reference counting, and only
 garbage cycles among them wait for `gc.unfreeze`. Serving engines freeze after start-up the same way (vLLM's
-engine core, SGLang, TensorRT-LLM). Holders nest: `AsyncEngine` (the server, the chat CLI) freezes once its engine
-and loop are built and releases at `close()`, and the heap is unfrozen when the last holder releases, so a process
-that builds and closes engines one after another (tests, notebooks) leaves nothing frozen behind. A tensor-parallel
-worker process freezes after its start-up and never releases (the process ends with the engine).
+engine core, SGLang, TensorRT-LLM). Holders nest: `AsyncEngine` (the server, the chat CLI, the pipeline) freezes
+once its engine and loop are built and releases at `close()`, and the heap is unfrozen when the last holder
+releases, so a process that builds and closes engines one after another (tests, notebooks) leaves nothing frozen
+behind. A tensor-parallel worker process freezes after its start-up and never releases (the process ends with the
+engine).
 
 `LMDEPLOY_GC_FREEZE=0` turns it off (read at each call).
 """
