@@ -250,7 +250,9 @@ class AsyncEngine:
         return failed
 
     def close(self) -> None:
-        self._loop.close()
-        self._detokenizer.shutdown(wait=True)
-        release_heap(self._gc_frozen)
-        self._gc_frozen = False
+        try:
+            self._loop.close()
+            self._detokenizer.shutdown(wait=True)
+        finally:  # a failed close must not leave the heap frozen for the rest of the process
+            release_heap(self._gc_frozen)
+            self._gc_frozen = False
