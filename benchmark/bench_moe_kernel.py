@@ -14,10 +14,6 @@ alignment against the torch one (`LMDEPLOY_MOE_ALIGN=torch`), eager and replayed
 each replay, and the device time of each. `--write-config DIR` writes the best configs as this shape's table
 (`moe.config_file_name`, keyed by (token, expert) pair counts), the file `kernels/cuda/moe_configs/` ships.
 
-`--grouped`: also the grouped-GEMM path of `kernels/cuda/moe_grouped.py` (torch's grouped GEMM; which `fused_moe`
-takes from `LMDEPLOY_MOE_GROUPED_MM=<tokens>` up), its whole call with the top-k sum, for every count of at least 16
-tokens, its output checked against the untuned `fused_moe`'s.
-
 `--gemv`: also the few-token path of `kernels/cuda/moe_gemv.py` (which `fused_moe` takes for up to
 `moe_gemv.MAX_TOKENS` tokens unless `LMDEPLOY_MOE_GEMV=0`), called directly for every count up to 16 tokens (the
 crossover), its output checked against the untuned `fused_moe`'s. `--gemv-sweep`: also its tiles swept
@@ -28,7 +24,6 @@ line.
     python benchmark/bench_moe_kernel.py --tokens 1 2 4 8 16 --no-sweep --gemv    # the decode counts, both paths
     python benchmark/bench_moe_kernel.py --top-k 10 --no-sweep     # Qwen3-Next-80B routing, the table only
     python benchmark/bench_moe_kernel.py --tokens 1 4 --no-sweep --gemv --gemv-sweep   # the few-token path's tiles
-    python benchmark/bench_moe_kernel.py --tokens 100 1024 4096 --no-sweep --grouped    # torch's grouped GEMM too
 """
 from __future__ import annotations
 
@@ -46,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graph_timing import graph_us  # noqa: E402
 from real_depth_floors import measure_device  # noqa: E402
 
-from lmdeploy.pytorch.kernels.cuda import moe, moe_align, moe_gemv, moe_grouped  # noqa: E402
+from lmdeploy.pytorch.kernels.cuda import moe, moe_align, moe_gemv  # noqa: E402
 
 
 class Case:
@@ -64,11 +59,6 @@ class Case:
     def run(self, config=None, i: int = 0) -> torch.Tensor:
         gate_up, down = self.weights[i % len(self.weights)]
         return moe.fused_moe(self.x, gate_up, down, self.w, self.ids, config)
-
-    def run_grouped(self, i: int = 0) -> torch.Tensor:
-        gate_up, down = self.weights[i % len(self.weights)]
-        per_pair = moe_grouped.per_pair_outputs(self.x, gate_up, down, self.w, self.ids)
-        return moe._sum_pairs(per_pair, self.ids.shape[1], None)
 
     def run_gemv(self, i: int = 0, config: dict | None = None) -> torch.Tensor:
         gate_up, down = self.weights[i % len(self.weights)]
@@ -209,8 +199,6 @@ def main() -> None:
     p.add_argument('--layers', type=int, default=6, help='weight copies rotated through')
     p.add_argument('--sweep', action=argparse.BooleanOptionalAction, default=True)
     p.add_argument('--write-config', default=None, metavar='DIR', help="write the best configs as this shape's table")
-    p.add_argument('--grouped', action='store_true', help="also time moe_grouped.py (torch's grouped GEMM) from 16 "
-                   'tokens up')
     p.add_argument('--gemv', action='store_true', help='also time moe_gemv.fused_moe_gemv up to 16 tokens')
     p.add_argument('--gemv-sweep', action='store_true', help='with --gemv: also sweep its tiles (prints the best)')
     a = p.parse_args()
@@ -226,8 +214,7 @@ def main() -> None:
                for _ in range(a.layers)]
     has_table = bool(moe.table_pair_counts(a.experts, a.hidden, a.inter, name))
     print('tokens | untuned us | table us | best us | best config (BLOCK_M, up, down) | floor us | bmm us | '
-          'best/floor | untuned/best' + (' | gemv us | gemv/floor' if a.gemv else '')
-          + (' | grouped us | grouped/floor | grouped/engine' if a.grouped else ''), flush=True)
+          'best/floor | untuned/best' + (' | gemv us | gemv/floor' if a.gemv else ''), flush=True)
     best_configs = {}
     for tokens in a.tokens:
         case = Case(a, tokens, weights)
@@ -254,19 +241,8 @@ def main() -> None:
                     print(f'GEMV_SWEEP tokens {tokens}: default {t_gemv:.1f} us, best {t_swept:.1f} us '
                           f'({t_swept / floor:.2f}x floor) {json.dumps(tiles)}', flush=True)
             gemv = f' | {t_gemv:7.1f} | {t_gemv / floor:5.2f}x'
-        grouped = ''
-        if a.grouped:
-            t_grouped = float('nan')
-            if tokens >= 16 and moe_grouped.supported(case.x, *weights[0]):
-                got = case.run_grouped().float()
-                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
-                    raise SystemExit(f'moe_grouped differs from fused_moe at {tokens} tokens: '
-                                     f'{(got - want).abs().max().item():.3g}')
-                t_grouped = graph_us(case.run_grouped, a.layers)
-            t_engine = t_table if has_table else t_untuned   # the Triton tiles the engine runs
-            grouped = f' | {t_grouped:7.1f} | {t_grouped / floor:5.2f}x | {t_grouped / t_engine:5.2f}x'
         print(f'{tokens:6d} | {t_untuned:9.1f} | {t_table:8.1f} | {t_best:8.1f} | {tuple(cfg)} | {floor:7.1f} | '
-              f'{t_bmm:7.1f} | {t_best / floor:5.2f}x | {t_untuned / t_best:5.2f}x{gemv}{grouped}', flush=True)
+              f'{t_bmm:7.1f} | {t_best / floor:5.2f}x | {t_untuned / t_best:5.2f}x{gemv}', flush=True)
     table = {'device': name, 'commit': os.environ.get('LMDEPLOY_COMMIT', '?'), 'top_k': a.top_k,
              'how': 'benchmark/bench_moe_kernel.py: best of a sweep, device time in CUDA graphs',
              'configs': {str(k): v for k, v in best_configs.items()}}

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..default.expert_groups import add_gated_shared
-from . import moe_gemv, moe_grouped
+from . import moe_gemv
 from .launch import arg_key, fast_kernel, wait_for_inputs
 from .moe_align import align_mode, align_pairs, align_pairs_reference, uses_one_launch
 from .moe_gemv import expert_weights
@@ -44,9 +44,6 @@ _MOE_GEMV = os.environ.get('LMDEPLOY_MOE_GEMV', '1') != '0'
 # since H100 runs 58-63 (its gpu tests and the MoE engine tests pass; with the state-row copies and packed GQA
 # below, the 80B suffix rows 0.6-0.8 ms faster); LMDEPLOY_MOE_COMBINE=0: the top-k sum and the torch add.
 _COMBINE = os.environ.get('LMDEPLOY_MOE_COMBINE', '1') != '0'
-# Forwards of at least this many tokens take `moe_grouped.py` (torch's grouped GEMM) when it supports the experts;
-# LMDEPLOY_MOE_GROUPED_MM=<tokens>, off (0) by default until measured on the device.
-_GROUPED_FROM = moe_grouped.min_tokens()
 # Tuned tile tables (`benchmark/bench_moe_kernel.py --write-config`): this package's `moe_configs/`, or the
 # folder LMDEPLOY_MOE_CONFIG_DIR names (searched first).
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'moe_configs')
@@ -272,8 +269,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     x [T, H]; gate_up_proj [E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; topk_weights [T, K] (any
     float dtype, applied in x's dtype); topk_ids [T, K] int64. Returns [T, H] in x's dtype. `config` overrides
     the tile sizes `default_config` picks (`benchmark/bench_moe_kernel.py` sweeps them); without one, and unless
-    `LMDEPLOY_MOE_GEMV=0`, forwards of up to `moe_gemv.MAX_TOKENS` tokens run `moe_gemv.fused_moe_gemv`, and with
-    `LMDEPLOY_MOE_GROUPED_MM=<tokens>` forwards of at least that many take `moe_grouped.py` (no `shared`). `shared`
+    `LMDEPLOY_MOE_GEMV=0`, forwards of up to `moe_gemv.MAX_TOKENS` tokens run `moe_gemv.fused_moe_gemv`. `shared`
     (gate_up [2I, H], down [H, I], the strides of one routed expert): a shared expert run as expert id E in the
     same launches; the last column of `topk_ids` is then E for every token and that of `topk_weights` its scale (the
     sigmoid gate). `gated_shared` (shared [T, H], logit [T, 1]): a shared expert's output computed apart, added as
@@ -302,10 +298,6 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         if num_tokens <= moe_gemv.MAX_TOKENS:
             return add_gated_shared(moe_gemv.fused_moe_gemv(x, gate_up_proj, down_proj, topk_weights, topk_ids,
                                                             shared), gated_shared)
-    if (_GROUPED_FROM and config is None and shared is None and num_tokens >= _GROUPED_FROM
-            and moe_grouped.supported(x, gate_up_proj, down_proj)):
-        return _sum_pairs(moe_grouped.per_pair_outputs(x, gate_up_proj, down_proj, topk_weights, topk_ids), top_k,
-                          gated_shared)
     num_pairs = num_tokens * top_k
     if config is None:
         name = _device_name(x.device)
@@ -333,15 +325,9 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         stride_wn=down_proj.stride(1), stride_wk=down_proj.stride(2), stride_ot=per_pair.stride(0),
         NUM_EXPERTS=num_experts, HAS_SHARED=has_shared, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    return _sum_pairs(per_pair, top_k, gated_shared)
-
-
-def _sum_pairs(per_pair: torch.Tensor, top_k: int, gated_shared: tuple[torch.Tensor, torch.Tensor] | None
-               ) -> torch.Tensor:
-    """[T, H]: each token's `top_k` rows of `per_pair` [T * top_k, H] summed, plus a gated shared expert's output."""
     if gated_shared is not None and _COMBINE:
         return combine_pairs(per_pair, top_k, gated_shared)
-    return add_gated_shared(per_pair.view(-1, top_k, per_pair.shape[1]).sum(dim=1), gated_shared)
+    return add_gated_shared(per_pair.view(num_tokens, top_k, hidden).sum(dim=1), gated_shared)
 
 
 def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
@@ -361,8 +347,8 @@ def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: in
                   shared: tuple[torch.Tensor, torch.Tensor] | None = None, shared_max_tokens: int = 0) -> int:
     """Compile every binary `fused_moe` can pick for these experts in forwards of 1..`max_tokens` tokens
     (`warm_up_token_counts`; the other integer arguments are fixed by the shape), and with `shared` those of the
-    calls that run it as one more expert (top_k + 1 columns) in forwards of up to `shared_max_tokens`; with the
-    grouped-GEMM path on, one call of it. Returns the number of calls; 0 off CUDA."""
+    calls that run it as one more expert (top_k + 1 columns) in forwards of up to `shared_max_tokens`. Returns the
+    number of calls; 0 off CUDA."""
     device = gate_up_proj.device
     name = _device_name(device)
     if name is None:
@@ -374,25 +360,11 @@ def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: in
     calls = 0
     for k, limit, with_shared in runs:
         for tokens in warm_up_token_counts(num_experts, hidden, double_inter // 2, k, limit, name):
-            _warm_up_call(gate_up_proj, down_proj, tokens, k, with_shared)
+            x = torch.zeros(tokens, hidden, dtype=gate_up_proj.dtype, device=device)
+            ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(k, device=device)) % num_experts
+            if with_shared is not None:
+                ids[:, -1] = num_experts
+            weights = torch.full((tokens, k), 1.0 / k, dtype=gate_up_proj.dtype, device=device)
+            fused_moe(x, gate_up_proj, down_proj, weights, ids, shared=with_shared)
             calls += 1
-    # the grouped-GEMM path's own Triton launch (one binary for every count), at its smallest count past the GEMV's
-    tokens = max(_GROUPED_FROM, moe_gemv.MAX_TOKENS + 1 if _MOE_GEMV else 1)
-    if _GROUPED_FROM and tokens <= max_tokens:
-        _warm_up_call(gate_up_proj, down_proj, tokens, top_k, None)
-        calls += 1
     return calls
-
-
-def _warm_up_call(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tokens: int, top_k: int,
-                  shared: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """One `fused_moe` call of `tokens` zero rows, each routed to `top_k` consecutive experts (the last column to a
-    shared expert's id E when `shared` is given)."""
-    device = gate_up_proj.device
-    num_experts, _, hidden = gate_up_proj.shape
-    x = torch.zeros(tokens, hidden, dtype=gate_up_proj.dtype, device=device)
-    ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(top_k, device=device)) % num_experts
-    if shared is not None:
-        ids[:, -1] = num_experts
-    weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=gate_up_proj.dtype, device=device)
-    fused_moe(x, gate_up_proj, down_proj, weights, ids, shared=shared)
