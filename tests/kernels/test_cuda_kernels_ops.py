@@ -234,6 +234,7 @@ CONV_CASES = [
     ConvCase((17, 2), (False, True), 2, 33, False),
     ConvCase((4, 3, 40), (True, False, False), 3, 130),
     ConvCase((2, 3, 1, 1, 70), (False, False, True, False, False), 4, 300),
+    ConvCase((5, 3, 40), (True, False, False), 4, 256),   # channels and q / k / v bounds multiples of 8
 ]
 # model-sized channel counts (Qwen3.5-like conv dim), GPU only
 CONV_CASES_LARGE = [ConvCase((1,) * 8, (False, True) * 4, 4, 8192),
@@ -276,11 +277,15 @@ def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
 def check_conv_planes(case: ConvCase, x, weight, bias, backing, pool, state_ids, is_fresh, cu_seqlens, activation,
                       out, want_backing, device: str) -> None:
     """`causal_conv1d_planes` in three groups (q / k / v-like thirds) and in four of uneven widths (bounds inside
-    the kernel's channel blocks, a one-channel group first): each group is a contiguous tensor holding exactly the
-    plain output's columns, and the pool ends as after the plain call."""
+    the kernel's channel blocks, a one-channel group first), and for a channel count that is a multiple of 32 in the
+    models' q / k / v quarters (the aligned stores; with 256 channels one block spans two planes, the other lies in
+    one): each group is a contiguous tensor holding exactly the plain output's columns, and the pool ends as after
+    the plain call."""
     third, quarter = case.channels // 3, case.channels // 4
-    for splits in ((third, third, case.channels - 2 * third),
-                   (1, quarter, case.channels - 1 - 2 * quarter, quarter)):
+    all_splits = [(third, third, case.channels - 2 * third), (1, quarter, case.channels - 1 - 2 * quarter, quarter)]
+    if case.channels % 32 == 0:
+        all_splits.append((quarter, quarter, case.channels - 2 * quarter))
+    for splits in all_splits:
         plane_backing = backing.to(device, copy=True)  # on the CPU `.to` alone would share (and update) it
         plane_pool = plane_backing[:, 3:3 + pool[0].numel()].view(pool.shape)
         planes = cuda_conv.causal_conv1d_planes(x.to(device), weight.to(device),
@@ -347,6 +352,24 @@ def test_cpu_causal_conv1d_split_equals_unsplit():
 @pytest.mark.parametrize('case', CONV_CASES, ids=str)
 def test_cpu_causal_conv1d(case, dtype):
     check_conv(case, dtype, 'silu' if case.with_bias else None, 'cpu')
+
+
+# channels and plane bounds multiples of 8: the stores through one plane's row stride (LMDEPLOY_CONV_VECTOR_STORES)
+VECTOR_STORE_CASES = [c for c in CONV_CASES + CONV_CASES_LARGE if c.channels % 32 == 0]
+
+
+@interpreted
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+def test_cpu_causal_conv1d_vector_stores(monkeypatch, dtype):
+    monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', True)
+    check_conv(VECTOR_STORE_CASES[0], dtype, 'silu', 'cpu')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', VECTOR_STORE_CASES, ids=str)
+def test_causal_conv1d_vector_stores_gpu(monkeypatch, case):
+    monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', True)
+    check_conv(case, torch.bfloat16, 'silu', 'cuda')
 
 
 # ------------------------------------------------------------------------------------------------------ MoE

@@ -21,6 +21,8 @@ after it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -47,7 +49,12 @@ def _plane_of(chans, channels, bound1, bound2, bound3):
 def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token_ptr, cu_seqlens_ptr, state_ids_ptr,
                         fresh_ptr, num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1,
                         stride_s2, bound1, bound2, bound3, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+                        SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Program (token block, channel block). ALIGNED (the channel count and every plane bound a multiple of 8):
+    a channel block inside one plane stores through that plane's row stride with offsets the compiler knows are
+    16-byte aligned runs of 8, i.e. vector stores (the per-column plane layout stores element by element: ~4x the
+    kernel's time on an H100)."""
     wait_for_inputs(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -75,9 +82,20 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
         acc += val * w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    lo, width = _plane_of(chans, channels, bound1, bound2, bound3)
-    out_offs = num_tokens * lo[None, :] + tokens64[:, None] * width[None, :] + (chans - lo)[None, :]
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & c_mask[None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    mask = t_mask[:, None] & c_mask[None, :]
+    first = tl.program_id(1) * BLOCK_C
+    lo_first, width_first = _plane_of(first, channels, bound1, bound2, bound3)
+    lo_last, _ = _plane_of(tl.minimum(first + BLOCK_C, channels) - 1, channels, bound1, bound2, bound3)
+    if ALIGNED and lo_first == lo_last:   # one plane: [T, width] rows at element T * lo
+        rows = tl.multiple_of(tokens64 * width_first, 8)
+        cols = tl.max_contiguous(tl.multiple_of(num_tokens * lo_first + first - lo_first + tl.arange(0, BLOCK_C), 8),
+                                 BLOCK_C)
+        tl.store(out_ptr + rows[:, None] + cols[None, :], out, mask=mask)
+    else:
+        lo, width = _plane_of(chans, channels, bound1, bound2, bound3)
+        out_offs = num_tokens * lo[None, :] + tokens64[:, None] * width[None, :] + (chans - lo)[None, :]
+        tl.store(out_ptr + out_offs, out, mask=mask)
 
 
 @fast_kernel
@@ -173,6 +191,19 @@ def causal_conv1d(
 
 
 _MAX_PLANES = 4
+# The token-parallel kernel's vector stores (`_conv_tokens_kernel`'s ALIGNED): opt-in with LMDEPLOY_CONV_VECTOR_STORES=1
+# (read at import) until measured on a GPU; its offsets are checked by the interpreted tests either way.
+VECTOR_STORES = os.environ.get('LMDEPLOY_CONV_VECTOR_STORES', '0') == '1'
+# (BLOCK_T, BLOCK_C, num_warps) of `_conv_tokens_kernel` when set (`benchmark/bench_conv1d.py` sweeps it)
+TOKEN_TILES: tuple[int, int, int] | None = None
+
+
+def token_tiles(channels: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, num_warps) of the token-parallel kernel: `TOKEN_TILES` if set, else 16 tokens x up to 128
+    channels, 4 warps."""
+    if TOKEN_TILES is not None:
+        return TOKEN_TILES
+    return 16, min(triton.next_power_of_2(channels), 128), 4
 
 
 def causal_conv1d_planes(
@@ -233,12 +264,13 @@ def _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activa
     bias_arg = bias if bias is not None else weight
     is_decode = num_tokens == num_seqs
     if not is_decode and num_tokens > 0:
-        block_t, block_c = 16, min(triton.next_power_of_2(channels), 128)
+        block_t, block_c, warps = token_tiles(channels)
         if seq_of_token is None:
             seq_of_token = seq_of_token_of(cu_seqlens, num_tokens)
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
+        aligned = VECTOR_STORES and all(b % 8 == 0 for b in (channels, *bounds)) and out.data_ptr() % 16 == 0
         _conv_tokens_kernel[grid](x, weight, bias_arg, conv_state, out, seq_of_token, cu_seqlens, state_ids, fresh,
-                                  BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4, **common)
+                                  BLOCK_T=block_t, BLOCK_C=block_c, ALIGNED=aligned, num_warps=warps, **common)
     block_c = min(triton.next_power_of_2(channels), 256)
     block_h = max(triton.next_power_of_2(kernel - 1), 2)
     _conv_sequence_kernel[(num_seqs, triton.cdiv(channels, block_c))](
