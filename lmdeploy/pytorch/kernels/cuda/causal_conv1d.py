@@ -52,9 +52,10 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
                         SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr,
                         PDL: tl.constexpr = False):
     """Program (token block, channel block). ALIGNED (the channel count and every plane bound a multiple of 8):
-    a channel block inside one plane stores through that plane's row stride with offsets the compiler knows are
-    16-byte aligned runs of 8, i.e. vector stores (the per-column plane layout stores element by element: ~4x the
-    kernel's time on an H100)."""
+    a channel block inside one plane stores through that plane's row stride, its offsets and mask marked as
+    16-byte aligned runs of 8, so the compiler emits vector stores; the per-column plane layout stores element by
+    element (`tests/kernels/test_conv_store_ptx.py` reads both forms in the sm90 PTX), the suspected cause of the
+    kernel's 3.8x its copy floor on an H100."""
     wait_for_inputs(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -91,7 +92,8 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
         rows = tl.multiple_of(tokens64 * width_first, 8)
         cols = tl.max_contiguous(tl.multiple_of(num_tokens * lo_first + first - lo_first + tl.arange(0, BLOCK_C), 8),
                                  BLOCK_C)
-        tl.store(out_ptr + rows[:, None] + cols[None, :], out, mask=mask)
+        runs = tl.max_constancy(c_mask, 8)   # channels a multiple of 8: the mask is constant over runs of 8
+        tl.store(out_ptr + rows[:, None] + cols[None, :], out, mask=t_mask[:, None] & runs[None, :])
     else:
         lo, width = _plane_of(chans, channels, bound1, bound2, bound3)
         out_offs = num_tokens * lo[None, :] + tokens64[:, None] * width[None, :] + (chans - lo)[None, :]
