@@ -54,7 +54,7 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
     """Program (token block, channel block). ALIGNED (the channel count and every plane bound a multiple of 8):
     a channel block inside one plane stores through that plane's row stride, its offsets and mask marked as
     16-byte aligned runs of 8, so the compiler emits vector stores; the per-column plane layout stores element by
-    element (`tests/kernels/test_conv_store_ptx.py` reads both forms in the sm90 PTX), the suspected cause of the
+    element (`tests/kernels/test_kernel_ptx.py` reads both forms in the sm90 PTX), the suspected cause of the
     kernel's 3.8x its copy floor on an H100."""
     wait_for_inputs(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -1,0 +1,86 @@
+"""Properties of our Triton kernels read in the PTX Triton compiles for Hopper (sm90), offline: no GPU is needed,
+only Triton's CUDA backend, which its wheel carries. Compiled with the specialization the model shapes get
+(pointers 16-byte aligned; the ints named divisible by 16).
+
+- The conv's stores (`causal_conv1d._conv_tokens_kernel`): through the per-column plane layout, whose offsets hide
+  their alignment from the compiler, element by element (`st.global.b16`), the suspected cause of the kernel's 3.8x
+  its copy floor (H100 run 73, `docs/benchmarks.md`); with ALIGNED (`LMDEPLOY_CONV_VECTOR_STORES=1`, channels and
+  plane bounds multiples of 8) a channel block inside one plane stores 16-byte vectors, also where those counts
+  are multiples of 8 but not of 16 (only the kernel's hints tell the compiler then).
+- The few-token MoE's down launch (`moe_gemv._moe_gemv_down_kernel`): one reduction loop per pair by default; with
+  STEPS (`LMDEPLOY_MOE_GEMV_UNROLL_K=1`) and the top-k loop unrolled, one straight-line block without a branch, so
+  every weight load of a program can issue before the first result is needed.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+triton = pytest.importorskip('triton')
+
+from lmdeploy.pytorch.kernels.cuda import causal_conv1d, moe_gemv  # noqa: E402
+
+_CONV_POINTERS = {'x_ptr': '*bf16', 'w_ptr': '*bf16', 'bias_ptr': '*bf16', 'state_ptr': '*bf16', 'out_ptr': '*bf16',
+             'seq_of_token_ptr': '*i64', 'cu_seqlens_ptr': '*i64', 'state_ids_ptr': '*i64', 'fresh_ptr': '*u8'}
+_CONV_DIVISIBLE = ('num_tokens', 'channels', 'stride_xt', 'stride_s0', 'bound1', 'bound2', 'bound3')
+
+
+def sm90_ptx(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int) -> str:
+    """The PTX of `kernel` (a `fast_kernel`) for sm90: `pointers` name -> Triton pointer type (16-byte aligned), the
+    other non-constexpr arguments i32 (`divisible`: those specialized as multiples of 16), `constexprs` over the
+    kernel's defaults."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if 'nvidia' not in getattr(triton.backends, 'backends', {}):
+        pytest.skip("this Triton has no CUDA backend")
+    fn = kernel.fn
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        pytest.skip('Triton runs interpreted here')
+    names = fn.arg_names
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr}, **constexprs}
+    signature = {n: 'constexpr' if n in constexprs else pointers.get(n, 'i32') for n in names}
+    attrs = {(names.index(n),): [['tt.divisibility', 16]] for n in names if n in pointers or n in divisible}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget('cuda', 90, 32),
+                          options=dict(num_warps=num_warps)).asm['ptx']
+
+
+def global_memory_ops(aligned: bool, divisible=_CONV_DIVISIBLE) -> tuple[Counter, Counter]:
+    """(stores, loads) of the conv kernel's PTX, by instruction form."""
+    constexprs = dict(KERNEL=4, HAS_BIAS=False, SILU=True, BLOCK_T=16, BLOCK_C=128, ALIGNED=aligned, PDL=False)
+    ptx = sm90_ptx(causal_conv1d._conv_tokens_kernel, _CONV_POINTERS, constexprs, divisible, 4)
+    ops = re.findall(r'\b(?:st|ld)\.global[.\w]*', ptx)   # predicated or not (`@%p1 st.global...`)
+    return Counter(op for op in ops if op.startswith('st.')), Counter(op for op in ops if op.startswith('ld.'))
+
+
+def test_aligned_conv_stores_are_vectors():
+    plain_stores, plain_loads = global_memory_ops(False)
+    vector_stores, vector_loads = global_memory_ops(True)
+    assert set(plain_stores) == {'st.global.b16'}, plain_stores          # element by element
+    assert vector_stores['st.global.v4.b32'] >= 1, vector_stores        # the one-plane branch: 8 bf16 a store
+    assert vector_stores['st.global.b16'] == plain_stores['st.global.b16']   # the general branch, unchanged
+    assert vector_loads == plain_loads                                     # the input side is the same kernel
+    assert plain_loads['ld.global.v4.b32'] >= 1                            # the token rows load as vectors
+
+
+def test_aligned_conv_stores_are_vectors_for_bounds_of_eight():
+    """Token counts, channel counts and plane bounds that are multiples of 8 but not of 16 (which Triton does not
+    specialize on): only the kernel's alignment hints tell the compiler the one-plane offsets are 16-byte runs."""
+    plain_stores, _ = global_memory_ops(False, divisible=('stride_xt', 'stride_s0'))
+    vector_stores, _ = global_memory_ops(True, divisible=('stride_xt', 'stride_s0'))
+    assert set(plain_stores) == {'st.global.b16'}, plain_stores
+    assert vector_stores['st.global.v4.b32'] >= 1, vector_stores
+
+
+def test_unrolled_moe_down_reduction_is_one_straight_line_block():
+    bf16 = '*bf16'
+    pointers = dict(act_ptr=bf16, w_ptr=bf16, shared_ptr=bf16, ids_ptr='*i64', weights_ptr=bf16, out_ptr=bf16)
+    divisible = ('hidden', 'inter', 'stride_at', 'stride_we', 'stride_wn', 'stride_ot')
+    shape = dict(TOP_K=9, NUM_EXPERTS=64, HAS_SHARED=True, BLOCK_N=8, BLOCK_K=128, UNROLL=9, PDL=True)  # 35B-A3B
+    looped = sm90_ptx(moe_gemv._moe_gemv_down_kernel, pointers, dict(shape, STEPS=0), divisible, 8)
+    unrolled = sm90_ptx(moe_gemv._moe_gemv_down_kernel, pointers, dict(shape, STEPS=4), divisible, 8)
+    weight_loads = r'ld\.global\.v2\.b32'
+    assert len(re.findall(r'\bbra\b', looped)) >= 9                  # a loop per pair
+    assert not re.findall(r'\bbra\b', unrolled)                      # no branch at all
+    assert len(re.findall(weight_loads, unrolled)) == 9 * 4 * 2          # 9 pairs x 4 steps x (weights, activation)
