@@ -1,6 +1,6 @@
 """Properties of our Triton kernels read in the PTX Triton compiles for Hopper (sm90), offline: no GPU is needed,
 only Triton's CUDA backend, which its wheel carries. Compiled with the specialization the model shapes get
-(pointers 16-byte aligned; the ints named divisible by 16).
+(pointers 16-byte aligned; the ints named divisible by 16; unit strides the constant 1).
 
 - The conv's stores (`causal_conv1d._conv_tokens_kernel`): through the per-column plane layout, whose offsets hide
   their alignment from the compiler, element by element (`st.global.b16`), the suspected cause of the kernel's 3.8x
@@ -48,7 +48,9 @@ def sm90_ptx(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int
 
 def global_memory_ops(aligned: bool, divisible=_CONV_DIVISIBLE) -> tuple[Counter, Counter]:
     """(stores, loads) of the conv kernel's PTX, by instruction form."""
-    constexprs = dict(KERNEL=4, HAS_BIAS=False, SILU=True, BLOCK_T=16, BLOCK_C=128, ALIGNED=aligned, PDL=False)
+    # (unit strides are specialized to the constant 1, as Triton does at launch: the weight's taps, the history's)
+    constexprs = dict(stride_wk=1, stride_s2=1, KERNEL=4, HAS_BIAS=False, SILU=True, BLOCK_T=16, BLOCK_C=128,
+                      ALIGNED=aligned, PDL=False)
     ptx = sm90_ptx(causal_conv1d._conv_tokens_kernel, _CONV_POINTERS, constexprs, divisible, 4)
     ops = re.findall(r'\b(?:st|ld)\.global[.\w]*', ptx)   # predicated or not (`@%p1 st.global...`)
     return Counter(op for op in ops if op.startswith('st.')), Counter(op for op in ops if op.startswith('ld.'))
