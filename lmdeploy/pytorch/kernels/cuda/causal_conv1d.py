@@ -84,7 +84,6 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
     if SILU:
         acc = acc * tl.sigmoid(acc)
     out = acc.to(out_ptr.dtype.element_ty)
-    mask = t_mask[:, None] & c_mask[None, :]
     first = tl.program_id(1) * BLOCK_C
     lo_first, width_first = _plane_of(first, channels, bound1, bound2, bound3)
     lo_last, _ = _plane_of(tl.minimum(first + BLOCK_C, channels) - 1, channels, bound1, bound2, bound3)
@@ -97,7 +96,7 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
     else:
         lo, width = _plane_of(chans, channels, bound1, bound2, bound3)
         out_offs = num_tokens * lo[None, :] + tokens64[:, None] * width[None, :] + (chans - lo)[None, :]
-        tl.store(out_ptr + out_offs, out, mask=mask)
+        tl.store(out_ptr + out_offs, out, mask=t_mask[:, None] & c_mask[None, :])
 
 
 @fast_kernel

@@ -28,6 +28,7 @@ token's columns) each run one reduction loop per pair, every step's loads waitin
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -140,6 +141,19 @@ def default_tiles(top_k: int, hidden: int, inter: int, sms: int) -> dict:
                 down=dict(BLOCK_N=8, BLOCK_K=block_k, num_warps=8, UNROLL=top_k, UNROLL_K=_UNROLL_K))
 
 
+def _as_launch(tiles: dict, inter: int) -> tuple[dict, dict]:
+    """`default_tiles`' form -> the two launches' keyword arguments (UNROLL_K becomes the down kernel's STEPS)."""
+    down = {k: v for k, v in tiles['down'].items() if k != 'UNROLL_K'}
+    down['STEPS'] = triton.cdiv(inter, down['BLOCK_K']) if tiles['down'].get('UNROLL_K') else 0
+    return tiles['up'], down
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_tiles(top_k: int, hidden: int, inter: int, sms: int) -> tuple[dict, dict]:
+    """`_as_launch(default_tiles(...))` once per shape: a decode step's MoE layers look it up, not rebuild it."""
+    return _as_launch(default_tiles(top_k, hidden, inter, sms), inter)
+
+
 def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                    config: dict | None = None) -> torch.Tensor:
@@ -159,9 +173,10 @@ def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
     weights = topk_weights.reshape(-1).contiguous()
     num_pairs = num_tokens * top_k
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    tiles = config or default_tiles(top_k, hidden, inter, device_sm_count(x.device))
-    up, down = tiles['up'], dict(tiles['down'])
-    down['STEPS'] = triton.cdiv(inter, down['BLOCK_K']) if down.pop('UNROLL_K', False) else 0
+    if config is None:
+        up, down = _launch_tiles(top_k, hidden, inter, device_sm_count(x.device))
+    else:
+        up, down = _as_launch(config, inter)
     _moe_gemv_up_kernel[(num_pairs, triton.cdiv(inter, up['BLOCK_N']))](
         x, gate_up_proj, shared_gate_up, ids, act, hidden, inter, x.stride(0), gate_up_proj.stride(0),
         gate_up_proj.stride(1), act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts, HAS_SHARED=int(shared is not None),
