@@ -9,12 +9,15 @@ column slice of the fused input projection's output (rows of 16,384 elements), o
 graph replays (`graph_timing.graph_us`); floor = (input read + output written) / the copy rate measured here
 (`real_depth_floors.measure_device`). Two store forms of the token-parallel kernel: the per-column plane layout
 (the default) and the vector stores through one plane's row stride (`LMDEPLOY_CONV_VECTOR_STORES=1`,
-`causal_conv1d.VECTOR_STORES`); the tiles are swept with the vector stores. Every output is checked against the
-default's (exact: the tiles and the store form change which program writes an element and how, not its
-arithmetic), and the default's against the torch reference (`kernels/default/causal_conv1d.py`).
+`causal_conv1d.VECTOR_STORES`), each with the checkpoint's channel-major weight `[C, K]` and with a tap-major copy
+(strides `(1, C)`: the kernels read any strides, and a unit channel stride lets each tap's weights load as
+vectors); each of the four forms at the default tiles and at the best of its own sweep. Every output is checked
+against the default's (exact: the tiles, the store form and the weight's strides change which program writes an
+element and how, not its arithmetic), and the default's against the torch reference
+(`kernels/default/causal_conv1d.py`).
 
     python benchmark/bench_conv1d.py                              # 1K / 8K / 32K cold + a 100-token suffix
-    python benchmark/bench_conv1d.py --tokens 1024 --no-sweep     # the two store forms, default tiles only
+    python benchmark/bench_conv1d.py --tokens 1024 --no-sweep     # the four forms, default tiles only
 """
 from __future__ import annotations
 
@@ -48,6 +51,12 @@ def make_case(tokens: int, fresh: bool, gen: torch.Generator):
     is_fresh = torch.tensor([fresh], device='cuda')
     cu = torch.tensor([0, tokens], device='cuda')
     return x, weight, pool, ids, is_fresh, cu
+
+
+def tap_major(case):
+    """The case with its weight's storage transposed (same values and shape, strides (1, C))."""
+    x, weight, *rest = case
+    return (x, weight.t().contiguous().t(), *rest)
 
 
 def planes(case, pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -85,8 +94,9 @@ def main() -> None:
     print(f'device {torch.cuda.get_device_name()}, commit {os.environ.get("LMDEPLOY_COMMIT", "?")}; copy '
           f'{rates.copy_bytes_per_s / 1e9:.0f} GB/s; conv {sum(SPLITS)} channels {SPLITS}, width 4, bf16; device us '
           'per call (CUDA graph replays)', flush=True)
-    print('case | plane layout us | vector stores us | floor us | plane/floor | vector/floor | best vector us | '
-          'best (BLOCK_T, BLOCK_C, warps) | best/floor', flush=True)
+    forms = {'plane': False, 'vector': True, 'plane, tap-major w': False, 'vector, tap-major w': True}
+    print('case | floor us | ' + ' | '.join(f'{f} us (default tiles / best)' for f in forms)
+          + ' | best form | best/floor', flush=True)
     gen = torch.Generator(device='cuda').manual_seed(0)
     for tokens, fresh in [(t, True) for t in a.tokens] + [(t, False) for t in a.suffix]:
         case = make_case(tokens, fresh, gen)
@@ -96,17 +106,19 @@ def main() -> None:
         if not torch.allclose(want.float(), ref, rtol=2e-2, atol=2e-2):
             raise SystemExit(f'{tokens} tokens: the Triton conv differs from the torch reference by '
                              f'{(want.float() - ref).abs().max().item():.3g}')
-        plane = check_and_time(case, None, False, want)
-        vector = check_and_time(case, None, True, want)
         floor = 2 * tokens * sum(SPLITS) * 2 / rates.copy_bytes_per_s * 1e6
-        best = (vector, None)
-        if a.sweep:
-            for tiles in itertools.product((8, 16, 32, 64), (64, 128, 256), (2, 4, 8)):
-                best = min(best, (check_and_time(case, tiles, True, want), tiles), key=lambda b: b[0])
+        cells, best = [], (float('inf'), '')
+        for form, vector in forms.items():
+            form_case = tap_major(case) if 'tap-major' in form else case
+            default = check_and_time(form_case, None, vector, want)
+            mine = (default, None)
+            if a.sweep:
+                for tiles in itertools.product((4, 8, 16), (32, 64, 128), (1, 2, 4)):
+                    mine = min(mine, (check_and_time(form_case, tiles, vector, want), tiles), key=lambda b: b[0])
+            cells.append(f'{default:7.1f} / {mine[0]:7.1f} {mine[1] or "(default)"}')
+            best = min(best, (mine[0], f'{form} {mine[1] or "(default)"}'), key=lambda b: b[0])
         name = f'{tokens} {"cold" if fresh else "after history"}'
-        print(f'{name} | {plane:8.1f} | {vector:8.1f} | {floor:7.1f} | {plane / floor:5.2f}x | '
-              f'{vector / floor:5.2f}x | {best[0]:8.1f} | {best[1] or "default"} | {best[0] / floor:5.2f}x', flush=True)
-
+        print(f'{name} | {floor:7.1f} | ' + ' | '.join(cells) + f' | {best[1]} | {best[0] / floor:5.2f}x', flush=True)
 
 if __name__ == '__main__':
     main()

@@ -195,8 +195,25 @@ _MAX_PLANES = 4
 # The token-parallel kernel's vector stores (`_conv_tokens_kernel`'s ALIGNED): opt-in with LMDEPLOY_CONV_VECTOR_STORES=1
 # (read at import) until measured on a GPU; its offsets are checked by the interpreted tests either way.
 VECTOR_STORES = os.environ.get('LMDEPLOY_CONV_VECTOR_STORES', '0') == '1'
-# (BLOCK_T, BLOCK_C, num_warps) of `_conv_tokens_kernel` when set (`benchmark/bench_conv1d.py` sweeps it)
-TOKEN_TILES: tuple[int, int, int] | None = None
+
+
+def _tiles_from_env(name: str) -> tuple[int, int, int] | None:
+    """`LMDEPLOY_CONV_TILES=BLOCK_T,BLOCK_C,num_warps` (powers of two), for measuring tiles inside the engine."""
+    text = os.environ.get(name, '').strip()
+    if not text:
+        return None
+    try:
+        tiles = tuple(int(v) for v in text.split(','))
+    except ValueError:
+        tiles = ()
+    if len(tiles) != 3 or any(v <= 0 or v & (v - 1) for v in tiles):
+        raise ValueError(f'{name}={text!r}: expected three powers of two, BLOCK_T,BLOCK_C,num_warps')
+    return tiles
+
+
+# (BLOCK_T, BLOCK_C, num_warps) of `_conv_tokens_kernel` when set (`benchmark/bench_conv1d.py` sweeps it; read at
+# import from LMDEPLOY_CONV_TILES)
+TOKEN_TILES: tuple[int, int, int] | None = _tiles_from_env('LMDEPLOY_CONV_TILES')
 
 
 def token_tiles(channels: int) -> tuple[int, int, int]:
