@@ -16,10 +16,9 @@ each replay, and the device time of each. `--write-config DIR` writes the best c
 
 `--gemv`: also the few-token path of `kernels/cuda/moe_gemv.py` (which `fused_moe` takes for up to
 `moe_gemv.MAX_TOKENS` tokens unless `LMDEPLOY_MOE_GEMV=0`), called directly for every count up to 16 tokens (the
-crossover), its output checked against the untuned `fused_moe`'s, with its default tiles as they are and with the
-down launch's reduction unrolled (`LMDEPLOY_MOE_GEMV_UNROLL_K=1`; a GEMV_UNROLL_K line). `--gemv-sweep`: also its
-tiles swept (`moe_gemv.default_tiles`' form, the up launch's then the down launch's, the unrolled reduction among
-the latter), the best printed per count as a GEMV_SWEEP line.
+crossover), its output checked against the untuned `fused_moe`'s, at its default tiles. `--gemv-sweep`: also its
+tiles swept (`moe_gemv.default_tiles`' form, the up launch's then the down launch's), the best printed per count as
+a GEMV_SWEEP line.
 
     python benchmark/bench_moe_kernel.py                           # Qwen3.5-35B-A3B experts (64 kept), ~2 min, H200
     python benchmark/bench_moe_kernel.py --tokens 1 2 4 8 16 --no-sweep --gemv    # the decode counts, both paths
@@ -133,10 +132,8 @@ def gemv_sweep(case: Case, a, want: torch.Tensor) -> tuple[float, dict]:
         cfg = dict(up=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w), down=base['down'])
         best = min(best, (gemv_time(case, cfg, a.layers, want), cfg), key=lambda b: b[0])
     up = best[1]['up']
-    for (n, k, w), unroll, unroll_k in itertools.product(grid, sorted({1, a.top_k}), (False, True)):
-        if unroll_k and -(-a.inter // k) > 16:   # an unrolled reduction of more than 16 steps: not tried
-            continue
-        cfg = dict(up=up, down=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, UNROLL=unroll, UNROLL_K=unroll_k))
+    for (n, k, w), unroll in itertools.product(grid, sorted({1, a.top_k})):
+        cfg = dict(up=up, down=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, UNROLL=unroll))
         best = min(best, (gemv_time(case, cfg, a.layers, want), cfg), key=lambda b: b[0])
     return best
 
@@ -239,11 +236,6 @@ def main() -> None:
                     raise SystemExit(f'moe_gemv differs from fused_moe at {tokens} tokens: '
                                      f'{(got - want).abs().max().item():.3g}')
                 t_gemv = graph_us(case.run_gemv, a.layers)
-                tiles = moe_gemv.default_tiles(a.top_k, a.hidden, a.inter, torch.cuda.get_device_properties(0)
-                                               .multi_processor_count)
-                unrolled = dict(up=tiles['up'], down={**tiles['down'], 'UNROLL_K': True})
-                print(f'GEMV_UNROLL_K tokens {tokens}: default tiles {t_gemv:.1f} us, with the down launch\'s '
-                      f'reduction unrolled {gemv_time(case, unrolled, a.layers, want):.1f} us', flush=True)
                 if a.gemv_sweep:
                     t_swept, tiles = gemv_sweep(case, a, want)
                     print(f'GEMV_SWEEP tokens {tokens}: default {t_gemv:.1f} us, best {t_swept:.1f} us '

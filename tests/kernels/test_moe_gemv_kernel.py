@@ -76,9 +76,6 @@ def reference(x, gate_up, down, weights, ids, shared) -> torch.Tensor:
 
 # a benchmark's explicit tiles: masked tails in both dims, 8 warps, the down launch's top-k loop unrolled
 SWEPT_TILES = dict(up=dict(BLOCK_N=4, BLOCK_K=32, num_warps=8), down=dict(BLOCK_N=8, BLOCK_K=16, num_warps=4, UNROLL=3))
-# the down launch's reduction unrolled too (LMDEPLOY_MOE_GEMV_UNROLL_K): 16-column steps leave a masked last step
-UNROLLED_K_TILES = dict(up=dict(BLOCK_N=4, BLOCK_K=32, num_warps=8),
-                        down=dict(BLOCK_N=8, BLOCK_K=16, num_warps=4, UNROLL=3, UNROLL_K=True))
 
 
 def check(case: Case, dtype: torch.dtype, device: str, strided: bool = False, config: dict | None = None) -> None:
@@ -103,8 +100,7 @@ def test_cpu_moe_gemv_half_and_strided_rows():
     check(CPU_CASES[1], torch.bfloat16, 'cpu', strided=True)
     check(CPU_CASES[0], torch.float16, 'cpu')
     check(Case(2, 40, 20, 6, 3, shared=True), torch.float32, 'cpu', config=SWEPT_TILES)
-    check(Case(2, 40, 20, 6, 3, shared=True), torch.float32, 'cpu', config=UNROLLED_K_TILES)
-    check(CPU_CASES[1], torch.bfloat16, 'cpu', config=UNROLLED_K_TILES)
+    check(CPU_CASES[1], torch.bfloat16, 'cpu', config=SWEPT_TILES)
 
 
 @interpreted
@@ -137,8 +133,7 @@ def test_default_tiles_follow_the_sweep_and_ignore_the_token_count():
     a program in 512-column steps, as `gemv_config` tiles the pairs' stacked rows; down 8 rows, 128-column steps,
     8 warps, the top-k loop unrolled. Only the shape enters, never the token count."""
     assert default_tiles(8, 2048, 512, 132) == dict(up=dict(BLOCK_N=1, BLOCK_K=512, num_warps=4),
-                                                    down=dict(BLOCK_N=8, BLOCK_K=128, num_warps=8, UNROLL=8,
-                                                              UNROLL_K=False))
+                                                    down=dict(BLOCK_N=8, BLOCK_K=128, num_warps=8, UNROLL=8))
     assert default_tiles(11, 2048, 512, 132)['down']['UNROLL'] == 11       # top-10 plus a folded shared expert
     assert default_tiles(8, 40, 24, 132)['down']['BLOCK_K'] == 32          # an intermediate under one step
     assert default_tiles(8, 4096, 1536, 132)['up'] == gemv_config(8 * 1536, 4096, 132)
@@ -155,14 +150,6 @@ def test_moe_gemv_matches_reference_gpu(case, dtype):
 @pytest.mark.parametrize('case', GPU_CASES[-4:], ids=str)
 def test_moe_gemv_swept_tiles_match_reference_gpu(case):
     check(case, torch.bfloat16, 'cuda', config=SWEPT_TILES)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize('case', GPU_CASES, ids=str)
-def test_moe_gemv_unrolled_reduction_matches_reference_gpu(case):
-    tiles = default_tiles(case.top_k + case.shared, case.hidden, case.inter, 132)
-    check(case, torch.bfloat16, 'cuda', config=dict(up=tiles['up'], down={**tiles['down'], 'UNROLL_K': True}))
-    check(case, torch.bfloat16, 'cuda', config=UNROLLED_K_TILES)
 
 
 @pytest.mark.gpu

@@ -21,15 +21,14 @@ and the start-up warm-up's first call (`moe.warm_up_tiles`, one token) compiles 
 up to `MAX_TOKENS` tokens by default (`LMDEPLOY_MOE_GEMV=0` keeps its own launches; `benchmark/bench_moe_kernel.py
 --gemv` times both: on the H200 one token 20.5 us a 35B-A3B layer against 32.0, four 49.2 against 58.0).
 
-The down launch reaches half the copy rate where the up launch reaches 0.83 (H100 run 72): its few programs (one
-token's columns) each run one reduction loop per pair, every step's loads waiting for the step before. Opt-in
-(`LMDEPLOY_MOE_GEMV_UNROLL_K=1`, read at import, until measured on a GPU), each pair's reduction is unrolled too
-(`STEPS`), so a program's loads of all its pairs are one straight-line block (the sm90 SASS has no branch left).
+The down launch reaches half the copy rate where the up launch reaches 0.83 (H100 run 72). Its reduction unrolled
+as well (every load of a program one straight-line block) measured the same (H100 run 74: 23.3 against 22.9 us a
+layer for one token at top-8, 27.8 against 28.7 at top-10), so the loop stays: the launch moves ~19 MB, a few
+microseconds at the copy rate, and its fixed start-up is what halves the rate.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -39,7 +38,6 @@ from .gemv import gemv_config
 from .launch import device_sm_count, fast_kernel, wait_for_inputs
 
 MAX_TOKENS = 4  # fused_moe's dispatch bound: pairs of a few tokens rarely share an expert, so each streams its own
-_UNROLL_K = os.environ.get('LMDEPLOY_MOE_GEMV_UNROLL_K', '0') == '1'
 
 
 @triton.jit
@@ -47,7 +45,7 @@ def expert_weights(w_ptr, shared_ptr, expert, stride_we, NUM_EXPERTS: tl.constex
     """The first weight of `expert`: row `expert` of the routed experts' stack, or with HAS_SHARED the shared
     expert's own tensor for id NUM_EXPERTS (same row / column strides as one routed expert)."""
     start = w_ptr + expert * stride_we
-    if HAS_SHARED:   # a select, not a branch: the callers' unrolled loads stay one straight-line block
+    if HAS_SHARED:   # a select, not a branch: the down launch's unrolled top-k loop stays one block
         start = tl.where(expert == NUM_EXPERTS, shared_ptr, start)
     return start
 
@@ -90,11 +88,8 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, act_ptr, hidden, inte
 def _moe_gemv_down_kernel(act_ptr, w_ptr, shared_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, stride_at,
                           stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                           HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          UNROLL: tl.constexpr, STEPS: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """Program (token, column block): the token's top-k pairs through their experts' rows. STEPS > 0 (=
-    cdiv(inter, BLOCK_K)): each pair's reduction unrolled, so with the top-k loop unrolled too every weight load of
-    the program is independent straight-line code the compiler can issue together; 0: a loop per pair, whose
-    loads wait for the one before (one memory latency a step)."""
+                          UNROLL: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, column block): the token's top-k pairs through their experts' rows."""
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,19 +105,12 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, shared_ptr, ids_ptr, weights_ptr, out_
                   + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
         a_ptrs = act_ptr + pair * stride_at + offs_k
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if STEPS > 0:
-            for step in tl.static_range(STEPS):
-                k_mask = offs_k < inter - step * BLOCK_K
-                a = tl.load(a_ptrs + step * BLOCK_K, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-                acc += tl.load(w_ptrs + step * BLOCK_K, mask=col_mask[:, None] & k_mask[None, :],
-                               other=0.0).to(tl.float32) * a
-        else:
-            for k0 in range(0, inter, BLOCK_K):
-                k_mask = offs_k < inter - k0
-                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-                acc += tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32) * a
-                a_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
+        for k0 in range(0, inter, BLOCK_K):
+            k_mask = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32) * a
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
         out += tl.sum(acc, 1).to(dtype).to(tl.float32) * route
     tl.store(out_ptr + token * stride_ot + cols, out.to(dtype), mask=col_mask)
 
@@ -133,25 +121,17 @@ def default_tiles(top_k: int, hidden: int, inter: int, sms: int) -> dict:
     sweep (`bench_moe_kernel.py --gemv-sweep`, 35B-A3B experts, top-8, one and two tokens) found: up as
     `gemv.gemv_config` tiles the pairs' stacked gate rows (there one row a program, 512-column steps, 4 warps);
     down 8 rows a program, 128-column steps on 8 warps, the top-k loop unrolled so the experts' loads issue
-    together (20.6 us a layer for one token against 23.1 for the old two-programs-an-SM rule, 32.0 for `fused_moe`);
-    with `LMDEPLOY_MOE_GEMV_UNROLL_K=1` each pair's reduction unrolled as well (UNROLL_K: the kernel's STEPS, see
-    the module docstring)."""
+    together (20.6 us a layer for one token against 23.1 for the old two-programs-an-SM rule, 32.0 for `fused_moe`)."""
     block_k = min(128, max(16, triton.next_power_of_2(inter)))
     return dict(up=gemv_config(top_k * inter, hidden, sms),
-                down=dict(BLOCK_N=8, BLOCK_K=block_k, num_warps=8, UNROLL=top_k, UNROLL_K=_UNROLL_K))
-
-
-def _as_launch(tiles: dict, inter: int) -> tuple[dict, dict]:
-    """`default_tiles`' form -> the two launches' keyword arguments (UNROLL_K becomes the down kernel's STEPS)."""
-    down = {k: v for k, v in tiles['down'].items() if k != 'UNROLL_K'}
-    down['STEPS'] = triton.cdiv(inter, down['BLOCK_K']) if tiles['down'].get('UNROLL_K') else 0
-    return tiles['up'], down
+                down=dict(BLOCK_N=8, BLOCK_K=block_k, num_warps=8, UNROLL=top_k))
 
 
 @functools.lru_cache(maxsize=64)
 def _launch_tiles(top_k: int, hidden: int, inter: int, sms: int) -> tuple[dict, dict]:
-    """`_as_launch(default_tiles(...))` once per shape: a decode step's MoE layers look it up, not rebuild it."""
-    return _as_launch(default_tiles(top_k, hidden, inter, sms), inter)
+    """`default_tiles(...)`'s two launches once per shape: a decode step's MoE layers look them up, not rebuild them."""
+    tiles = default_tiles(top_k, hidden, inter, sms)
+    return tiles['up'], tiles['down']
 
 
 def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
@@ -176,7 +156,7 @@ def fused_moe_gemv(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
     if config is None:
         up, down = _launch_tiles(top_k, hidden, inter, device_sm_count(x.device))
     else:
-        up, down = _as_launch(config, inter)
+        up, down = config['up'], config['down']
     _moe_gemv_up_kernel[(num_pairs, triton.cdiv(inter, up['BLOCK_N']))](
         x, gate_up_proj, shared_gate_up, ids, act, hidden, inter, x.stride(0), gate_up_proj.stride(0),
         gate_up_proj.stride(1), act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts, HAS_SHARED=int(shared is not None),
