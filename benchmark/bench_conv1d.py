@@ -9,12 +9,11 @@ column slice of the fused input projection's output (rows of 16,384 elements), o
 graph replays (`graph_timing.graph_us`); floor = (input read + output written) / the copy rate measured here
 (`real_depth_floors.measure_device`). Two store forms of the token-parallel kernel: the per-column plane layout
 (the default) and the vector stores through one plane's row stride (`LMDEPLOY_CONV_VECTOR_STORES=1`,
-`causal_conv1d.VECTOR_STORES`), each with the checkpoint's channel-major weight `[C, K]` and with a tap-major copy
-(strides `(1, C)`: the kernels read any strides, and a unit channel stride lets each tap's weights load as
-vectors); each of the four forms at the default tiles and at the best of its own sweep. Every output is checked
-against the default's (exact: the tiles, the store form and the weight's strides change which program writes an
-element and how, not its arithmetic), and the default's against the torch reference
-(`kernels/default/causal_conv1d.py`).
+`causal_conv1d.VECTOR_STORES`), each with the token-parallel kernel reading the history and without it (the
+per-sequence kernel writing the outputs that need it: `LMDEPLOY_CONV_SPLIT_HISTORY=1`,
+`causal_conv1d.SPLIT_HISTORY`); each of the four forms at the default tiles and at the best of its own sweep.
+Every output is checked against the default's (exact: the forms and tiles change which program writes an element
+and how, not its arithmetic), and the default's against the torch reference (`kernels/default/causal_conv1d.py`).
 
     python benchmark/bench_conv1d.py                              # 1K / 8K / 32K cold + a 100-token suffix
     python benchmark/bench_conv1d.py --tokens 1024 --no-sweep     # the four forms, default tiles only
@@ -53,12 +52,6 @@ def make_case(tokens: int, fresh: bool, gen: torch.Generator):
     return x, weight, pool, ids, is_fresh, cu
 
 
-def tap_major(case):
-    """The case with its weight's storage transposed (same values and shape, strides (1, C))."""
-    x, weight, *rest = case
-    return (x, weight.t().contiguous().t(), *rest)
-
-
 def planes(case, pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
     x, weight, _, ids, is_fresh, cu = case
     return conv.causal_conv1d_planes(x, weight, None, pool, ids, is_fresh, cu, SPLITS, 'silu')
@@ -68,20 +61,21 @@ def run(case, pool: torch.Tensor) -> torch.Tensor:
     return torch.cat(planes(case, pool), dim=1)
 
 
-def configured(tiles, vector: bool, fn):
-    """fn() with the kernel's tiles (None: the default) and store form set, restored after."""
-    conv.TOKEN_TILES, conv.VECTOR_STORES = tiles, vector
+def configured(tiles, form: tuple[bool, bool], fn):
+    """fn() with the kernel's tiles (None: the default) and form (vector stores, split history) set, restored
+    after."""
+    conv.TOKEN_TILES, (conv.VECTOR_STORES, conv.SPLIT_HISTORY) = tiles, form
     try:
         return fn()
     finally:
-        conv.TOKEN_TILES, conv.VECTOR_STORES = None, False
+        conv.TOKEN_TILES, conv.VECTOR_STORES, conv.SPLIT_HISTORY = None, False, False
 
 
-def check_and_time(case, tiles, vector: bool, want: torch.Tensor) -> float:
+def check_and_time(case, tiles, form: tuple[bool, bool], want: torch.Tensor) -> float:
     pool = case[2].clone()
-    if not configured(tiles, vector, lambda: torch.equal(run(case, case[2].clone()), want)):
-        raise SystemExit(f'tiles {tiles}, vector stores {vector}: the output changed ({case[0].shape[0]} tokens)')
-    return configured(tiles, vector, lambda: graph_us(lambda i: planes(case, pool), 1))
+    if not configured(tiles, form, lambda: torch.equal(run(case, case[2].clone()), want)):
+        raise SystemExit(f'tiles {tiles}, form {form}: the output changed ({case[0].shape[0]} tokens)')
+    return configured(tiles, form, lambda: graph_us(lambda i: planes(case, pool), 1))
 
 
 def main() -> None:
@@ -94,27 +88,27 @@ def main() -> None:
     print(f'device {torch.cuda.get_device_name()}, commit {os.environ.get("LMDEPLOY_COMMIT", "?")}; copy '
           f'{rates.copy_bytes_per_s / 1e9:.0f} GB/s; conv {sum(SPLITS)} channels {SPLITS}, width 4, bf16; device us '
           'per call (CUDA graph replays)', flush=True)
-    forms = {'plane': False, 'vector': True, 'plane, tap-major w': False, 'vector, tap-major w': True}
+    forms = {'plane': (False, False), 'vector': (True, False), 'plane, split history': (False, True),
+             'vector, split history': (True, True)}
     print('case | floor us | ' + ' | '.join(f'{f} us (default tiles / best)' for f in forms)
           + ' | best form | best/floor', flush=True)
     gen = torch.Generator(device='cuda').manual_seed(0)
     for tokens, fresh in [(t, True) for t in a.tokens] + [(t, False) for t in a.suffix]:
         case = make_case(tokens, fresh, gen)
         x, weight, pool, ids, is_fresh, cu = case
-        want = configured(None, False, functools.partial(run, case, pool.clone()))
+        want = configured(None, (False, False), functools.partial(run, case, pool.clone()))
         ref = ref_conv.causal_conv1d(x.float(), weight.float(), None, pool.float(), ids, is_fresh, cu, 'silu')
         if not torch.allclose(want.float(), ref, rtol=2e-2, atol=2e-2):
             raise SystemExit(f'{tokens} tokens: the Triton conv differs from the torch reference by '
                              f'{(want.float() - ref).abs().max().item():.3g}')
         floor = 2 * tokens * sum(SPLITS) * 2 / rates.copy_bytes_per_s * 1e6
         cells, best = [], (float('inf'), '')
-        for form, vector in forms.items():
-            form_case = tap_major(case) if 'tap-major' in form else case
-            default = check_and_time(form_case, None, vector, want)
+        for form, flags in forms.items():
+            default = check_and_time(case, None, flags, want)
             mine = (default, None)
             if a.sweep:
-                for tiles in itertools.product((4, 8, 16), (32, 64, 128), (1, 2, 4)):
-                    mine = min(mine, (check_and_time(form_case, tiles, vector, want), tiles), key=lambda b: b[0])
+                for tiles in itertools.product((8, 16, 32), (64, 128), (2, 4)):
+                    mine = min(mine, (check_and_time(case, tiles, flags, want), tiles), key=lambda b: b[0])
             cells.append(f'{default:7.1f} / {mine[0]:7.1f} {mine[1] or "(default)"}')
             best = min(best, (mine[0], f'{form} {mine[1] or "(default)"}'), key=lambda b: b[0])
         name = f'{tokens} {"cold" if fresh else "after history"}'

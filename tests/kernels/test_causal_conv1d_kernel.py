@@ -1,6 +1,7 @@
 """The CUDA backend's causal depthwise conv1d (`kernels/cuda/causal_conv1d.py`) against the torch reference of the
 default backend (`kernels/default/causal_conv1d.py`): outputs and the conv history pool, the q / k / v planes form,
-a prompt split into segments against the whole, and the opt-in vector stores (`LMDEPLOY_CONV_VECTOR_STORES`).
+a prompt split into segments against the whole, and the opt-in vector stores (`LMDEPLOY_CONV_VECTOR_STORES`) and
+history pass (`LMDEPLOY_CONV_SPLIT_HISTORY`).
 
 `@pytest.mark.gpu` tests run on CUDA (the reference on CPU); `test_cpu_*` run the Triton kernels on CPU tensors
 under the Triton interpreter, inside the subprocess `test_conv_kernels_interpreted` starts (TRITON_INTERPRET must
@@ -181,6 +182,22 @@ def test_cpu_causal_conv1d_vector_stores(monkeypatch, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize('case', VECTOR_STORE_CASES, ids=str)
 def test_causal_conv1d_vector_stores_gpu(monkeypatch, case):
+    monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', True)
+    check_conv(case, torch.bfloat16, 'silu', 'cuda')
+
+
+# the token-parallel kernel without the history, the per-sequence one writing the outputs that read it
+@interpreted
+@pytest.mark.parametrize('case', CONV_CASES, ids=str)
+def test_cpu_causal_conv1d_split_history(monkeypatch, case):
+    monkeypatch.setattr(cuda_conv, 'SPLIT_HISTORY', True)
+    check_conv(case, torch.bfloat16, 'silu' if case.with_bias else None, 'cpu')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', CONV_CASES + CONV_CASES_LARGE, ids=str)
+def test_causal_conv1d_split_history_gpu(monkeypatch, case):
+    monkeypatch.setattr(cuda_conv, 'SPLIT_HISTORY', True)
     monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', True)
     check_conv(case, torch.bfloat16, 'silu', 'cuda')
 

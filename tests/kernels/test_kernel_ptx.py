@@ -45,11 +45,11 @@ def sm90_ptx(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int
                           options=dict(num_warps=num_warps)).asm['ptx']
 
 
-def global_memory_ops(aligned: bool, divisible=_CONV_DIVISIBLE) -> tuple[Counter, Counter]:
-    """(stores, loads) of the conv kernel's PTX, by instruction form."""
+def global_memory_ops(aligned: bool, divisible=_CONV_DIVISIBLE, history: bool = True) -> tuple[Counter, Counter]:
+    """(stores, loads) of the conv kernel's PTX, by instruction form; `history`: its READ_HISTORY."""
     # (unit strides are specialized to the constant 1, as Triton does at launch: the weight's taps, the history's)
     constexprs = dict(stride_wk=1, stride_s2=1, KERNEL=4, HAS_BIAS=False, SILU=True, BLOCK_T=16, BLOCK_C=128,
-                      ALIGNED=aligned, PDL=False)
+                      ALIGNED=aligned, READ_HISTORY=history, PDL=False)
     ptx = sm90_ptx(causal_conv1d._conv_tokens_kernel, _CONV_POINTERS, constexprs, divisible, 4)
     ops = re.findall(r'\b(?:st|ld)\.global[.\w]*', ptx)   # predicated or not (`@%p1 st.global...`)
     return Counter(op for op in ops if op.startswith('st.')), Counter(op for op in ops if op.startswith('ld.'))
@@ -63,6 +63,17 @@ def test_aligned_conv_stores_are_vectors():
     assert vector_stores['st.global.b16'] == plain_stores['st.global.b16']   # the general branch, unchanged
     assert vector_loads == plain_loads                                     # the input side is the same kernel
     assert plain_loads['ld.global.v4.b32'] >= 1                            # the token rows load as vectors
+
+
+def test_conv_without_history_loads_no_scalar_rows():
+    """The history read element by element (its columns at a (K-1)-element channel stride: 16 a thread a tap, all
+    predicated, with their 64-bit address arithmetic) is what `SPLIT_HISTORY` takes out of the token-parallel
+    kernel; left are the vector loads of the token rows and one weight a thread a tap."""
+    _, with_history = global_memory_ops(True)
+    _, without = global_memory_ops(True, history=False)
+    assert with_history['ld.global.b16'] == 16 * 4 + 4, with_history
+    assert without['ld.global.b16'] == 4, without
+    assert without['ld.global.v4.b32'] == with_history['ld.global.v4.b32'] >= 4
 
 
 def test_aligned_conv_stores_are_vectors_for_bounds_of_eight():

@@ -12,7 +12,11 @@ Two launch plans, chosen from host-side shapes only (no device sync):
   sequence's tokens, so only used when the average length is 1.
 * general: ``_conv_tokens_kernel`` over (token block, channel block) computes every output from the untouched
   pool, then the per-sequence kernel (outputs off) writes the states. Stream order puts every read of an old
-  history before any write of a new one.
+  history before any write of a new one. With ``SPLIT_HISTORY`` (opt-in, ``LMDEPLOY_CONV_SPLIT_HISTORY=1``) the
+  token-parallel kernel reads no history at all (its address and mask arithmetic, 64 predicated scalar loads a
+  thread in the sm90 PTX, for the few outputs that need one): it computes the first K-1 outputs of a sequence
+  that has a history as if fresh, and the per-sequence kernel, launched after it, recomputes and overwrites
+  exactly those outputs from the old history before writing the new one.
 
 The state update writes the last K-1 columns of ``xx_b`` (so a segment shorter than K-1 keeps the newer part of
 its old history, and a zero-length one keeps it, or zeroes it if fresh). Slots are distinct, so a slot is only
@@ -50,7 +54,7 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
                         fresh_ptr, num_tokens, channels, stride_xt, stride_wc, stride_wk, stride_s0, stride_s1,
                         stride_s2, bound1, bound2, bound3, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        READ_HISTORY: tl.constexpr = True, PDL: tl.constexpr = False):
     """Program (token block, channel block). ALIGNED (the channel count and every plane bound a multiple of 8):
     a channel block inside one plane stores through that plane's row stride, its offsets and mask marked as
     16-byte aligned runs of 8, so the compiler emits vector stores; the per-column plane layout stores element by
@@ -63,8 +67,9 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
     c_mask = chans < channels
     seq = tl.load(seq_of_token_ptr + tokens, mask=t_mask, other=0)
     bos = tl.load(cu_seqlens_ptr + seq, mask=t_mask, other=0).to(tl.int64)
-    slot = tl.load(state_ids_ptr + seq, mask=t_mask, other=0).to(tl.int64)
-    has_hist = tl.load(fresh_ptr + seq, mask=t_mask, other=1) == 0
+    if READ_HISTORY:
+        slot = tl.load(state_ids_ptr + seq, mask=t_mask, other=0).to(tl.int64)
+        has_hist = tl.load(fresh_ptr + seq, mask=t_mask, other=1) == 0
     tokens64 = tokens.to(tl.int64)
 
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
@@ -75,10 +80,11 @@ def _conv_tokens_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token
         from_x = pos >= bos
         x_mask = (t_mask & from_x)[:, None] & c_mask[None, :]
         val = tl.load(x_ptr + pos[:, None] * stride_xt + chans[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        col = KERNEL - 1 + pos - bos
-        h_mask = (t_mask & (pos < bos) & has_hist)[:, None] & c_mask[None, :]
-        h_ptrs = state_ptr + slot[:, None] * stride_s0 + chans[None, :] * stride_s1 + col[:, None] * stride_s2
-        val += tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
+        if READ_HISTORY:
+            col = KERNEL - 1 + pos - bos
+            h_mask = (t_mask & (pos < bos) & has_hist)[:, None] & c_mask[None, :]
+            h_ptrs = state_ptr + slot[:, None] * stride_s0 + chans[None, :] * stride_s1 + col[:, None] * stride_s2
+            val += tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + chans * stride_wc + j * stride_wk, mask=c_mask, other=0.0).to(tl.float32)
         acc += val * w[None, :]
     if SILU:
@@ -106,7 +112,10 @@ def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens
                           bound1, bound2, bound3,
                           KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                           WRITE_OUTPUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          HEAD_OUTPUT: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Program (sequence, channel block): with WRITE_OUTPUT every output of the sequence, with HEAD_OUTPUT (the
+    token-parallel kernel ran without the history) its first K-1 outputs if it has a history; then its new
+    history."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -117,13 +126,16 @@ def _conv_sequence_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens
     has_hist = tl.load(fresh_ptr + seq) == 0
     hist_ptr = state_ptr + slot * stride_s0 + chans * stride_s1
 
-    if WRITE_OUTPUT:
+    if WRITE_OUTPUT or HEAD_OUTPUT:
         lo, width = _plane_of(chans, channels, bound1, bound2, bound3)
         out_base = out_ptr + num_tokens * lo + (chans - lo)
         bias = tl.zeros([BLOCK_C], dtype=tl.float32)
         if HAS_BIAS:
             bias += tl.load(bias_ptr + chans, mask=c_mask, other=0.0).to(tl.float32)
-        for t in range(0, seqlen):
+        num_out = seqlen
+        if not WRITE_OUTPUT:
+            num_out = tl.where(has_hist, tl.minimum(seqlen, KERNEL - 1), 0)
+        for t in range(0, num_out):
             acc = bias
             for j in tl.static_range(KERNEL):
                 pos = bos + t - (KERNEL - 1) + j  # a token of b if pos >= bos, else history column K-1+pos-bos
@@ -192,6 +204,9 @@ def causal_conv1d(
 
 
 _MAX_PLANES = 4
+# The token-parallel kernel without the history, the per-sequence one writing the outputs that need it (module
+# docstring): opt-in with LMDEPLOY_CONV_SPLIT_HISTORY=1 (read at import) until measured on a GPU.
+SPLIT_HISTORY = os.environ.get('LMDEPLOY_CONV_SPLIT_HISTORY', '0') == '1'
 # The token-parallel kernel's vector stores (`_conv_tokens_kernel`'s ALIGNED): opt-in with LMDEPLOY_CONV_VECTOR_STORES=1
 # (read at import) until measured on a GPU; its offsets are checked by the interpreted tests either way.
 VECTOR_STORES = os.environ.get('LMDEPLOY_CONV_VECTOR_STORES', '0') == '1'
@@ -288,9 +303,10 @@ def _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activa
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
         aligned = VECTOR_STORES and all(b % 8 == 0 for b in (channels, *bounds)) and out.data_ptr() % 16 == 0
         _conv_tokens_kernel[grid](x, weight, bias_arg, conv_state, out, seq_of_token, cu_seqlens, state_ids, fresh,
-                                  BLOCK_T=block_t, BLOCK_C=block_c, ALIGNED=aligned, num_warps=warps, **common)
+                                  BLOCK_T=block_t, BLOCK_C=block_c, ALIGNED=aligned, READ_HISTORY=not SPLIT_HISTORY,
+                                  num_warps=warps, **common)
     block_c = min(triton.next_power_of_2(channels), 256)
     block_h = max(triton.next_power_of_2(kernel - 1), 2)
     _conv_sequence_kernel[(num_seqs, triton.cdiv(channels, block_c))](
         x, weight, bias_arg, conv_state, out, cu_seqlens, state_ids, fresh, WRITE_OUTPUT=is_decode,
-        BLOCK_C=block_c, BLOCK_H=block_h, num_warps=4, **common)
+        HEAD_OUTPUT=SPLIT_HISTORY and not is_decode, BLOCK_C=block_c, BLOCK_H=block_h, num_warps=4, **common)
