@@ -8,12 +8,12 @@ column slice of the fused input projection's output (rows of 16,384 elements), o
 (fresh: no history read), and with `--suffix N` a suffix of N tokens after a stored history. Device time from CUDA
 graph replays (`graph_timing.graph_us`); floor = (input read + output written) / the copy rate measured here
 (`real_depth_floors.measure_device`). Two store forms of the token-parallel kernel: the per-column plane layout
-(the default) and the vector stores through one plane's row stride (`LMDEPLOY_CONV_VECTOR_STORES=1`,
-`causal_conv1d.VECTOR_STORES`), each with the token-parallel kernel reading the history and without it (the
-per-sequence kernel writing the outputs that need it: `LMDEPLOY_CONV_SPLIT_HISTORY=1`,
-`causal_conv1d.SPLIT_HISTORY`); each of the four forms at the default tiles and at the best of its own sweep.
-Every output is checked against the default's (exact: the forms and tiles change which program writes an element
-and how, not its arithmetic), and the default's against the torch reference (`kernels/default/causal_conv1d.py`).
+(`LMDEPLOY_CONV_VECTOR_STORES=0`) and the vector stores through one plane's row stride (the default,
+`causal_conv1d.VECTOR_STORES`), each with the token-parallel kernel reading the history
+(`LMDEPLOY_CONV_SPLIT_HISTORY=0`) and without it (the default, `causal_conv1d.SPLIT_HISTORY`: the per-sequence kernel
+writes the outputs that need it); each of the four forms at the default tiles and at the best of its own sweep.
+Every output is checked against the first form's (exact: the forms and tiles change which program writes an element
+and how, not its arithmetic), and that one against the torch reference (`kernels/default/causal_conv1d.py`).
 
     python benchmark/bench_conv1d.py                              # 1K / 8K / 32K cold + a 100-token suffix
     python benchmark/bench_conv1d.py --tokens 1024 --no-sweep     # the four forms, default tiles only

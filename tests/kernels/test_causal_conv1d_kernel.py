@@ -1,7 +1,8 @@
 """The CUDA backend's causal depthwise conv1d (`kernels/cuda/causal_conv1d.py`) against the torch reference of the
 default backend (`kernels/default/causal_conv1d.py`): outputs and the conv history pool, the q / k / v planes form,
-a prompt split into segments against the whole, and the opt-in vector stores (`LMDEPLOY_CONV_VECTOR_STORES`) and
-history pass (`LMDEPLOY_CONV_SPLIT_HISTORY`).
+a prompt split into segments against the whole, each at the defaults (the token-parallel kernel's vector stores and
+its history split off to the per-sequence kernel) and with either turned off (`LMDEPLOY_CONV_VECTOR_STORES=0`,
+`LMDEPLOY_CONV_SPLIT_HISTORY=0`).
 
 `@pytest.mark.gpu` tests run on CUDA (the reference on CPU); `test_cpu_*` run the Triton kernels on CPU tensors
 under the Triton interpreter, inside the subprocess `test_conv_kernels_interpreted` starts (TRITON_INTERPRET must
@@ -168,37 +169,40 @@ def test_cpu_causal_conv1d(case, dtype):
     check_conv(case, dtype, 'silu' if case.with_bias else None, 'cpu')
 
 
-# channels and plane bounds multiples of 8: the stores through one plane's row stride (LMDEPLOY_CONV_VECTOR_STORES)
+# channels and plane bounds multiples of 8: the stores through one plane's row stride (the default), and the
+# per-column plane layout everywhere (LMDEPLOY_CONV_VECTOR_STORES=0)
 VECTOR_STORE_CASES = [c for c in CONV_CASES + CONV_CASES_LARGE if c.channels % 32 == 0]
 
 
 @interpreted
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
-def test_cpu_causal_conv1d_vector_stores(monkeypatch, dtype):
-    monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', True)
+@pytest.mark.parametrize('vector', [True, False], ids=['vector', 'plane'])
+def test_cpu_causal_conv1d_store_forms(monkeypatch, dtype, vector):
+    monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', vector)
     check_conv(VECTOR_STORE_CASES[0], dtype, 'silu', 'cpu')
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('case', VECTOR_STORE_CASES, ids=str)
-def test_causal_conv1d_vector_stores_gpu(monkeypatch, case):
-    monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', True)
+@pytest.mark.parametrize('vector', [True, False], ids=['vector', 'plane'])
+def test_causal_conv1d_store_forms_gpu(monkeypatch, case, vector):
+    monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', vector)
     check_conv(case, torch.bfloat16, 'silu', 'cuda')
 
 
-# the token-parallel kernel without the history, the per-sequence one writing the outputs that read it
+# the history read by the token-parallel kernel itself (LMDEPLOY_CONV_SPLIT_HISTORY=0), at the earlier tiles
 @interpreted
 @pytest.mark.parametrize('case', CONV_CASES, ids=str)
-def test_cpu_causal_conv1d_split_history(monkeypatch, case):
-    monkeypatch.setattr(cuda_conv, 'SPLIT_HISTORY', True)
+def test_cpu_causal_conv1d_history_in_token_kernel(monkeypatch, case):
+    monkeypatch.setattr(cuda_conv, 'SPLIT_HISTORY', False)
+    monkeypatch.setattr(cuda_conv, 'TOKEN_TILES', (16, 128, 4))
     check_conv(case, torch.bfloat16, 'silu' if case.with_bias else None, 'cpu')
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('case', CONV_CASES + CONV_CASES_LARGE, ids=str)
-def test_causal_conv1d_split_history_gpu(monkeypatch, case):
-    monkeypatch.setattr(cuda_conv, 'SPLIT_HISTORY', True)
-    monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', True)
+def test_causal_conv1d_history_in_token_kernel_gpu(monkeypatch, case):
+    monkeypatch.setattr(cuda_conv, 'SPLIT_HISTORY', False)
     check_conv(case, torch.bfloat16, 'silu', 'cuda')
 
 
