@@ -207,11 +207,11 @@ def causal_conv1d(
 _MAX_PLANES = 4
 # The token-parallel kernel without the history, the per-sequence one writing the outputs that need it (module
 # docstring); LMDEPLOY_CONV_SPLIT_HISTORY=0 (read at import) keeps the history in the token-parallel kernel.
-SPLIT_HISTORY = os.environ.get('LMDEPLOY_CONV_SPLIT_HISTORY', '1') == '1'
+SPLIT_HISTORY = os.environ.get('LMDEPLOY_CONV_SPLIT_HISTORY', '1') != '0'
 # The token-parallel kernel's vector stores (`_conv_tokens_kernel`'s ALIGNED); LMDEPLOY_CONV_VECTOR_STORES=0 (read at
 # import) stores through the per-column plane layout everywhere. With the history split off, both forms measured
 # the same (H100 run 75); the engine's cold 1K row was measured with these defaults together.
-VECTOR_STORES = os.environ.get('LMDEPLOY_CONV_VECTOR_STORES', '1') == '1'
+VECTOR_STORES = os.environ.get('LMDEPLOY_CONV_VECTOR_STORES', '1') != '0'
 
 
 def _tiles_from_env(name: str) -> tuple[int, int, int] | None:
