@@ -224,10 +224,12 @@ class SchedulerSequence:
         return view
 
     def adopt_token_array(self, ids: np.ndarray) -> None:
-        """Take `ids` (a new int64 array equal to `token_ids`, referenced nowhere else) as `token_array()`'s buffer:
-        the conversion that call would make, already made (by the prompt check, `request_checks.prompt_array`)."""
-        assert ids.dtype == np.int64 and ids.ndim == 1 and len(ids) == len(self.token_ids)
-        self._array, self._array_src, self._array_len = ids, self.token_ids, len(ids)
+        """Take `ids` (a new int64 array referenced nowhere else, whose first `len(token_ids)` entries equal
+        `token_ids`; any past them are capacity for appends) as `token_array()`'s buffer: the conversion that call
+        would make, already made (by the prompt check, `request_checks.prompt_array`)."""
+        n = len(self.token_ids)
+        assert ids.dtype == np.int64 and ids.ndim == 1 and len(ids) >= n
+        self._array, self._array_src, self._array_len = ids, self.token_ids, n
         self.token_epoch += 1
 
     @property

@@ -30,3 +30,19 @@ def test_prompt_array_rejects_what_check_prompt_rejects(ids, message):
     for check in (prompt_array, check_prompt):
         with pytest.raises(ValueError, match=message):
             check(ids, 1000, 20)
+
+
+def test_prompt_array_room_is_capacity_past_the_prompt_that_appends_fill_without_a_copy():
+    from lmdeploy.pytorch.messages import SamplingParams, SchedulerSequence
+    ids = list(range(5, 105))
+    out = prompt_array(ids, vocab_size=1000, session_len=2000, room=16)
+    assert len(out) == 116 and out[:100].tolist() == ids
+    seq = SchedulerSequence(seq_id=1, token_ids=list(ids), num_prompt_tokens=100, sampling=SamplingParams())
+    seq.adopt_token_array(out)
+    assert seq.token_array().tolist() == ids
+    for t in range(16):   # within the room: written into the adopted buffer in place
+        seq.token_ids.append(t)
+        assert np.shares_memory(seq.token_array(), out)
+    seq.token_ids.append(99)   # past it: grown into a new buffer, same contents
+    view = seq.token_array()
+    assert not np.shares_memory(view, out) and view.tolist() == seq.token_ids

@@ -31,7 +31,7 @@ from .engine_stats import EngineStats, StepBatch, collect_stats
 from .engine_step import EngineStep
 from .inputs_maker import InputsMaker
 from .request import EngineOutput, OutputCallback
-from .request_checks import adapter_identity, check_image_spans, check_prompt, prompt_array
+from .request_checks import REPLY_ROOM, adapter_identity, check_image_spans, check_prompt, prompt_array
 from .routes_recorder import RoutesRecorder
 from .spec_setup import build_speculative, num_draft_tokens
 from .spec_step import SpeculativeStep
@@ -170,8 +170,11 @@ class Engine(EngineStep):
         with phase('add_request'):
             token_ids = list(token_ids)
             identity = self.adapter_identity(adapter_name)
-            ids = prompt_array(token_ids, self.model_config.vocab_size, self.session_len)  # validate_prompt's checks
             self.validate_sampling(sampling)
+            # validate_prompt's checks; the array keeps room for the reply's first tokens (no copy of a long prompt
+            # on its first appends)
+            ids = prompt_array(token_ids, self.model_config.vocab_size, self.session_len,
+                               room=min(sampling.max_new_tokens, REPLY_ROOM))
             mm_spans = tuple(mm_spans)
             self.validate_mm_spans(token_ids, mm_spans)
             seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),
