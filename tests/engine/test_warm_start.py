@@ -34,6 +34,9 @@ def test_warm_up_shapes_cover_every_specialization_class(max_tokens, max_batch):
             if 1 <= seqs <= min(tokens, max_batch):
                 want.add((_class(tokens), _class(seqs), tokens == seqs))
     assert want <= seen, sorted(want - seen)
+    # one-sequence prefills below the token count where the conv widens its tiles (512), in both classes
+    short = {_class(s[0]) for s in shapes if len(s) == 1 and 1 < s[0] < 512}
+    assert short >= ({'x16', 'other'} if max_tokens >= 32 else {'other'} if max_tokens >= 2 else set()), shapes
 
 
 @pytest.mark.parametrize('max_tokens,max_batch,kbs', [(8192, 128, 64), (64, 4, 16), (100, 3, 8), (5, 1, 64)])

@@ -53,7 +53,8 @@ CONV_CASES = [
 ]
 # model-sized channel counts (Qwen3.5-like conv dim), GPU only
 CONV_CASES_LARGE = [ConvCase((1,) * 8, (False, True) * 4, 4, 8192),
-                    ConvCase((37, 1, 200), (False, True, False), 4, 8192)]
+                    ConvCase((37, 1, 200), (False, True, False), 4, 8192),
+                    ConvCase((600, 1, 700), (True, False, False), 4, 8192)]   # the wide tiles (>= 512 tokens)
 
 
 def check_conv(case: ConvCase, dtype, activation, device: str) -> None:
@@ -188,6 +189,22 @@ def test_cpu_causal_conv1d_store_forms(monkeypatch, dtype, vector):
 def test_causal_conv1d_store_forms_gpu(monkeypatch, case, vector):
     monkeypatch.setattr(cuda_conv, 'VECTOR_STORES', vector)
     check_conv(case, torch.bfloat16, 'silu', 'cuda')
+
+
+def test_token_tiles_widen_from_512_tokens():
+    assert cuda_conv.TOKEN_TILES is None or os.environ.get('LMDEPLOY_CONV_TILES')
+    if cuda_conv.TOKEN_TILES is None:
+        assert cuda_conv.token_tiles(8192, 100) == cuda_conv.token_tiles(8192, 511) == (8, 64, 2)
+        assert cuda_conv.token_tiles(8192, 512) == cuda_conv.token_tiles(8192, 32768) == (8, 128, 2)
+        assert cuda_conv.token_tiles(6, 4096) == (8, 8, 2) and cuda_conv.token_tiles(100, 1024) == (8, 128, 2)
+
+
+# the wide tiles on the interpreter's small cases (their prompts are short: the threshold lowered)
+@interpreted
+@pytest.mark.parametrize('case', [c for c in CONV_CASES if c.channels > 64], ids=str)
+def test_cpu_causal_conv1d_wide_tiles(monkeypatch, case):
+    monkeypatch.setattr(cuda_conv, 'WIDE_TILE_TOKENS', 2)
+    check_conv(case, torch.bfloat16, 'silu' if case.with_bias else None, 'cpu')
 
 
 # the history read by the token-parallel kernel itself (LMDEPLOY_CONV_SPLIT_HISTORY=0), at the earlier tiles

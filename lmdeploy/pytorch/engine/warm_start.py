@@ -8,7 +8,8 @@ Triton compiles one binary per specialization of a kernel's integer arguments (e
 neither) and fla autotunes a kernel at its first call per key. An eager forward feeds `T` tokens of `B` sequences,
 `1 <= B <= T <= max_tokens`, and the integer arguments of its kernels are `T`, `B` and multiples of them; so the
 shapes cover `T` and `B` in each class (`warm_up_shapes`): decode batches (`T == B`: 1, 3, 16 sequences), one
-sequence of a multiple-of-16 and of an odd length, several sequences (prefill + decodes) of both, and the largest
+sequence of a multiple-of-16 and of an odd length (long ones, and short ones below the token counts where kernels
+change tiles), several sequences (prefill + decodes) of both, and the largest
 forward (`max_tokens`, which also sizes the caching allocator for it). Each forward's logits are then sampled
 greedily and with temperature / top-k / top-p (`warm_up_sampling`: loads the sampler's kernels), from logits with
 NaN / inf replaced (padding rows may read garbage KV; a NaN probability would fail a draw on the device). Last,
@@ -23,6 +24,9 @@ from __future__ import annotations
 import torch
 
 from ..model_inputs import ModelInputs, SamplingInputs
+
+# Below every token-count tile threshold of the kernels (`warm_up_shapes`).
+SHORT_PREFILL = 256
 
 
 def _not_16(n: int) -> int:
@@ -42,6 +46,10 @@ def warm_up_shapes(max_tokens: int, max_batch_size: int) -> list[list[int]]:
     top = max(1, max_tokens // 16 * 16)
     odd = _not_16(min(max_tokens, 1000))
     shapes += [[min(top, max_tokens)], [min(odd, max_tokens)], [max_tokens]]   # one sequence
+    # and a short one of each class: kernels that pick tiles by the token count (the conv's 8 x 128 tiles from 512
+    # tokens up, `kernels/cuda/causal_conv1d.token_tiles`) compile their short prompts' binaries too
+    short = max(1, min(top, SHORT_PREFILL))
+    shapes += [[short], [_not_16(short)]]
     for total in (top, odd):                                            # a prefill beside decodes
         for seqs in (few, many):
             if seqs > 1 and total > seqs:

@@ -233,14 +233,20 @@ def _tiles_from_env(name: str) -> tuple[int, int, int] | None:
 TOKEN_TILES: tuple[int, int, int] | None = _tiles_from_env('LMDEPLOY_CONV_TILES')
 
 
-def token_tiles(channels: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_C, num_warps) of the token-parallel kernel: `TOKEN_TILES` if set, else 8 tokens x up to 64
-    channels on 2 warps: the best tiles of the vector stores for every prompt of H100 run 74 (1K-32K, a 100-token
-    suffix) and of the split history's suffix in run 75 (whose 1K prompt liked 8 x 128 best, 19.7 us against 21.6
-    at the earlier 16 x 128 on 4 warps); the engine's cold 1K row of run 75 ran these."""
+# Prompts of at least this many tokens take 128-channel tiles (`token_tiles`).
+WIDE_TILE_TOKENS = 512
+
+
+def token_tiles(channels: int, num_tokens: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, num_warps) of the token-parallel kernel: `TOKEN_TILES` if set, else 8 tokens on 2 warps,
+    by up to 128 channels from `WIDE_TILE_TOKENS` tokens up and up to 64 below. The history split off (the default
+    since H100 run 75), 8 x 128 was the best of the swept tiles for every prompt timed, 1K / 8K / 32K tokens: 19.7 /
+    115.2 / 435.7 us against 21.6 / 164.7 / 637.9 at 8 x 64 (runs 75-76); a 100-token suffix liked 8 x 64 best (8.6
+    us, run 75). Both binaries compile at start-up (the prefill graphs' sizes span the threshold)."""
     if TOKEN_TILES is not None:
         return TOKEN_TILES
-    return 8, min(triton.next_power_of_2(channels), 64), 2
+    width = 128 if num_tokens >= WIDE_TILE_TOKENS else 64
+    return 8, min(triton.next_power_of_2(channels), width), 2
 
 
 def causal_conv1d_planes(
@@ -301,7 +307,7 @@ def _launch(x, weight, bias, conv_state, state_ids, is_fresh, cu_seqlens, activa
     bias_arg = bias if bias is not None else weight
     is_decode = num_tokens == num_seqs
     if not is_decode and num_tokens > 0:
-        block_t, block_c, warps = token_tiles(channels)
+        block_t, block_c, warps = token_tiles(channels, num_tokens)
         if seq_of_token is None:
             seq_of_token = seq_of_token_of(cu_seqlens, num_tokens)
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
