@@ -88,6 +88,27 @@ class ModelCost:
         return (self.weight_bytes_touched(tokens) + (tokens + cached) * self.kv_bytes_per_token
                 + 2 * self.state_bytes_per_seq)
 
+    def prefill_phases(self, tokens: int, cached: int = 0) -> dict[str, tuple[float, float]]:
+        """`prefill_flops` and `prefill_bytes` split by the phase that does them, (FLOPs, bytes) each: the routed
+        experts, the dense projections (shared expert and router included), the LM head with the embedding rows,
+        attention (its KV), the gated delta rule (its state, and the conv / norm weights). A forward runs these one
+        after another, each bound by its own resource, so the sum of their floors (`sequential_time_s`) is what
+        kernels at their own floors could reach without overlapping phases; the whole-forward floor is lower."""
+        wb = self.weight_bytes
+        attended = tokens * cached + tokens * (tokens + 1) / 2
+        dk, dv = self.linear_k_dim, self.linear_v_dim
+        gdn_per_tok = 4 * dk * dv + 2 * GDN_CHUNK * (dk + dv)
+        return {
+            'experts': (2.0 * self.num_moe_layers * self.top_k * self.expert_params * tokens,
+                        self.num_moe_layers * self.expected_experts(tokens) * self.expert_params * wb),
+            'dense': (2.0 * self.dense_matmul_params * tokens, self.dense_matmul_params * wb),
+            'lm_head': (2.0 * self.hidden * self.vocab, (self.lm_head_params + tokens * self.hidden) * wb),
+            'attention': (self.num_full_layers * 4 * self.heads * self.head_dim * attended,
+                          (tokens + cached) * self.kv_bytes_per_token),
+            'gated_delta_rule': (self.num_linear_layers * self.linear_v_heads * gdn_per_tok * tokens,
+                                 2 * self.state_bytes_per_seq + self.other_params * wb),
+        }
+
     def decode_bytes(self, batch: int, context: int, weights_only: bool = False) -> float:
         weights = self.weight_bytes_touched(batch)
         if weights_only:
@@ -169,6 +190,10 @@ class DeviceRates:
 
     def time_s(self, flops: float, bytes_: float) -> float:
         return max(flops / self.matmul_flops_per_s, bytes_ / self.copy_bytes_per_s)
+
+    def sequential_time_s(self, phases: dict[str, tuple[float, float]]) -> float:
+        """The sum of each phase's own floor (`ModelCost.prefill_phases`)."""
+        return sum(self.time_s(flops, bytes_) for flops, bytes_ in phases.values())
 
 
 def _median_time(fn, device: torch.device, iters: int) -> float:

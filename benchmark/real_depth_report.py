@@ -68,8 +68,10 @@ def _div(a: float | None, b: float | None) -> float | None:
 def _how_prefill(cost, rates, tokens: int, cached: int) -> tuple[float, str]:
     flops, bytes_ = cost.prefill_flops(tokens, cached), cost.prefill_bytes(tokens, cached)
     t = rates.time_s(flops, bytes_)
+    sequential = rates.sequential_time_s(cost.prefill_phases(tokens, cached))
     return t * 1e3, (f'max({flops / 1e12:.2f} TFLOP / {rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s, '
-                     f'{bytes_ / 1e9:.2f} GB / {rates.copy_bytes_per_s / 1e9:.0f} GB/s)')
+                     f'{bytes_ / 1e9:.2f} GB / {rates.copy_bytes_per_s / 1e9:.0f} GB/s); '
+                     f'phases in sequence {sequential * 1e3:.2f}')
 
 
 def _how_decode(cost, rates, batch: int, context: int, weights_only: bool) -> tuple[float, str]:
@@ -212,7 +214,9 @@ def header(b) -> list[str]:
         lines.append(f'- device: copy {rates.copy_bytes_per_s / 1e9:.0f} GB/s, {a.dtype} matmul '
                      f'{rates.matmul_flops_per_s / 1e12:.1f} TFLOP/s ({rates.how})')
     lines.append('- floors (benchmark/real_depth_floors.py): prefill = max(FLOPs / matmul rate, bytes / copy rate), '
-                 'FLOPs = 2 x active params x tokens + one token of logits + attention + gated delta rule; decode '
+                 'FLOPs = 2 x active params x tokens + one token of logits + attention + gated delta rule ("phases '
+                 'in sequence": the sum of the own floors of the routed experts, dense projections, LM head, '
+                 'attention and rule, what kernels each at its floor reach without overlapping phases); decode '
                  'roofline = batch / (bytes per step / copy rate): "weights" = the weights a step reads (experts the '
                  'batch touches), "all" = + KV read + state read and written. "engine vs floor": TTFT / floor '
                  'time (1.00 = at the floor); decode: share of the roofline, weights / all')

@@ -45,6 +45,26 @@ def test_real_shapes_keep_release_depth_and_widths(bench):
     assert dense.prefill_flops(2048) > 2 * dense.prefill_flops(1024)
 
 
+@pytest.mark.parametrize('shape', ['qwen3.5-9b', 'qwen3.5-35b-a3b', 'qwen3-next-80b'])
+@pytest.mark.parametrize('tokens,cached', [(1024, 0), (100, 32700), (1, 0)])
+def test_prefill_phases_split_the_whole_forward_and_their_floors_add_up_to_at_least_its_floor(bench, shape, tokens,
+                                                                                           cached):
+    floors = sys.modules['real_depth_floors']
+    cost = floors.model_cost(bench.make_config(bench.parse_args(['--shape', shape, '--experts', '64']))[0])
+    phases = cost.prefill_phases(tokens, cached)
+    assert sum(f for f, _ in phases.values()) == pytest.approx(cost.prefill_flops(tokens, cached))
+    assert sum(b for _, b in phases.values()) == pytest.approx(cost.prefill_bytes(tokens, cached))
+    assert (phases['experts'] == (0.0, 0.0)) == (shape == 'qwen3.5-9b')
+    rates = floors.DeviceRates(copy_bytes_per_s=3.0e12, matmul_flops_per_s=7.5e14, how='')
+    whole = rates.time_s(cost.prefill_flops(tokens, cached), cost.prefill_bytes(tokens, cached))
+    sequential = rates.sequential_time_s(phases)
+    assert whole <= sequential <= sum(rates.time_s(f, 0) + rates.time_s(0, b) for f, b in phases.values())
+    if shape != 'qwen3.5-9b' and tokens == 1024:
+        # a MoE prompt of 1K tokens: the experts stream their bytes while the dense projections are compute-bound,
+        # so the phases in sequence cannot reach the whole forward's floor
+        assert sequential > 1.2 * whole
+
+
 def test_percentiles_match_numpy_and_union_counts_overlaps_once(bench):
     np = pytest.importorskip('numpy')
     serving = sys.modules['real_depth_serving']
