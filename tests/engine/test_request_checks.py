@@ -46,3 +46,20 @@ def test_prompt_array_room_is_capacity_past_the_prompt_that_appends_fill_without
     seq.token_ids.append(99)   # past it: grown into a new buffer, same contents
     view = seq.token_array()
     assert not np.shares_memory(view, out) and view.tolist() == seq.token_ids
+
+
+def test_engine_gives_a_prompt_room_for_its_reply_up_to_the_prompt_length(tiny_model_factory):
+    """`Engine.add_request`: room for min(max_new_tokens, prompt length, REPLY_ROOM) reply tokens, and the request
+    generates into it (its token array the adopted buffer until the reply outgrows the room)."""
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    from lmdeploy.pytorch.messages import SamplingParams
+    engine = Engine(tiny_model_factory('qwen3_5'), PytorchEngineConfig(device_type='cpu', num_gpu_blocks=32))
+    rooms = {}
+    for n, max_new in ((40, 8), (20, 1000), (30, 0)):
+        seq_id = engine.add_request(list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new))
+        engine.step()   # runs the queued command: the sequence is now the engine's
+        seq = engine._seqs[seq_id][0] if seq_id in engine._seqs else None
+        rooms[n] = None if seq is None else len(seq._array) - n
+    assert rooms[40] == 8 and rooms[20] == 20
+    engine.run_until_idle()

@@ -174,7 +174,7 @@ class Engine(EngineStep):
             # validate_prompt's checks; the array keeps room for the reply's first tokens (no copy of a long prompt
             # on its first appends)
             ids = prompt_array(token_ids, self.model_config.vocab_size, self.session_len,
-                               room=min(sampling.max_new_tokens, REPLY_ROOM))
+                               room=min(sampling.max_new_tokens, len(token_ids), REPLY_ROOM))
             mm_spans = tuple(mm_spans)
             self.validate_mm_spans(token_ids, mm_spans)
             seq = SchedulerSequence(seq_id=next(self._ids), token_ids=token_ids, num_prompt_tokens=len(token_ids),

@@ -13,8 +13,9 @@ from ..messages import MultiModalSpan
 from ..models.lora_placement import ResidentAdapter
 from .mm_inputs import validate_mm_spans
 
-# The most reply tokens a prompt's int64 array keeps room for (`prompt_array`'s `room`, 32 KiB): appends past it
-# grow the array by doubling, one copy of the prompt per doubling.
+# The most reply tokens a prompt's int64 array keeps room for (`prompt_array`'s `room`, 32 KiB; the engine gives no
+# more room than the prompt's own length either, so a queue of short prompts holds at most twice their bytes, as the
+# doubling would): appends past it grow the array by doubling, one copy of the prompt per doubling.
 REPLY_ROOM = 4096
 
 
