@@ -241,8 +241,9 @@ def token_tiles(channels: int, num_tokens: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) of the token-parallel kernel: `TOKEN_TILES` if set, else 8 tokens on 2 warps,
     by up to 128 channels from `WIDE_TILE_TOKENS` tokens up and up to 64 below. The history split off (the default
     since H100 run 75), 8 x 128 was the best of the swept tiles for every prompt timed, 1K / 8K / 32K tokens: 19.7 /
-    115.2 / 435.7 us against 21.6 / 164.7 / 637.9 at 8 x 64 (runs 75-76); a 100-token suffix liked 8 x 64 best (8.6
-    us, run 75). Both binaries compile at start-up (the prefill graphs' sizes span the threshold)."""
+    115.2 / 435.7 us against 21.6 / 164.7 / 637.9 at 8 x 64 (runs 75-76), and 512 tokens ran at the best of the
+    sweep with it (run 78); a 100-token suffix liked 8 x 64 best (8.6 us, run 75). Both binaries compile at start-up
+    (`engine/warm_start.py` runs prompts on both sides of the threshold)."""
     if TOKEN_TILES is not None:
         return TOKEN_TILES
     width = 128 if num_tokens >= WIDE_TILE_TOKENS else 64
