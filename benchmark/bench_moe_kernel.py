@@ -153,6 +153,11 @@ def floor_us(a, case: Case, rates) -> float:
     return rates.time_s(flops, weight_bytes + 4 * tokens * a.hidden) * 1e6
 
 
+def same_groups(want, got, num_pairs: int) -> bool:
+    """Two alignments agree: the same block experts and the same rows holding pairs (order within a run is free)."""
+    return bool(torch.equal(want[1], got[1]) and torch.equal(want[0] < num_pairs, got[0] < num_pairs))
+
+
 def check_align(a) -> None:
     """Triton alignment against torch's, eager and in a graph replayed with new routing; and their times."""
     for tokens in a.tokens:
@@ -160,7 +165,7 @@ def check_align(a) -> None:
         for block_m in sorted({moe.row_block(tokens * a.top_k, a.experts), 16, 64}):
             ref = moe_align.align_pairs_reference(ids, a.experts, block_m)
             got = moe_align.align_pairs(ids, a.experts, block_m)
-            same = bool(torch.equal(ref[1], got[1]) and torch.equal(ref[0] < ids.numel(), got[0] < ids.numel()))
+            same = same_groups(ref, got, ids.numel())
             static = ids.clone()
             graph = torch.cuda.CUDAGraph()
             moe_align.align_pairs(static, a.experts, block_m)
@@ -172,19 +177,27 @@ def check_align(a) -> None:
                 static.copy_(torch.randn(tokens, a.experts, device='cuda').topk(a.top_k, dim=-1).indices)
                 graph.replay()
                 want = moe_align.align_pairs_reference(static, a.experts, block_m)
-                replay_ok &= bool(torch.equal(want[1], out[1]) and torch.equal(want[0] < static.numel(),
-                                                                              out[0] < static.numel()))
+                replay_ok &= same_groups(want, out, static.numel())
             t_ref = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs_reference(t, a.experts, m), 4)
             t_tri = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs(t, a.experts, m), 4)
             three = ''
-            if moe_align.uses_one_launch(ids.numel()):  # the three-launch form it replaces, on the same ids
-                got3 = moe_align.align_pairs(ids, a.experts, block_m, one_launch=False)
-                same &= bool(torch.equal(ref[1], got3[1]) and torch.equal(ref[0] < ids.numel(), got3[0] < ids.numel()))
-                t3 = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs(t, a.experts, m, one_launch=False), 4)
+            if moe_align.align_form(ids.numel()) == 'one':  # the three-launch form it replaces, on the same ids
+                got3 = moe_align.align_pairs(ids, a.experts, block_m, form='three')
+                same &= same_groups(ref, got3, ids.numel())
+                t3 = graph_us(lambda i, m=block_m, t=ids: moe_align.align_pairs(t, a.experts, m, form='three'), 4)
                 def one(i, m=block_m, t=ids, w=4):
                     return moe_align.align_pairs(t, a.experts, m, num_warps=w)
                 warps = ', '.join(f'{w} warps {graph_us(functools.partial(one, w=w), 4):5.1f} us' for w in (4, 8, 16))
                 three = f' (one launch; three launches {t3:6.1f} us; one launch at {warps})'
+            else:  # above the one program: the two- and three-launch forms on the same ids
+                times = {}
+                for form in ('two', 'three'):
+                    got = moe_align.align_pairs(ids, a.experts, block_m, form=form)
+                    same &= same_groups(ref, got, ids.numel())
+                    times[form] = graph_us(lambda i, m=block_m, t=ids, f=form: moe_align.align_pairs(t, a.experts, m,
+                                                                                                   form=f), 4)
+                three = f' ({moe_align.align_form(ids.numel())}; two launches {times["two"]:6.1f} us, three ' \
+                        f'{times["three"]:6.1f} us)'
             print(f'align T={tokens:5d} BLOCK_M={block_m:3d}: torch {t_ref:7.1f} us, triton {t_tri:6.1f} us{three}, '
                   f'equal {same}, graph replays equal {replay_ok}', flush=True)
 

@@ -237,13 +237,15 @@ def test_cpu_rotary_fill_kv_cache(case, dtype):
 # ------------------------------------------------------------------------------------------- MoE alignment
 
 # (tokens, top_k, experts, BLOCK_M)
-# (each case in both forms; the one-launch form takes up to moe_align.ONE_LAUNCH_PAIRS pairs: 256 x 8 = 2048 the
-# most, over two of its 1024-pair steps)
+# (each case in every form that takes it: the one-launch form up to moe_align.ONE_LAUNCH_PAIRS pairs, 256 x 8 = 2048
+# the most, over two of its 1024-pair steps; the two- and three-launch forms at every count, the two-launch one over
+# several programs from 1025 pairs: 700 x 8 on 6, 300 x 8 on 3, and 1200 x 10 on 12, whose 128 experts' runs of
+# BLOCK_M 128 give the blocks more rows than a program's share of them)
 ALIGN_CASES = [(1, 2, 8, 16), (3, 4, 64, 16), (0, 2, 8, 16), (40, 10, 64, 32), (700, 8, 128, 64), (5, 3, 7, 16),
-               (256, 8, 65, 16), (300, 8, 65, 16), (130, 8, 512, 16)]
+               (256, 8, 65, 16), (300, 8, 65, 16), (130, 8, 512, 16), (1200, 10, 128, 128)]
 
 
-def check_align(case, device: str, one_launch: bool | None = None, num_warps: int | None = None) -> None:
+def check_align(case, device: str, form: str | None = None, num_warps: int | None = None) -> None:
     num_tokens, top_k, num_experts, block_m = case
     gen = torch.Generator().manual_seed(num_tokens + num_experts)
     # skewed routing (half the pairs on experts 0-2) so some experts get several blocks and some none
@@ -253,8 +255,7 @@ def check_align(case, device: str, one_launch: bool | None = None, num_warps: in
         ids[::2, 0] = torch.randint(0, 3, (ids[::2].shape[0],), generator=gen)
         ids[::2] = torch.stack([row if len(set(row.tolist())) == top_k else torch.arange(top_k) for row in ids[::2]])
     ref_pairs, ref_blocks = cuda_align.align_pairs_reference(ids, num_experts, block_m)
-    pairs, blocks = cuda_align.align_pairs(ids.to(device), num_experts, block_m, one_launch=one_launch,
-                                           num_warps=num_warps)
+    pairs, blocks = cuda_align.align_pairs(ids.to(device), num_experts, block_m, form=form, num_warps=num_warps)
     pairs, blocks = pairs.cpu(), blocks.cpu()
     assert pairs.shape == ref_pairs.shape and blocks.shape == ref_blocks.shape
     if num_tokens == 0:
@@ -273,19 +274,23 @@ def check_align(case, device: str, one_launch: bool | None = None, num_warps: in
 @pytest.mark.gpu
 @pytest.mark.parametrize('case', ALIGN_CASES, ids=lambda c: 'T{}-k{}-E{}-M{}'.format(*c))
 def test_moe_align_matches_torch_grouping_gpu(case):
-    check_align(case, 'cuda', one_launch=False)
+    check_align(case, 'cuda', form='three')
+    check_align(case, 'cuda', form='two')
     if case[0] * case[1] <= cuda_align.ONE_LAUNCH_PAIRS:
         for warps in (4, 8, 16):  # the one program's placement does not depend on its width
-            check_align(case, 'cuda', one_launch=True, num_warps=warps)
+            check_align(case, 'cuda', form='one', num_warps=warps)
 
 
 @interpreted
 @pytest.mark.parametrize('case', ALIGN_CASES[:4] + ALIGN_CASES[5:], ids=lambda c: 'T{}-k{}-E{}-M{}'.format(*c))
 def test_cpu_moe_align(case):
-    if case[0] * case[1] <= 64 or case[0] * case[1] > cuda_align.ONE_LAUNCH_PAIRS:
-        check_align(case, 'cpu', one_launch=False)
-    if case[0] * case[1] <= cuda_align.ONE_LAUNCH_PAIRS:
-        check_align(case, 'cpu', one_launch=True)
+    pairs = case[0] * case[1]
+    if pairs <= 64 or pairs > cuda_align.ONE_LAUNCH_PAIRS:
+        check_align(case, 'cpu', form='three')
+    if pairs <= 64 or pairs > 1024:  # one program of the two-launch form below, several above
+        check_align(case, 'cpu', form='two')
+    if pairs <= cuda_align.ONE_LAUNCH_PAIRS:
+        check_align(case, 'cpu', form='one')
 
 
 # -------------------------------------------------------------------------------------- gated delta gating

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from lmdeploy.pytorch.kernels.cuda import moe, moe_align
 from lmdeploy.pytorch.kernels.cuda.launch import arg_key
@@ -92,13 +93,13 @@ def test_warm_up_counts_reach_every_binary(table_dir, top_k):
     max_tokens = 3000
     counts = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name=DEVICE, **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, device_name=DEVICE, **SHAPE),  # noqa: E731
-                          arg_key(tokens * top_k), moe_align.uses_one_launch(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.align_form(tokens * top_k))
     warmed = {key(t) for t in counts}
     assert all(key(t) in warmed for t in range(1, max_tokens + 1))
     assert len(counts) == len(warmed) <= 4 * len(ENTRIES) and all(1 <= t <= max_tokens for t in counts)
     untuned = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name='Other GPU', **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, SHAPE['num_experts']),  # noqa: E731
-                          arg_key(tokens * top_k), moe_align.uses_one_launch(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.align_form(tokens * top_k))
     assert {key(t) for t in untuned} == {key(t) for t in range(1, max_tokens + 1)}   # no table: the untuned tiles
 
 
@@ -117,11 +118,23 @@ def test_shipped_tables_are_well_formed():
 
 
 def test_the_alignment_mode_is_checked(monkeypatch):
-    for mode in ('one', 'triton', 'torch'):
+    for mode in ('one', 'two', 'triton', 'torch'):
         monkeypatch.setenv('LMDEPLOY_MOE_ALIGN', mode)
         assert moe_align.align_mode() == mode
     monkeypatch.delenv('LMDEPLOY_MOE_ALIGN')
     assert moe_align.align_mode() == 'one'
     monkeypatch.setenv('LMDEPLOY_MOE_ALIGN', 'three')
-    with pytest.raises(ValueError, match="LMDEPLOY_MOE_ALIGN must be 'one', 'triton' or 'torch', got 'three'"):
+    with pytest.raises(ValueError, match="LMDEPLOY_MOE_ALIGN must be one of 'one', 'two', 'triton', 'torch', got "
+                                         "'three'"):
         moe_align.align_mode()
+
+
+@pytest.mark.parametrize('mode, forms', [('one', ('one', 'one', 'three')), ('two', ('one', 'one', 'two')),
+                                         ('triton', ('three', 'three', 'three'))])
+def test_the_alignment_form_by_pair_count(monkeypatch, mode, forms):
+    """One program up to ONE_LAUNCH_PAIRS pairs unless every count takes three launches; above, the mode's form."""
+    monkeypatch.setattr(moe_align, '_MODE', mode)
+    limit = moe_align.ONE_LAUNCH_PAIRS
+    assert tuple(moe_align.align_form(n) for n in (1, limit, limit + 1)) == forms
+    with pytest.raises(ValueError, match="form must be 'one', 'two' or 'three', got 'four'"):
+        moe_align.align_pairs(torch.zeros(2, 2, dtype=torch.int64), 4, 16, form='four')

@@ -30,11 +30,11 @@ import triton.language as tl
 from ..default.expert_groups import add_gated_shared
 from . import moe_gemv
 from .launch import arg_key, fast_kernel, wait_for_inputs
-from .moe_align import align_mode, align_pairs, align_pairs_reference, uses_one_launch
+from .moe_align import align_form, align_mode, align_pairs, align_pairs_reference
 from .moe_gemv import expert_weights
 
-# The alignment: Triton, one launch for up to 2048 pairs and three above (default, `LMDEPLOY_MOE_ALIGN=one`), three
-# for every count (`=triton`), or `moe_align.py`'s ~20 torch ops (`=torch`).
+# The alignment: Triton, one launch for up to 2048 pairs and three above (default, `LMDEPLOY_MOE_ALIGN=one`; two above
+# with `=two`), three for every count (`=triton`), or `moe_align.py`'s ~20 torch ops (`=torch`).
 _TRITON_ALIGN = align_mode() != 'torch'
 # Forwards of up to `moe_gemv.MAX_TOKENS` tokens take `moe_gemv.py`'s two launches (default since H200 runs 40-41: the
 # 35B-A3B shape's batch-1 decode from 0.35 to 0.45 of the weight roofline); LMDEPLOY_MOE_GEMV=0 keeps this module's
@@ -187,7 +187,7 @@ def few_token_path_enabled() -> bool:
 
 def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring:
-    `moe_align.py`'s Triton form (one launch or three), or its torch form with `LMDEPLOY_MOE_ALIGN=torch`."""
+    `moe_align.py`'s Triton form (one launch, two or three), or its torch form with `LMDEPLOY_MOE_ALIGN=torch`."""
     if not _TRITON_ALIGN:
         return align_pairs_reference(topk_ids, num_experts, block_m)
     return align_pairs(topk_ids, num_experts, block_m)
@@ -338,7 +338,7 @@ def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, 
     first = {}
     for tokens in range(1, max_tokens + 1):
         pairs = tokens * top_k
-        key = (_call_config(pairs, num_experts, hidden, inter, device_name), arg_key(pairs), uses_one_launch(pairs))
+        key = (_call_config(pairs, num_experts, hidden, inter, device_name), arg_key(pairs), align_form(pairs))
         first.setdefault(key, tokens)
     return sorted(first.values())
 

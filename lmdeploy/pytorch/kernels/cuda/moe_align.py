@@ -13,7 +13,11 @@ fill), scatter (each pair takes the next row of its expert's run). Up to ``ONE_L
 short prompt, where each of the three launches and the counts' memset costs a few microseconds of latency) one
 program does all of it: the counts as a histogram in registers (no memset), the offsets and the fill, then, after
 a barrier, the scatter (the default since H100 run 50 of 2026-12-07: 12.4 us against 15.8 for 100 tokens, the same
-groups; ``LMDEPLOY_MOE_ALIGN=triton`` keeps the three launches for every count).
+groups; ``LMDEPLOY_MOE_ALIGN=triton`` keeps the three launches for every count). Above that, a second form in two
+launches (opt-in, ``LMDEPLOY_MOE_ALIGN=two``, until timed on the device against the three): each program of 1024
+pairs writes its expert histogram (registers) to a row of a ``[programs, E]`` table, with no memset and no atomics
+on shared counters; then each program reads the table, lays out the runs, fills its share of ``block_expert`` and
+of the padding rows (only rows no pair takes) and places its own pairs by atomics on its own row of cursors.
 """
 from __future__ import annotations
 
@@ -33,16 +37,20 @@ _ONE_LAUNCH_SMALL = 256  # up to this many pairs the one program runs 8 warps, a
 _ONE_LAUNCH_WARPS = int(os.environ.get('LMDEPLOY_MOE_ALIGN_WARPS', '16'))
 
 
+_MODES = ('one', 'two', 'triton', 'torch')
+
+
 def align_mode() -> str:
     """`LMDEPLOY_MOE_ALIGN`: `one` (default: one program up to `ONE_LAUNCH_PAIRS` pairs, three launches above),
+    `two` (one program up to `ONE_LAUNCH_PAIRS`, two launches above: opt-in until measured on the device),
     `triton` (three launches at every count) or `torch` (`align_pairs_reference`, used by `moe.py`)."""
     mode = os.environ.get('LMDEPLOY_MOE_ALIGN', 'one')
-    if mode not in ('one', 'triton', 'torch'):
-        raise ValueError(f"LMDEPLOY_MOE_ALIGN must be 'one', 'triton' or 'torch', got {mode!r}")
+    if mode not in _MODES:
+        raise ValueError(f'LMDEPLOY_MOE_ALIGN must be one of {", ".join(map(repr, _MODES))}, got {mode!r}')
     return mode
 
 
-_ONE_LAUNCH = align_mode() == 'one'  # read at import
+_MODE = align_mode()  # read at import
 
 
 @fast_kernel
@@ -130,9 +138,78 @@ def _align_one_kernel(ids_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, n
         tl.store(sorted_pairs_ptr + row, offs.to(tl.int64), mask=ok)
 
 
-def uses_one_launch(num_pairs: int) -> bool:
-    """Whether `align_pairs` groups this many pairs in one program (the warm-up compiles both forms apart)."""
-    return _ONE_LAUNCH and num_pairs <= ONE_LAUNCH_PAIRS
+@fast_kernel
+@triton.jit
+def _histogram_kernel(ids_ptr, table_ptr, num_pairs, num_experts, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """Program p: the expert histogram of pairs [p * BLOCK, (p + 1) * BLOCK) into row p of `table` [programs, E]
+    (registers, no atomics, no memset; BLOCK_E > num_experts: its last bin takes masked and invalid ids)."""
+    wait_for_inputs(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    ok = (offs < num_pairs) & (expert >= 0) & (expert < num_experts)
+    counts = tl.histogram(tl.where(ok, expert, BLOCK_E - 1).to(tl.int32), BLOCK_E)
+    experts = tl.arange(0, BLOCK_E)
+    tl.store(table_ptr + tl.program_id(0).to(tl.int64) * num_experts + experts, counts, mask=experts < num_experts)
+
+
+@fast_kernel
+@triton.jit
+def _place_kernel(ids_ptr, table_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, num_experts,
+                  num_programs, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+                  TABLE_ROWS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p, from the histograms' table: every expert's count and run start, and p's own first row in each run
+    (the run start plus the pairs of that expert in programs before p); p's share of `block_expert` and of the
+    padding rows' sentinel (only rows no pair takes, so no program's fill races another's scatter), then its pairs
+    placed by atomics on its own row of cursors (contention only within the program)."""
+    wait_for_inputs(PDL)
+    pid = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for q0 in range(0, num_programs, TABLE_ROWS):
+        q = q0 + tl.arange(0, TABLE_ROWS)
+        part = tl.load(table_ptr + q.to(tl.int64)[:, None] * num_experts + experts[None, :],
+                       mask=(q < num_programs)[:, None] & valid[None, :], other=0)
+        counts += tl.sum(part, axis=0)
+        before += tl.sum(tl.where((q < pid)[:, None], part, 0), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    cursors = cursor_ptr + pid.to(tl.int64) * num_experts + experts
+    tl.store(cursors, starts + before, mask=valid)
+    # this program's blocks: each block's expert (searchsorted(ends, block start, right=True)) and the rows of it
+    # that no pair takes (past its expert's count, or the whole block past the last run) set to the sentinel
+    share = tl.cdiv(max_blocks, num_programs)
+    rows_in_block = tl.arange(0, BLOCK_M)
+    for b0 in range(pid * share, tl.minimum((pid + 1) * share, max_blocks), CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        in_share = (blocks < max_blocks) & (blocks < (pid + 1) * share)
+        first = (blocks * BLOCK_M)[:, None]
+        done = (ends[None, :] <= first) & valid[None, :]
+        tl.store(block_expert_ptr + blocks, tl.sum(done.to(tl.int64), axis=1), mask=in_share)
+        in_run = (starts[None, :] <= first) & (first < ends[None, :]) & valid[None, :]
+        taken = tl.sum(tl.where(in_run, tl.minimum(tl.maximum(counts[None, :] - (first - starts[None, :]), 0),
+                                                   BLOCK_M), 0), axis=1)
+        row_ids = blocks[:, None] * BLOCK_M + rows_in_block[None, :]
+        pad = in_share[:, None] & (rows_in_block[None, :] >= taken[:, None])
+        tl.store(sorted_pairs_ptr + row_ids, tl.full([CHUNK, BLOCK_M], 0, tl.int64) + num_pairs, mask=pad)
+    # the cursors above are visible to every thread of the program before any pair is placed
+    tl.debug_barrier()
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
+    ok = (offs < num_pairs) & (expert >= 0) & (expert < num_experts)
+    row = tl.atomic_add(cursor_ptr + pid.to(tl.int64) * num_experts + expert, 1, mask=ok)
+    tl.store(sorted_pairs_ptr + row, offs.to(tl.int64), mask=ok)
+
+
+def align_form(num_pairs: int) -> str:
+    """How `align_pairs` groups this many pairs: `one` program, `two` launches or `three` (the warm-up compiles
+    each form apart)."""
+    if _MODE == 'triton':
+        return 'three'
+    return 'one' if num_pairs <= ONE_LAUNCH_PAIRS else 'two' if _MODE == 'two' else 'three'
 
 
 def one_launch_warps(num_pairs: int) -> int:
@@ -143,11 +220,11 @@ def one_launch_warps(num_pairs: int) -> int:
     return 8 if num_pairs <= _ONE_LAUNCH_SMALL else _ONE_LAUNCH_WARPS
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool | None = None,
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, form: str | None = None,
                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M] int64, block_expert [max_blocks] int64); see the module docstring.
-    `one_launch` (default: `uses_one_launch`) picks the form and `num_warps` the one-program form's warps (default
-    `one_launch_warps`), for tests and benchmarks."""
+    `form` (`one`, `two`, `three`; default `align_form`) and `num_warps` (the one-program form's warps, default
+    `one_launch_warps`) are for tests and benchmarks."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1)
     if flat.stride(0) != 1:
@@ -159,7 +236,10 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_laun
     if num_pairs == 0:
         return sorted_pairs, block_expert
 
-    if uses_one_launch(num_pairs) if one_launch is None else one_launch:
+    form = form or align_form(num_pairs)
+    if form not in ('one', 'two', 'three'):
+        raise ValueError(f"form must be 'one', 'two' or 'three', got {form!r}")
+    if form == 'one':
         cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
         block_e = max(32, triton.next_power_of_2(num_experts + 1))  # Triton's histogram: bins a multiple of 32
         _align_one_kernel[(1,)](flat, cursor, block_expert, sorted_pairs, num_pairs, num_experts, max_blocks,
@@ -167,9 +247,18 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_laun
                                 CHUNK=max(1, _COMPARE_ELEMS // block_e), FILL=_FILL,
                                 num_warps=num_warps or one_launch_warps(num_pairs))
         return sorted_pairs, block_expert
+    grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
+    if form == 'two':
+        table = torch.empty(2 * grid[0] * num_experts, dtype=torch.int32, device=device)  # [histograms, cursors]
+        block_e = max(32, triton.next_power_of_2(num_experts + 1))
+        _histogram_kernel[grid](flat, table, num_pairs, num_experts, BLOCK_E=block_e, BLOCK=_PAIRS_PER_PROGRAM)
+        _place_kernel[grid](flat, table, table[grid[0] * num_experts:], block_expert, sorted_pairs, num_pairs,
+                            num_experts, grid[0], max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+                            BLOCK=_PAIRS_PER_PROGRAM, TABLE_ROWS=max(1, _COMPARE_ELEMS // block_e),
+                            CHUNK=max(1, _COMPARE_ELEMS // max(block_e, block_m)), num_warps=8)
+        return sorted_pairs, block_expert
     counts = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)  # [counts, cursors]
     cursor = counts[num_experts:]
-    grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
     _count_kernel[grid](flat, counts, num_pairs, num_experts, BLOCK=_PAIRS_PER_PROGRAM)
     block_e = triton.next_power_of_2(num_experts)
     _offsets_kernel[(1,)](counts, cursor, block_expert, sorted_pairs, num_experts, num_pairs, max_blocks,
