@@ -87,19 +87,19 @@ def test_a_malformed_table_is_a_clear_error(table_dir):
 
 @pytest.mark.parametrize('top_k', [1, 8, 10])
 def test_warm_up_counts_reach_every_binary(table_dir, top_k):
-    """Every token count up to the limit picks a (config, pair-count class, alignment form) that one warm-up count
+    """Every token count up to the limit picks a (config, pair-count class, alignment launch) that one warm-up count
     also picks, and the warm-up counts are few."""
     write(table_dir, ENTRIES)
     max_tokens = 3000
     counts = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name=DEVICE, **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, device_name=DEVICE, **SHAPE),  # noqa: E731
-                          arg_key(tokens * top_k), moe_align.align_form(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k))
     warmed = {key(t) for t in counts}
     assert all(key(t) in warmed for t in range(1, max_tokens + 1))
     assert len(counts) == len(warmed) <= 4 * len(ENTRIES) and all(1 <= t <= max_tokens for t in counts)
     untuned = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name='Other GPU', **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, SHAPE['num_experts']),  # noqa: E731
-                          arg_key(tokens * top_k), moe_align.align_form(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k))
     assert {key(t) for t in untuned} == {key(t) for t in range(1, max_tokens + 1)}   # no table: the untuned tiles
 
 
@@ -118,18 +118,18 @@ def test_shipped_tables_are_well_formed():
 
 
 def test_the_alignment_mode_is_checked(monkeypatch):
-    for mode in ('one', 'two', 'triton', 'torch'):
+    for mode in ('one', 'three', 'triton', 'torch'):
         monkeypatch.setenv('LMDEPLOY_MOE_ALIGN', mode)
         assert moe_align.align_mode() == mode
     monkeypatch.delenv('LMDEPLOY_MOE_ALIGN')
     assert moe_align.align_mode() == 'one'
-    monkeypatch.setenv('LMDEPLOY_MOE_ALIGN', 'three')
-    with pytest.raises(ValueError, match="LMDEPLOY_MOE_ALIGN must be one of 'one', 'two', 'triton', 'torch', got "
-                                         "'three'"):
+    monkeypatch.setenv('LMDEPLOY_MOE_ALIGN', 'two')
+    with pytest.raises(ValueError, match="LMDEPLOY_MOE_ALIGN must be one of 'one', 'three', 'triton', 'torch', got "
+                                         "'two'"):
         moe_align.align_mode()
 
 
-@pytest.mark.parametrize('mode, forms', [('one', ('one', 'one', 'three')), ('two', ('one', 'one', 'two')),
+@pytest.mark.parametrize('mode, forms', [('one', ('one', 'one', 'two')), ('three', ('one', 'one', 'three')),
                                          ('triton', ('three', 'three', 'three'))])
 def test_the_alignment_form_by_pair_count(monkeypatch, mode, forms):
     """One program up to ONE_LAUNCH_PAIRS pairs unless every count takes three launches; above, the mode's form."""

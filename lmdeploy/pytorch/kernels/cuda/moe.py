@@ -30,11 +30,11 @@ import triton.language as tl
 from ..default.expert_groups import add_gated_shared
 from . import moe_gemv
 from .launch import arg_key, fast_kernel, wait_for_inputs
-from .moe_align import align_form, align_mode, align_pairs, align_pairs_reference
+from .moe_align import align_launch_key, align_mode, align_pairs, align_pairs_reference
 from .moe_gemv import expert_weights
 
-# The alignment: Triton, one launch for up to 2048 pairs and three above (default, `LMDEPLOY_MOE_ALIGN=one`; two above
-# with `=two`), three for every count (`=triton`), or `moe_align.py`'s ~20 torch ops (`=torch`).
+# The alignment: Triton, one launch for up to 2048 pairs and two above (default, `LMDEPLOY_MOE_ALIGN=one`; three above
+# with `=three`), three for every count (`=triton`), or `moe_align.py`'s ~20 torch ops (`=torch`).
 _TRITON_ALIGN = align_mode() != 'torch'
 # Forwards of up to `moe_gemv.MAX_TOKENS` tokens take `moe_gemv.py`'s two launches (default since H200 runs 40-41: the
 # 35B-A3B shape's batch-1 decode from 0.35 to 0.45 of the weight roofline); LMDEPLOY_MOE_GEMV=0 keeps this module's
@@ -332,13 +332,13 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
 def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
                          device_name: str | None) -> list[int]:
-    """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count, alignment form)
+    """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count, alignment launch)
     that any count there reaches (through this shape's table for `device_name`, or the untuned tiles): the first
     count of each."""
     first = {}
     for tokens in range(1, max_tokens + 1):
         pairs = tokens * top_k
-        key = (_call_config(pairs, num_experts, hidden, inter, device_name), arg_key(pairs), align_form(pairs))
+        key = (_call_config(pairs, num_experts, hidden, inter, device_name), arg_key(pairs), align_launch_key(pairs))
         first.setdefault(key, tokens)
     return sorted(first.values())
 

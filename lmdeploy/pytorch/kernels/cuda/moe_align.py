@@ -13,11 +13,14 @@ fill), scatter (each pair takes the next row of its expert's run). Up to ``ONE_L
 short prompt, where each of the three launches and the counts' memset costs a few microseconds of latency) one
 program does all of it: the counts as a histogram in registers (no memset), the offsets and the fill, then, after
 a barrier, the scatter (the default since H100 run 50 of 2026-12-07: 12.4 us against 15.8 for 100 tokens, the same
-groups; ``LMDEPLOY_MOE_ALIGN=triton`` keeps the three launches for every count). Above that, a second form in two
-launches (opt-in, ``LMDEPLOY_MOE_ALIGN=two``, until timed on the device against the three): each program of 1024
-pairs writes its expert histogram (registers) to a row of a ``[programs, E]`` table, with no memset and no atomics
-on shared counters; then each program reads the table, lays out the runs, fills its share of ``block_expert`` and
-of the padding rows (only rows no pair takes) and places its own pairs by atomics on its own row of cursors.
+groups; ``LMDEPLOY_MOE_ALIGN=triton`` keeps the three launches for every count). Above that, two launches (the
+default since H100 run 80 of 2026-12-07): each program of 1024 pairs writes its expert histogram (registers) to a
+row of a ``[programs, E]`` table, with no memset and no atomics on shared counters; then each program reads the
+table, lays out the runs, fills its share of ``block_expert`` and of the padding rows (only rows no pair takes) and
+places its own pairs by atomics on its own row of cursors. The three launches' atomics all land on E counters, and
+8,192 to 65,536 pairs queue on them: 21.9 -> 11.0 us at 8,192 pairs and 75.6 -> 14.2 us at 65,536 (BLOCK_M 64), a
+35B-A3B-shaped model's cold 8K prompt 148.1 -> 129.9 ms on the H100 (``LMDEPLOY_MOE_ALIGN=three`` keeps them above
+the one program's limit).
 """
 from __future__ import annotations
 
@@ -37,13 +40,13 @@ _ONE_LAUNCH_SMALL = 256  # up to this many pairs the one program runs 8 warps, a
 _ONE_LAUNCH_WARPS = int(os.environ.get('LMDEPLOY_MOE_ALIGN_WARPS', '16'))
 
 
-_MODES = ('one', 'two', 'triton', 'torch')
+_MODES = ('one', 'three', 'triton', 'torch')
 
 
 def align_mode() -> str:
-    """`LMDEPLOY_MOE_ALIGN`: `one` (default: one program up to `ONE_LAUNCH_PAIRS` pairs, three launches above),
-    `two` (one program up to `ONE_LAUNCH_PAIRS`, two launches above: opt-in until measured on the device),
-    `triton` (three launches at every count) or `torch` (`align_pairs_reference`, used by `moe.py`)."""
+    """`LMDEPLOY_MOE_ALIGN`: `one` (default: one program up to `ONE_LAUNCH_PAIRS` pairs, two launches above),
+    `three` (one program up to `ONE_LAUNCH_PAIRS`, three launches above: the form before H100 run 80), `triton`
+    (three launches at every count) or `torch` (`align_pairs_reference`, used by `moe.py`)."""
     mode = os.environ.get('LMDEPLOY_MOE_ALIGN', 'one')
     if mode not in _MODES:
         raise ValueError(f'LMDEPLOY_MOE_ALIGN must be one of {", ".join(map(repr, _MODES))}, got {mode!r}')
@@ -54,7 +57,7 @@ _MODE = align_mode()  # read at import
 
 
 @fast_kernel
-@triton.jit
+@triton.jit(do_not_specialize=['num_pairs'])
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -85,7 +88,7 @@ def lay_out_runs(counts, experts, valid, cursor_ptr, block_expert_ptr, sorted_pa
 
 
 @fast_kernel
-@triton.jit
+@triton.jit(do_not_specialize=['num_pairs', 'max_blocks'])
 def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_experts, num_pairs, max_blocks,
                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
                     PDL: tl.constexpr = False):
@@ -98,7 +101,7 @@ def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, 
 
 
 @fast_kernel
-@triton.jit
+@triton.jit(do_not_specialize=['num_pairs'])
 def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, num_experts, BLOCK: tl.constexpr,
                     PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
@@ -111,7 +114,7 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, num_expert
 
 
 @fast_kernel
-@triton.jit
+@triton.jit(do_not_specialize=['num_pairs', 'max_blocks'])
 def _align_one_kernel(ids_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, num_experts, max_blocks,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                       FILL: tl.constexpr, PDL: tl.constexpr = False):
@@ -139,7 +142,7 @@ def _align_one_kernel(ids_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, n
 
 
 @fast_kernel
-@triton.jit
+@triton.jit(do_not_specialize=['num_pairs'])
 def _histogram_kernel(ids_ptr, table_ptr, num_pairs, num_experts, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
                       PDL: tl.constexpr = False):
     """Program p: the expert histogram of pairs [p * BLOCK, (p + 1) * BLOCK) into row p of `table` [programs, E]
@@ -154,7 +157,7 @@ def _histogram_kernel(ids_ptr, table_ptr, num_pairs, num_experts, BLOCK_E: tl.co
 
 
 @fast_kernel
-@triton.jit
+@triton.jit(do_not_specialize=['num_pairs', 'num_programs', 'max_blocks'])
 def _place_kernel(ids_ptr, table_ptr, cursor_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, num_experts,
                   num_programs, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
                   TABLE_ROWS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
@@ -209,7 +212,15 @@ def align_form(num_pairs: int) -> str:
     each form apart)."""
     if _MODE == 'triton':
         return 'three'
-    return 'one' if num_pairs <= ONE_LAUNCH_PAIRS else 'two' if _MODE == 'two' else 'three'
+    return 'one' if num_pairs <= ONE_LAUNCH_PAIRS else 'three' if _MODE == 'three' else 'two'
+
+
+def align_launch_key(num_pairs: int) -> tuple[str, int]:
+    """What of `align_pairs`' launches depends on the pair count beyond BLOCK_M: the form and the one program's
+    warps (the size ints are compiled unspecialized, `do_not_specialize`, so that no count compiles a binary of its
+    own); the start-up warm-up reaches every key it can take."""
+    form = align_form(num_pairs)
+    return form, one_launch_warps(num_pairs) if form == 'one' else 0
 
 
 def one_launch_warps(num_pairs: int) -> int:
