@@ -14,6 +14,9 @@ alignment against the torch one (`LMDEPLOY_MOE_ALIGN=torch`), eager and replayed
 each replay, and the device time of each. `--write-config DIR` writes the best configs as this shape's table
 (`moe.config_file_name`, keyed by (token, expert) pair counts), the file `kernels/cuda/moe_configs/` ships.
 
+`--orders`: also the table's tiles with the expert GEMMs' column tiles first (`moe._COLS_FIRST`, opt-in as
+LMDEPLOY_MOE_COLS_FIRST=1) against the default order, each output checked against the untuned config's.
+
 `--gemv`: also the few-token path of `kernels/cuda/moe_gemv.py` (which `fused_moe` takes for up to
 `moe_gemv.MAX_TOKENS` tokens unless `LMDEPLOY_MOE_GEMV=0`), called directly for every count up to 16 tokens (the
 crossover), its output checked against the untuned `fused_moe`'s, at its default tiles. `--gemv-sweep`: also its
@@ -212,6 +215,8 @@ def main() -> None:
     p.add_argument('--layers', type=int, default=6, help='weight copies rotated through')
     p.add_argument('--sweep', action=argparse.BooleanOptionalAction, default=True)
     p.add_argument('--write-config', default=None, metavar='DIR', help="write the best configs as this shape's table")
+    p.add_argument('--orders', action='store_true',
+                   help="also time the table's tiles (untuned without one) with the column tiles first (ORDER lines)")
     p.add_argument('--gemv', action='store_true', help='also time moe_gemv.fused_moe_gemv up to 16 tokens')
     p.add_argument('--gemv-sweep', action='store_true', help='with --gemv: also sweep its tiles (prints the best)')
     a = p.parse_args()
@@ -237,6 +242,15 @@ def main() -> None:
         t_untuned = try_time(case, untuned, a.layers)
         t_table = try_time(case, moe.default_config(pairs, a.experts, a.hidden, a.inter, name), a.layers, want) \
             if has_table else float('nan')
+        if a.orders:  # the expert GEMMs' program order (LMDEPLOY_MOE_COLS_FIRST), on the tiles the engine runs
+            tiles = moe.default_config(pairs, a.experts, a.hidden, a.inter, name) if has_table else untuned
+            times = {}
+            for cols_first in (False, True):
+                moe._COLS_FIRST = cols_first
+                times[cols_first] = try_time(case, tiles, a.layers, want)
+            moe._COLS_FIRST = False
+            print(f'ORDER tokens {tokens}: {tuple(tiles)} rows first {times[False]:.1f} us, cols first '
+                  f'{times[True]:.1f} us (inf: output off)', flush=True)
         t_best, cfg = sweep(case, a, untuned, want) if a.sweep else (t_untuned, untuned)
         floor, t_bmm = floor_us(a, case, rates), bmm_us(a, tokens)
         best_configs[pairs] = [cfg.block_m, list(cfg.up), list(cfg.down)]

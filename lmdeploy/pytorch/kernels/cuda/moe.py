@@ -44,6 +44,11 @@ _MOE_GEMV = os.environ.get('LMDEPLOY_MOE_GEMV', '1') != '0'
 # since H100 runs 58-63 (its gpu tests and the MoE engine tests pass; with the state-row copies and packed GQA
 # below, the 80B suffix rows 0.6-0.8 ms faster); LMDEPLOY_MOE_COMBINE=0: the top-k sum and the torch add.
 _COMBINE = os.environ.get('LMDEPLOY_MOE_COMBINE', '1') != '0'
+# The expert GEMMs' program order (opt-in until timed on the device): LMDEPLOY_MOE_COLS_FIRST=1 launches a row block's
+# column tiles together (grid (column tiles, row blocks)) instead of one column tile of every row block, so that a
+# long prefill's rows (read once per column tile) and its experts' weight tiles are shared through L2 by programs
+# that run at the same time, where the row-first order rereads every row block once per column tile from memory.
+_COLS_FIRST = os.environ.get('LMDEPLOY_MOE_COLS_FIRST', '0') == '1'
 # Tuned tile tables (`benchmark/bench_moe_kernel.py --write-config`): this package's `moe_configs/`, or the
 # folder LMDEPLOY_MOE_CONFIG_DIR names (searched first).
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'moe_configs')
@@ -51,14 +56,16 @@ _CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'moe_conf
 
 @triton.jit
 def moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, num_cols, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, COLS_FIRST: tl.constexpr = False):
     """The program's row block (its expert; each row's pair, or the sentinel `num_pairs` in padding) and column
-    tile. A block past the end has expert E: the caller exits on it (the loads stay inside the padded buffers)."""
-    block = tl.program_id(0)
+    tile: grid (row blocks, column tiles), or with COLS_FIRST (column tiles, row blocks), so that the programs
+    launched together are a row block's column tiles (`fused_moe`'s `_COLS_FIRST`). A block past the end has
+    expert E: the caller exits on it (the loads stay inside the padded buffers)."""
+    block = tl.program_id(1) if COLS_FIRST else tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(0) if COLS_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
     return expert, rows, pairs, pairs < num_pairs, cols, cols < num_cols
 
 
@@ -88,10 +95,11 @@ def store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, str
 def _moe_up_kernel(x_ptr, w_ptr, shared_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
                    stride_xt, stride_we, stride_wn, stride_wk, stride_ot, TOP_K: tl.constexpr,
                    NUM_EXPERTS: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   COLS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, inter,
-                                                              BLOCK_M, BLOCK_N)
+                                                              BLOCK_M, BLOCK_N, COLS_FIRST)
     if expert >= NUM_EXPERTS + HAS_SHARED:
         return
     tokens = (pairs // TOP_K).to(tl.int64)
@@ -122,10 +130,11 @@ def _moe_up_kernel(x_ptr, w_ptr, shared_ptr, out_ptr, sorted_pairs_ptr, block_ex
 def _moe_down_kernel(a_ptr, w_ptr, shared_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs,
                      hidden, inter, stride_at, stride_we, stride_wn, stride_wk, stride_ot, NUM_EXPERTS: tl.constexpr,
                      HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
-                                                              BLOCK_M, BLOCK_N)
+                                                              BLOCK_M, BLOCK_N, COLS_FIRST)
     if expert >= NUM_EXPERTS + HAS_SHARED:
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -260,6 +269,15 @@ def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int
 _call_config = functools.lru_cache(maxsize=4096)(default_config)
 
 
+def _grid(num_blocks: int, num_tiles: int) -> tuple[int, int]:
+    """The expert GEMMs' grid in `_COLS_FIRST`'s order (a grid's second dimension holds up to 65,535 programs: the
+    row blocks of 1M pairs at BLOCK_M 16)."""
+    if _COLS_FIRST:
+        assert num_blocks <= 65535, f'{num_blocks} row blocks: more than a grid dimension holds'
+        return num_tiles, num_blocks
+    return num_blocks, num_tiles
+
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | None = None,
               shared: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -309,22 +327,22 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config.up
-    _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    _moe_up_kernel[_grid(num_blocks, triton.cdiv(inter, block_n))](
         x, gate_up_proj, shared_gate_up, act, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden,
         inter=inter, stride_xt=x.stride(0), stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1),
         stride_wk=gate_up_proj.stride(2), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
         HAS_SHARED=has_shared, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+        COLS_FIRST=_COLS_FIRST, num_warps=warps, num_stages=stages)
 
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     block_n, block_k, warps, stages = config.down
-    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+    _moe_down_kernel[_grid(num_blocks, triton.cdiv(hidden, block_n))](
         act, down_proj, shared_down, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs,
         hidden=hidden, inter=inter, stride_at=act.stride(0), stride_we=down_proj.stride(0),
         stride_wn=down_proj.stride(1), stride_wk=down_proj.stride(2), stride_ot=per_pair.stride(0),
         NUM_EXPERTS=num_experts, HAS_SHARED=has_shared, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        BLOCK_K=block_k, COLS_FIRST=_COLS_FIRST, num_warps=warps, num_stages=stages)
     if gated_shared is not None and _COMBINE:
         return combine_pairs(per_pair, top_k, gated_shared)
     return add_gated_shared(per_pair.view(num_tokens, top_k, hidden).sum(dim=1), gated_shared)
