@@ -138,3 +138,18 @@ def test_the_alignment_form_by_pair_count(monkeypatch, mode, forms):
     assert tuple(moe_align.align_form(n) for n in (1, limit, limit + 1)) == forms
     with pytest.raises(ValueError, match="form must be 'one', 'two' or 'three', got 'four'"):
         moe_align.align_pairs(torch.zeros(2, 2, dtype=torch.int64), 4, 16, form='four')
+
+
+def test_the_alignment_compiles_its_sizes_unspecialized():
+    """No pair count selects an alignment binary of its own through its size arguments (a block bound or program
+    count divisible by 16, or equal to 1): the warm-up's key (`align_launch_key`) holds only the form and width."""
+    sizes = {moe_align._count_kernel: ['num_pairs'], moe_align._scatter_kernel: ['num_pairs'],
+             moe_align._offsets_kernel: ['num_pairs', 'max_blocks'],
+             moe_align._align_one_kernel: ['num_pairs', 'max_blocks'],
+             moe_align._histogram_kernel: ['num_pairs'],
+             moe_align._place_kernel: ['num_pairs', 'num_programs', 'max_blocks']}
+    for kernel, names in sizes.items():
+        params = {p.name: p for p in kernel.fn.params}
+        ints = [n for n, p in params.items() if not p.is_constexpr and not n.endswith('_ptr')]
+        assert set(ints) - {'num_experts'} == set(names), (kernel.fn.__name__, ints)
+        assert all(params[n].do_not_specialize for n in names), kernel.fn.__name__
