@@ -153,3 +153,25 @@ def test_the_alignment_compiles_its_sizes_unspecialized():
         ints = [n for n, p in params.items() if not p.is_constexpr and not n.endswith('_ptr')]
         assert set(ints) - {'num_experts'} == set(names), (kernel.fn.__name__, ints)
         assert all(params[n].do_not_specialize for n in names), kernel.fn.__name__
+
+
+def test_the_two_launch_cursors_stay_16_byte_aligned(monkeypatch):
+    """The placing launch's cursor rows start 16-byte aligned at every program count (Triton specializes pointers
+    on it, and the warm-up's key does not name it); the launches recorded, not run."""
+    offsets = []
+
+    class Record:
+        def __init__(self, arg: int | None):
+            self.arg = arg
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None if self.arg is None else offsets.append(
+                (args[2].data_ptr() - args[1].data_ptr()) % 16)
+
+    monkeypatch.setattr(moe_align, '_histogram_kernel', Record(None))
+    monkeypatch.setattr(moe_align, '_place_kernel', Record(2))
+    for programs in range(3, 12):
+        ids = torch.zeros(programs * 1024 - 5, 1, dtype=torch.int64)
+        for experts in (64, 65, 7):
+            moe_align.align_pairs(ids, experts, 16, form='two')
+    assert len(offsets) == 27 and set(offsets) == {0}

@@ -260,10 +260,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, form: st
         return sorted_pairs, block_expert
     grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
     if form == 'two':
-        table = torch.empty(2 * grid[0] * num_experts, dtype=torch.int32, device=device)  # [histograms, cursors]
+        # [histograms, cursors], the cursors 16-byte aligned whatever the program count (an alignment that moved
+        # with the count would compile a binary the warm-up's key does not name)
+        cursors_at = triton.cdiv(grid[0] * num_experts, 4) * 4
+        table = torch.empty(cursors_at + grid[0] * num_experts, dtype=torch.int32, device=device)
         block_e = max(32, triton.next_power_of_2(num_experts + 1))
         _histogram_kernel[grid](flat, table, num_pairs, num_experts, BLOCK_E=block_e, BLOCK=_PAIRS_PER_PROGRAM)
-        _place_kernel[grid](flat, table, table[grid[0] * num_experts:], block_expert, sorted_pairs, num_pairs,
+        _place_kernel[grid](flat, table, table[cursors_at:], block_expert, sorted_pairs, num_pairs,
                             num_experts, grid[0], max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
                             BLOCK=_PAIRS_PER_PROGRAM, TABLE_ROWS=max(1, _COMPARE_ELEMS // block_e),
                             CHUNK=max(1, _COMPARE_ELEMS // max(block_e, block_m)), num_warps=8)
