@@ -158,6 +158,18 @@ def test_cpu_fused_moe_blocked_fp8_matches_reference(num_tokens, torch_quantizat
     assert_close(out, ref.fused_moe_blocked_fp8(*args, block_size=(16, 16)), atol=2e-3, rtol=2e-3)
 
 
+@interpreted
+def test_cpu_fp8_moe_warm_up_runs_every_count_it_names():
+    """The start-up warm-up of FP8 experts (`ModelAgent.tune_kernels`) calls the op once per token count
+    `warm_up_token_counts` names (one row block and alignment launch each), on the experts' own tensors."""
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8_moe
+    _, gate_up, down, _, _, gate_up_scale, down_scale = _moe_inputs(1, hidden=40, inter=32, num_experts=4, top_k=2,
+                                                                    block=(16, 16))
+    counts = blocked_fp8_moe.warm_up_token_counts(4, 2, 40)
+    assert blocked_fp8_moe.warm_up_tiles(gate_up, down, gate_up_scale, down_scale, (16, 16), 2, 40,
+                                         torch.float32) == len(counts) >= 3
+
+
 @pytest.mark.skipif(INTERPRET, reason='already running under the interpreter')
 def test_triton_fp8_kernels_interpreted():
     """Run the `test_cpu_*` tests in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported)."""
@@ -237,3 +249,25 @@ def test_fused_moe_blocked_fp8_matches_reference_on_cuda(num_tokens):
     out = fused_moe_blocked_fp8(x.bfloat16(), *rest, block_size=(128, 128))
     expected = ref.fused_moe_blocked_fp8(x.bfloat16().float().cpu(), *[t.cpu() for t in rest], block_size=(128, 128))
     assert_close(out, expected, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_moe_warm_up_compiles_every_binary_a_forward_takes():
+    """After `warm_up_tiles` (what start-up runs for block-wise FP8 experts), no token count up to its limit compiles
+    another binary of the FP8 MoE or of the alignment (top-8 of 64 experts: BLOCK_M 16 / 32 / 64, the one-program
+    alignment at 8 and 16 warps, the two launches)."""
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8, blocked_fp8_moe, moe_align
+    from lmdeploy.pytorch.kernels.cuda.launch import FastKernel
+    _, gate_up, down, _, _, gate_up_scale, down_scale = _moe_inputs(1, hidden=256, inter=128, num_experts=64,
+                                                                    top_k=8, block=(128, 128), device='cuda')
+    kernels = [k for mod in (blocked_fp8, blocked_fp8_moe, moe_align) for k in vars(mod).values()
+               if isinstance(k, FastKernel)]
+    limit = 1100
+    blocked_fp8_moe.warm_up_tiles(gate_up, down, gate_up_scale, down_scale, (128, 128), 8, limit, torch.bfloat16)
+    compiled = sum(k.num_compiled for k in kernels)
+    for tokens in range(1, limit + 1, 7):
+        x = torch.randn(tokens, 256, device='cuda', dtype=torch.bfloat16)
+        weights, ids = torch.randn(tokens, 64, device='cuda').softmax(-1).topk(8, dim=-1)
+        blocked_fp8_moe.fused_moe_blocked_fp8(x, gate_up, down, weights.bfloat16(), ids, gate_up_scale, down_scale,
+                                              (128, 128))
+    assert sum(k.num_compiled for k in kernels) == compiled

@@ -175,3 +175,17 @@ def test_the_two_launch_cursors_stay_16_byte_aligned(monkeypatch):
         for experts in (64, 65, 7):
             moe_align.align_pairs(ids, experts, 16, form='two')
     assert len(offsets) == 27 and set(offsets) == {0}
+
+
+@pytest.mark.parametrize('top_k, experts', [(8, 64), (10, 64), (2, 4)])
+def test_fp8_warm_up_counts_reach_every_binary(top_k, experts):
+    """Block-wise FP8 experts: every token count up to the limit picks a (BLOCK_M, pair-count class, alignment
+    launch) that one warm-up count also picks; BLOCK_M 32 in the two-launch alignment (which the eager warm-up's
+    counts miss at top-8 of 64 experts) among them."""
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8_moe
+    key = lambda tokens: (moe.row_block(tokens * top_k, experts), arg_key(tokens * top_k),  # noqa: E731
+                          moe_align.align_launch_key(tokens * top_k))
+    counts = blocked_fp8_moe.warm_up_token_counts(experts, top_k, 3000)
+    assert {key(t) for t in counts} == {key(t) for t in range(1, 3001)} and len(counts) == len(set(map(key, counts)))
+    if (top_k, experts) == (8, 64):
+        assert (32, ('two', 0)) in {(k[0], k[2]) for k in map(key, counts)}

@@ -257,6 +257,30 @@ def test_fp8_linear_shapes_are_the_kept_2d_fp8_weights(fp8_checkpoints, keep_fp8
     assert shapes and shapes == {(p.shape[0], p.shape[1], tuple(BLOCK)) for p in fp8 if p.dim() == 2}
 
 
+def test_start_up_warms_the_fp8_experts_kernels(fp8_checkpoints, keep_fp8_on_cpu, monkeypatch):
+    # `ModelAgent.tune_kernels` on a CUDA device (its kernel calls recorded, not run): the FP8 experts' warm-up gets
+    # each distinct expert stack's own tensors, scales, block size and top-k once, and the bf16 MoE warm-up none
+    from lmdeploy.pytorch.backends import cuda as cuda_backend
+    from lmdeploy.pytorch.engine.model_agent import ModelAgent
+    from lmdeploy.pytorch.nn.moe import SparseMoeBlock
+    model = loader.build_model(fp8_checkpoints('qwen3_next'), torch.device('cpu'), 'float32', 'cpu')[0]
+    calls = {'fp8': [], 'bf16': []}
+    monkeypatch.setattr(cuda_backend, 'tune_fp8_gemms', lambda *args: 0)
+    monkeypatch.setattr(cuda_backend, 'warm_up_fp8_moe_tiles', lambda *args: calls['fp8'].append(args) or 1)
+    monkeypatch.setattr(cuda_backend, 'warm_up_moe_tiles', lambda *args: calls['bf16'].append(args) or 1)
+    agent = types.SimpleNamespace(device=torch.device('cuda'), model=model, cache_engine=types.SimpleNamespace(
+        model_config=types.SimpleNamespace(dtype='float32')))
+    ModelAgent.tune_kernels(agent, 96)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and not calls['bf16'] and len(calls['fp8']) == 1
+    experts = blocks[0].experts
+    gate_up, down, gate_up_scale, down_scale, block, top_k, max_tokens, dtype = calls['fp8'][0]
+    assert gate_up.dtype == FP8_DTYPE and gate_up.shape == experts.gate_up_proj.shape
+    assert gate_up_scale.shape == experts.gate_up_proj_scale_inv.shape
+    assert down_scale.shape == experts.down_proj_scale_inv.shape and down.shape == experts.down_proj.shape
+    assert (block, top_k, max_tokens, dtype) == (tuple(BLOCK), blocks[0].gate.top_k, 96, torch.float32)
+
+
 # ---- refused checkpoints -------------------------------------------------------------------------------------------
 def _edited(fp8_checkpoints, tmp_path, edit) -> str:
     src = fp8_checkpoints('qwen3')

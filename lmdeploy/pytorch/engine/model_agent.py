@@ -242,11 +242,11 @@ class ModelAgent:
     def tune_kernels(self, max_tokens: int) -> None:
         """Before any graph is captured or request served (CUDA only), so that no forward pays for tuning: autotune
         the FP8 GEMM tiles for the model's FP8 linears and every row bucket up to `max_tokens`, and compile every
-        tile config the fused MoE can pick (its tuned table, the shared expert folded in or not) for forwards up to
-        `max_tokens` tokens."""
+        tile config the fused MoE can pick (its tuned table, the shared expert folded in or not; block-wise FP8
+        experts: every row block and alignment launch) for forwards up to `max_tokens` tokens."""
         if self.device.type != 'cuda':
             return
-        from ..backends.cuda import tune_fp8_gemms, warm_up_moe_tiles
+        from ..backends.cuda import tune_fp8_gemms, warm_up_fp8_moe_tiles, warm_up_moe_tiles
         shapes = fp8_linear_shapes(self.model)
         if shapes:
             began = time.perf_counter()
@@ -257,7 +257,16 @@ class ModelAgent:
         began, calls, seen = time.perf_counter(), 0, set()
         for block in self.model.modules():
             experts = getattr(block, 'experts', None)
-            if not isinstance(block, SparseMoeBlock) or experts.weight_block_size is not None:
+            if not isinstance(block, SparseMoeBlock):
+                continue
+            if experts.weight_block_size is not None:   # block-wise FP8 experts: their kernels' binaries
+                key = (tuple(experts.gate_up_proj.shape), 'fp8', experts.weight_block_size, block.gate.top_k)
+                if key not in seen:
+                    seen.add(key)
+                    calls += warm_up_fp8_moe_tiles(
+                        experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_scale_inv,
+                        experts.down_proj_scale_inv, experts.weight_block_size, block.gate.top_k, max_tokens,
+                        getattr(torch, self.cache_engine.model_config.dtype))
                 continue
             shared = block.foldable_shared(1)
             key = (tuple(experts.gate_up_proj.shape), experts.gate_up_proj.dtype, block.gate.top_k, shared is None)

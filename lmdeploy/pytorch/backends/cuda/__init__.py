@@ -41,6 +41,7 @@ from ...kernels.cuda import moe as _moe
 from ...kernels.cuda import rms_norm_rows as _norm_rows
 from ...kernels.cuda.activation import sigmoid_gate_mul, silu_and_mul
 from ...kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
+from ...kernels.cuda.blocked_fp8_moe import warm_up_tiles as warm_up_fp8_moe_tiles  # noqa: F401 (tune_kernels)
 from ...kernels.cuda.copy_packed_cache import copy_packed_cache, copy_state_slots
 from ...kernels.cuda.fill_kv_cache import fill_kv_cache
 from ...kernels.cuda.fused_recurrent_gated_delta import fused_recurrent_gated_delta_rule, out_norm_supported

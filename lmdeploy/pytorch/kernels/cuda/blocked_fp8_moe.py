@@ -17,8 +17,9 @@ import triton
 import triton.language as tl
 
 from .blocked_fp8 import quant_fp8
-from .launch import fast_kernel, wait_for_inputs
+from .launch import arg_key, fast_kernel, wait_for_inputs
 from .moe import _align_pairs, moe_block, row_block, store_routed, store_swiglu
+from .moe_align import align_launch_key
 
 
 @fast_kernel
@@ -131,3 +132,31 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
         stride_wsn=down_scale.stride(1), stride_ot=per_pair.stride(0), NUM_EXPERTS=num_experts,
         BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+    """Token counts in 1..`max_tokens` whose calls reach every (BLOCK_M, class of the pair count, alignment launch)
+    that any count there reaches (every other tile and argument is fixed by the shape): the first count of each."""
+    first = {}
+    for tokens in range(1, max_tokens + 1):
+        pairs = tokens * top_k
+        first.setdefault((row_block(pairs, num_experts), arg_key(pairs), align_launch_key(pairs)), tokens)
+    return sorted(first.values())
+
+
+def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_scale: torch.Tensor,
+                  down_scale: torch.Tensor, block_size: tuple[int, int], top_k: int, max_tokens: int,
+                  dtype: torch.dtype) -> int:
+    """Compile every binary `fused_moe_blocked_fp8` can pick for these experts in forwards of 1..`max_tokens` tokens
+    (`warm_up_token_counts`) on zero activations of `dtype`, as `moe.warm_up_tiles` does for bf16 experts (the eager
+    warm-up's token counts alone miss some, e.g. BLOCK_M 32 in the two-launch alignment). Returns the number of
+    calls."""
+    num_experts, _, hidden = gate_up_proj.shape
+    device = gate_up_proj.device
+    counts = warm_up_token_counts(num_experts, top_k, max_tokens)
+    for tokens in counts:
+        x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
+        ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(top_k, device=device)) % num_experts
+        weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype, device=device)
+        fused_moe_blocked_fp8(x, gate_up_proj, down_proj, weights, ids, gate_up_scale, down_scale, block_size)
+    return len(counts)
