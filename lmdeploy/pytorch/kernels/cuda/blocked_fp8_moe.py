@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import moe
 from .blocked_fp8 import quant_fp8
 from .launch import arg_key, fast_kernel, wait_for_inputs
 from .moe import _align_pairs, moe_block, row_block, store_routed, store_swiglu
@@ -27,10 +28,11 @@ from .moe_align import align_launch_key
 def _moe_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
                        inter, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
                        TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       COLS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, inter,
-                                                              BLOCK_M, BLOCK_N)
+                                                              BLOCK_M, BLOCK_N, COLS_FIRST)
     if expert >= NUM_EXPERTS:
         return
     tokens = (pairs // TOP_K).to(tl.int64)
@@ -67,10 +69,10 @@ def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sor
                          num_pairs, hidden, inter, stride_at, stride_ast, stride_we, stride_wn, stride_wse,
                          stride_wsn, stride_ot, NUM_EXPERTS: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         COLS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     expert, rows, pairs, row_mask, cols, col_mask = moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden,
-                                                              BLOCK_M, BLOCK_N)
+                                                              BLOCK_M, BLOCK_N, COLS_FIRST)
     if expert >= NUM_EXPERTS:
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -115,22 +117,24 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     num_blocks = block_expert.shape[0]
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
-    _moe_up_fp8_kernel[(num_blocks, triton.cdiv(inter, tile_n))](
+    _moe_up_fp8_kernel[moe._grid(num_blocks, triton.cdiv(inter, tile_n))](
         xq, x_scale, gate_up_proj, gate_up_scale, act, sorted_pairs, block_expert, num_pairs=num_pairs,
         hidden=hidden, inter=inter, stride_xt=xq.stride(0), stride_xst=x_scale.stride(0),
         stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1), stride_wse=gate_up_scale.stride(0),
         stride_wsn=gate_up_scale.stride(1), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
-        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, COLS_FIRST=moe._COLS_FIRST,
+        num_warps=4, num_stages=3)
 
     act_q, act_scale = quant_fp8(act, block_k)
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _moe_down_fp8_kernel[(num_blocks, triton.cdiv(hidden, tile_n))](
+    _moe_down_fp8_kernel[moe._grid(num_blocks, triton.cdiv(hidden, tile_n))](
         act_q, act_scale, down_proj, down_scale, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs,
         hidden=hidden, inter=inter, stride_at=act_q.stride(0), stride_ast=act_scale.stride(0),
         stride_we=down_proj.stride(0), stride_wn=down_proj.stride(1), stride_wse=down_scale.stride(0),
         stride_wsn=down_scale.stride(1), stride_ot=per_pair.stride(0), NUM_EXPERTS=num_experts,
-        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, COLS_FIRST=moe._COLS_FIRST,
+        num_warps=4, num_stages=3)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

@@ -48,6 +48,7 @@ _COMBINE = os.environ.get('LMDEPLOY_MOE_COMBINE', '1') != '0'
 # column tiles together (grid (column tiles, row blocks)) instead of one column tile of every row block, so that a
 # long prefill's rows (read once per column tile) and its experts' weight tiles are shared through L2 by programs
 # that run at the same time, where the row-first order rereads every row block once per column tile from memory.
+# `blocked_fp8_moe.py`'s expert GEMMs read it too.
 _COLS_FIRST = os.environ.get('LMDEPLOY_MOE_COLS_FIRST', '0') == '1'
 # Tuned tile tables (`benchmark/bench_moe_kernel.py --write-config`): this package's `moe_configs/`, or the
 # folder LMDEPLOY_MOE_CONFIG_DIR names (searched first).
