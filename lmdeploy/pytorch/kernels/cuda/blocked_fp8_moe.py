@@ -18,9 +18,8 @@ import triton.language as tl
 
 from . import moe
 from .blocked_fp8 import quant_fp8
-from .launch import arg_key, fast_kernel, wait_for_inputs
+from .launch import fast_kernel, wait_for_inputs
 from .moe import _align_pairs, moe_block, row_block, store_routed, store_swiglu
-from .moe_align import align_launch_key
 
 
 @fast_kernel
@@ -141,11 +140,8 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
 def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
     """Token counts in 1..`max_tokens` whose calls reach every (BLOCK_M, class of the pair count, alignment launch)
     that any count there reaches (every other tile and argument is fixed by the shape): the first count of each."""
-    first = {}
-    for tokens in range(1, max_tokens + 1):
-        pairs = tokens * top_k
-        first.setdefault((row_block(pairs, num_experts), arg_key(pairs), align_launch_key(pairs)), tokens)
-    return sorted(first.values())
+    return moe.first_counts(max_tokens, lambda tokens: (row_block(tokens * top_k, num_experts),
+                                                        *moe.pair_count_key(tokens * top_k)))
 
 
 def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_scale: torch.Tensor,
@@ -159,8 +155,6 @@ def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_s
     device = gate_up_proj.device
     counts = warm_up_token_counts(num_experts, top_k, max_tokens)
     for tokens in counts:
-        x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
-        ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(top_k, device=device)) % num_experts
-        weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype, device=device)
+        x, weights, ids = moe.warm_up_inputs(tokens, hidden, top_k, num_experts, dtype, device)
         fused_moe_blocked_fp8(x, gate_up_proj, down_proj, weights, ids, gate_up_scale, down_scale, block_size)
     return len(counts)

@@ -354,12 +354,30 @@ def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, 
     """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count, alignment launch)
     that any count there reaches (through this shape's table for `device_name`, or the untuned tiles): the first
     count of each."""
+    return first_counts(max_tokens, lambda tokens: (_call_config(tokens * top_k, num_experts, hidden, inter,
+                                                                 device_name), *pair_count_key(tokens * top_k)))
+
+
+def first_counts(max_tokens: int, key) -> list[int]:
+    """The first token count in 1..`max_tokens` of each distinct `key(tokens)`, sorted (the warm-ups' counts)."""
     first = {}
     for tokens in range(1, max_tokens + 1):
-        pairs = tokens * top_k
-        key = (_call_config(pairs, num_experts, hidden, inter, device_name), arg_key(pairs), align_launch_key(pairs))
-        first.setdefault(key, tokens)
+        first.setdefault(key(tokens), tokens)
     return sorted(first.values())
+
+
+def pair_count_key(num_pairs: int) -> tuple:
+    """What of a call's compiled binaries the pair count decides beyond the tiles: its integer class (the GEMMs'
+    `num_pairs`) and the alignment's launch."""
+    return arg_key(num_pairs), align_launch_key(num_pairs)
+
+
+def warm_up_inputs(tokens: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x zeros [tokens, hidden], equal routing weights, distinct expert ids [tokens, top_k]) of a warm-up call."""
+    x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
+    ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(top_k, device=device)) % num_experts
+    return x, torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype, device=device), ids
 
 
 def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, max_tokens: int,
@@ -379,11 +397,9 @@ def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: in
     calls = 0
     for k, limit, with_shared in runs:
         for tokens in warm_up_token_counts(num_experts, hidden, double_inter // 2, k, limit, name):
-            x = torch.zeros(tokens, hidden, dtype=gate_up_proj.dtype, device=device)
-            ids = (torch.arange(tokens, device=device)[:, None] + torch.arange(k, device=device)) % num_experts
+            x, weights, ids = warm_up_inputs(tokens, hidden, k, num_experts, gate_up_proj.dtype, device)
             if with_shared is not None:
                 ids[:, -1] = num_experts
-            weights = torch.full((tokens, k), 1.0 / k, dtype=gate_up_proj.dtype, device=device)
             fused_moe(x, gate_up_proj, down_proj, weights, ids, shared=with_shared)
             calls += 1
     return calls

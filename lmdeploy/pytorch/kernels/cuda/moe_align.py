@@ -231,6 +231,12 @@ def one_launch_warps(num_pairs: int) -> int:
     return 8 if num_pairs <= _ONE_LAUNCH_SMALL else _ONE_LAUNCH_WARPS
 
 
+def _histogram_bins(num_experts: int) -> int:
+    """BLOCK_E of the register histograms: more bins than experts (the last takes masked and invalid ids), a power
+    of two and at least 32 (Triton's histogram)."""
+    return max(32, triton.next_power_of_2(num_experts + 1))
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, form: str | None = None,
                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M] int64, block_expert [max_blocks] int64); see the module docstring.
@@ -252,7 +258,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, form: st
         raise ValueError(f"form must be 'one', 'two' or 'three', got {form!r}")
     if form == 'one':
         cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-        block_e = max(32, triton.next_power_of_2(num_experts + 1))  # Triton's histogram: bins a multiple of 32
+        block_e = _histogram_bins(num_experts)
         _align_one_kernel[(1,)](flat, cursor, block_expert, sorted_pairs, num_pairs, num_experts, max_blocks,
                                 BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=_PAIRS_PER_PROGRAM,
                                 CHUNK=max(1, _COMPARE_ELEMS // block_e), FILL=_FILL,
@@ -264,7 +270,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, form: st
         # with the count would compile a binary the warm-up's key does not name)
         cursors_at = triton.cdiv(grid[0] * num_experts, 4) * 4
         table = torch.empty(cursors_at + grid[0] * num_experts, dtype=torch.int32, device=device)
-        block_e = max(32, triton.next_power_of_2(num_experts + 1))
+        block_e = _histogram_bins(num_experts)
         _histogram_kernel[grid](flat, table, num_pairs, num_experts, BLOCK_E=block_e, BLOCK=_PAIRS_PER_PROGRAM)
         _place_kernel[grid](flat, table, table[cursors_at:], block_expert, sorted_pairs, num_pairs,
                             num_experts, grid[0], max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
