@@ -9,32 +9,38 @@ only Triton's CUDA backend, which its wheel carries. Compiled with the specializ
   are multiples of 8 but not of 16 (only the kernel's hints tell the compiler then).
 - The few-token MoE's down launch (`moe_gemv._moe_gemv_down_kernel`): its top-k loop unrolled with the shared
   expert's pointer chosen by a select, so the pairs' reduction loops follow one another with no branch between them.
+- The prefill MoE's expert GEMMs (`moe._moe_up_kernel` / `_moe_down_kernel`, and the block-wise FP8 ones) at the
+  tiles that run wgmma: ptxas (the one Triton carries, run on the PTX with `-v`) reports no serialized wgmma
+  (warning C7514, which it gives when a non-wgmma instruction reads a wgmma accumulator inside the pipeline: every
+  wgmma of the K loop then waits for the one before).
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from collections import Counter
 
 import pytest
 
 triton = pytest.importorskip('triton')
 
-from lmdeploy.pytorch.kernels.cuda import causal_conv1d, moe_gemv  # noqa: E402
+from lmdeploy.pytorch.kernels.cuda import blocked_fp8_moe, causal_conv1d, moe, moe_gemv  # noqa: E402
 
 _CONV_POINTERS = {'x_ptr': '*bf16', 'w_ptr': '*bf16', 'bias_ptr': '*bf16', 'state_ptr': '*bf16', 'out_ptr': '*bf16',
              'seq_of_token_ptr': '*i64', 'cu_seqlens_ptr': '*i64', 'state_ids_ptr': '*i64', 'fresh_ptr': '*u8'}
 _CONV_DIVISIBLE = ('num_tokens', 'channels', 'stride_xt', 'stride_s0', 'bound1', 'bound2', 'bound3')
 
 
-def sm90_ptx(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int) -> str:
-    """The PTX of `kernel` (a `fast_kernel`) for sm90: `pointers` name -> Triton pointer type (16-byte aligned), the
-    other non-constexpr arguments i32 (`divisible`: those specialized as multiples of 16), `constexprs` over the
-    kernel's defaults."""
+def sm90_ptx(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int, num_stages: int = 3) -> str:
+    """The PTX of `kernel` (a `fast_kernel` or a Triton kernel) for sm90: `pointers` name -> Triton pointer type
+    (16-byte aligned), the other non-constexpr arguments i32 (`divisible`: those specialized as multiples of 16),
+    `constexprs` over the kernel's defaults."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     if 'nvidia' not in getattr(triton.backends, 'backends', {}):
         pytest.skip("this Triton has no CUDA backend")
-    fn = kernel.fn
+    fn = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel.fn   # a `fast_kernel` or not
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         pytest.skip('Triton runs interpreted here')
     names = fn.arg_names
@@ -42,7 +48,7 @@ def sm90_ptx(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int
     signature = {n: 'constexpr' if n in constexprs else pointers.get(n, 'i32') for n in names}
     attrs = {(names.index(n),): [['tt.divisibility', 16]] for n in names if n in pointers or n in divisible}
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget('cuda', 90, 32),
-                          options=dict(num_warps=num_warps)).asm['ptx']
+                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm['ptx']
 
 
 def global_memory_ops(aligned: bool, divisible=_CONV_DIVISIBLE, history: bool = True) -> tuple[Counter, Counter]:
@@ -94,3 +100,71 @@ def test_moe_down_launch_runs_one_loop_per_pair_and_no_other_branch():
     # each pair's reduction loop: a back edge and an entry test; a branch on the shared expert would add more
     assert 9 <= len(re.findall(r'\bbra\b', ptx)) <= 2 * 9, len(re.findall(r'\bbra\b', ptx))
     assert len(re.findall(r'ld\.global\.v2\.b32', ptx)) == 9 * 2          # one weight and one activation load a pair
+
+
+def _triton_ptxas() -> str:
+    """The ptxas Triton compiles with (its wheel carries one); skips the test where none is found."""
+    from triton.backends.nvidia import compiler as nvidia
+    for args in ((90,), ()):   # Triton releases differ in whether get_ptxas takes the architecture
+        try:
+            tool = nvidia.get_ptxas(*args)
+        except (TypeError, RuntimeError, AttributeError):
+            continue
+        path = getattr(tool, 'path', tool)
+        if isinstance(path, str) and os.path.isfile(path):
+            return path
+    path = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas')
+    if not os.path.isfile(path):
+        pytest.skip('no ptxas in this Triton')
+    return path
+
+
+def ptxas_report(ptx: str, tmp_path) -> str:
+    """What ptxas (Triton's own, for sm90a) reports on `ptx` with `-v`: its warnings and resource usage."""
+    ptxas = _triton_ptxas()
+    src = tmp_path / 'kernel.ptx'
+    src.write_text(ptx)
+    run = subprocess.run([ptxas, '-arch=sm_90a', '-v', str(src), '-o', str(tmp_path / 'kernel.cubin')],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stderr
+
+
+_MOE_POINTERS = {'sorted_pairs_ptr': '*i64', 'block_expert_ptr': '*i64', 'weights_ptr': '*fp32'}
+_MOE_DIVISIBLE = ('hidden', 'inter', 'stride_xt', 'stride_at', 'stride_we', 'stride_wn', 'stride_ot')
+
+
+@pytest.mark.parametrize('dtype', ['bf16', 'fp16'])
+@pytest.mark.parametrize('tiles', [(64, (64, 64, 4, 3)), (128, (128, 64, 8, 3)), (128, (64, 64, 8, 3))],
+                         ids=lambda t: f'M{t[0]}-N{t[1][0]}-w{t[1][2]}')
+@pytest.mark.parametrize('which', ['up', 'down'])
+def test_moe_expert_gemms_keep_their_wgmma_pipelined(which, tiles, dtype, tmp_path):
+    """The tuned tables' prefill tiles (35B-A3B experts): the down launch's epilogue rounds the accumulator to the
+    output dtype before the routing weight, and read straight from the accumulator that rounding serialized the K
+    loop's wgmma (C7514) until `moe.store_routed` passed it through a float32 add first."""
+    block_m, (block_n, block_k, warps, stages) = tiles
+    kernel = moe._moe_up_kernel if which == 'up' else moe._moe_down_kernel
+    pointers = {**_MOE_POINTERS, **{n: f'*{dtype}' for n in ('x_ptr', 'a_ptr', 'w_ptr', 'shared_ptr', 'out_ptr')}}
+    shape = dict(NUM_EXPERTS=64, HAS_SHARED=False, PRECISION='tf32', BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=block_k, stride_wk=1)
+    if which == 'up':
+        shape['TOP_K'] = 8
+    ptx = sm90_ptx(kernel, pointers, shape, _MOE_DIVISIBLE, warps, num_stages=stages)
+    assert 'wgmma.mma_async' in ptx
+    report = ptxas_report(ptx, tmp_path)
+    assert 'C7514' not in report, report
+
+
+@pytest.mark.parametrize('which', ['up', 'down'])
+def test_fp8_moe_expert_gemms_keep_their_wgmma_pipelined(which, tmp_path):
+    kernel = blocked_fp8_moe._moe_up_fp8_kernel if which == 'up' else blocked_fp8_moe._moe_down_fp8_kernel
+    fp8 = '*fp8e4nv'
+    pointers = {**_MOE_POINTERS, 'x_ptr': fp8, 'a_ptr': fp8, 'w_ptr': fp8, 'xs_ptr': '*fp32', 'as_ptr': '*fp32',
+                'ws_ptr': '*fp32', 'out_ptr': '*bf16'}
+    shape = dict(NUM_EXPERTS=64, BLOCK_SIZE_N=128, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+    if which == 'up':
+        shape['TOP_K'] = 8
+    ptx = sm90_ptx(kernel, pointers, shape, _MOE_DIVISIBLE, 4, num_stages=3)
+    assert 'wgmma.mma_async' in ptx
+    report = ptxas_report(ptx, tmp_path)
+    assert 'C7514' not in report, report

@@ -73,9 +73,10 @@ def moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, num_cols, BLOCK_M: 
 @triton.jit
 def store_swiglu(acc_gate, acc_up, out_ptr, rows, cols, row_mask, col_mask, stride_ot):
     """`silu(gate) * up` into rows `rows` (sorted order) of the intermediate, with the gate and up projections
-    rounded to the activation dtype first, like the reference."""
-    gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    rounded to the activation dtype first, like the reference (each accumulator through a float32 add first, as in
+    `store_routed`: for fp16 at BLOCK_M 128 x BLOCK_N 128 the rounding serialized the K loop's wgmma too)."""
+    gate = (acc_gate + 0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = (acc_up + 0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
     act = gate * tl.sigmoid(gate) * up
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -84,9 +85,14 @@ def store_swiglu(acc_gate, acc_up, out_ptr, rows, cols, row_mask, col_mask, stri
 @triton.jit
 def store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, stride_ot):
     """Row `pair` of the per-pair output: the down projection (rounded to the output dtype) times the pair's
-    routing weight (in that dtype), like the reference."""
+    routing weight (in that dtype), like the reference.
+
+    The accumulator goes through one float32 add before its rounding (the same values, a zero's sign aside): read
+    directly by the scalar bf16 conversions the compiler emits for this rounding, a wgmma accumulator makes ptxas
+    serialize every wgmma of the K loop (its warning C7514: the down launch at BLOCK_M 64 / 128, the row blocks of
+    prefills from ~1K tokens); `tests/kernels/test_kernel_ptx.py` checks the sm90 build for it."""
     route = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
+    y = (acc + 0.0).to(out_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
