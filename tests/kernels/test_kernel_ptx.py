@@ -135,13 +135,14 @@ _MOE_DIVISIBLE = ('hidden', 'inter', 'stride_xt', 'stride_at', 'stride_we', 'str
 
 
 @pytest.mark.parametrize('dtype', ['bf16', 'fp16'])
-@pytest.mark.parametrize('tiles', [(64, (64, 64, 4, 3)), (128, (128, 64, 8, 3)), (128, (64, 64, 8, 3))],
-                         ids=lambda t: f'M{t[0]}-N{t[1][0]}-w{t[1][2]}')
+@pytest.mark.parametrize('tiles', [(64, (64, 64, 4, 3)), (128, (128, 64, 8, 3)), (128, (64, 64, 8, 3)),
+                                   (128, (128, 64, 8, 4))], ids=lambda t: f'M{t[0]}-N{t[1][0]}-w{t[1][2]}-s{t[1][3]}')
 @pytest.mark.parametrize('which', ['up', 'down'])
 def test_moe_expert_gemms_keep_their_wgmma_pipelined(which, tiles, dtype, tmp_path):
-    """The tuned tables' prefill tiles (35B-A3B experts): the down launch's epilogue rounds the accumulator to the
-    output dtype before the routing weight, and read straight from the accumulator that rounding serialized the K
-    loop's wgmma (C7514) until `moe.store_routed` passed it through a float32 add first."""
+    """The tuned tables' prefill tiles (35B-A3B experts) and `moe.LARGE_ROWS_CONFIG`'s: the down launch's epilogue
+    rounds the accumulator to the output dtype before the routing weight, and read straight from the accumulator
+    that rounding serialized the K loop's wgmma (C7514) until `moe.store_routed` passed it through a float32 add
+    first (the fp16 up launch's at 128 x 128 likewise, `store_swiglu`)."""
     block_m, (block_n, block_k, warps, stages) = tiles
     kernel = moe._moe_up_kernel if which == 'up' else moe._moe_down_kernel
     pointers = {**_MOE_POINTERS, **{n: f'*{dtype}' for n in ('x_ptr', 'a_ptr', 'w_ptr', 'shared_ptr', 'out_ptr')}}

@@ -64,6 +64,10 @@ def test_no_table_means_untuned_tiles(table_dir):
     assert moe.default_config(8, 32, 2048, 512, DEVICE) == moe.default_config(8, 32)  # another shape
     assert moe.default_config(8, device_name=None, **SHAPE) == untuned               # CPU
     assert moe.default_config(64 * 100, SHAPE['num_experts']).block_m == 64          # 100 rows per expert
+    # from 256 rows an expert (a long prefill, or a released expert count without a table) the tables' large tiles
+    assert moe.default_config(256 * 255, 256) != moe.LARGE_ROWS_CONFIG
+    assert moe.default_config(256 * 256, 256) == moe.default_config(10 ** 6, 512) == moe.LARGE_ROWS_CONFIG
+    assert moe.default_config(256 * 64, device_name=DEVICE, **SHAPE) == config_of(ENTRIES['8192'])  # a table first
 
 
 def test_the_environment_folder_comes_first(table_dir, tmp_path_factory, monkeypatch):

@@ -262,13 +262,23 @@ def _device_name(device: torch.device) -> str | None:
     return cuda_device_name(torch.cuda.current_device() if device.index is None else device.index)
 
 
+# Tiles without a table for prefills of at least LARGE_ROWS rows an expert: what both tuned tables chose there
+# (H100 runs 65 / 80 and H200 run 11, 64 x (H 2048, I 512): 512 and 1,024 rows an expert), where the untuned tiles
+# below were 1.14-1.39x slower. A released checkpoint's expert count (256, 512) has no table of its own.
+LARGE_ROWS = 256
+LARGE_ROWS_CONFIG = MoeConfig(128, (128, 64, 8, 4), (128, 64, 8, 3))
+
+
 def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int = 0,
                    device_name: str | None = None) -> MoeConfig:
     """The tuned entry nearest to `num_pairs` (by ratio) of this expert shape's table for `device_name` (a CUDA
-    device's name), else the untuned tiles (`row_block`, 64 x 64, 4 warps, 3 stages)."""
+    device's name), else the untuned tiles: `LARGE_ROWS_CONFIG` from `LARGE_ROWS` rows an expert, below it
+    (`row_block`, 64 x 64, 4 warps, 3 stages)."""
     table = _table(num_experts, hidden, inter, device_name) if device_name else ()
     if table:
         return min(table, key=lambda entry: abs(math.log(entry[0] / max(num_pairs, 1))))[1]
+    if num_pairs >= LARGE_ROWS * num_experts:
+        return LARGE_ROWS_CONFIG
     return MoeConfig(row_block(num_pairs, num_experts), (64, 64, 4, 3), (64, 64, 4, 3))
 
 
