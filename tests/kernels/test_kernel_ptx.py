@@ -36,6 +36,11 @@ def sm90_ptx(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int
     """The PTX of `kernel` (a `fast_kernel` or a Triton kernel) for sm90: `pointers` name -> Triton pointer type
     (16-byte aligned), the other non-constexpr arguments i32 (`divisible`: those specialized as multiples of 16),
     `constexprs` over the kernel's defaults."""
+    return sm90_kernel(kernel, pointers, constexprs, divisible, num_warps, num_stages).asm['ptx']
+
+
+def sm90_kernel(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int, num_stages: int = 3):
+    """`sm90_ptx`'s compiled kernel (its `asm` and `metadata`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     if 'nvidia' not in getattr(triton.backends, 'backends', {}):
@@ -48,7 +53,7 @@ def sm90_ptx(kernel, pointers: dict, constexprs: dict, divisible, num_warps: int
     signature = {n: 'constexpr' if n in constexprs else pointers.get(n, 'i32') for n in names}
     attrs = {(names.index(n),): [['tt.divisibility', 16]] for n in names if n in pointers or n in divisible}
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget('cuda', 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm['ptx']
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def global_memory_ops(aligned: bool, divisible=_CONV_DIVISIBLE, history: bool = True) -> tuple[Counter, Counter]:
@@ -169,3 +174,41 @@ def test_fp8_moe_expert_gemms_keep_their_wgmma_pipelined(which, tmp_path):
     assert 'wgmma.mma_async' in ptx
     report = ptxas_report(ptx, tmp_path)
     assert 'C7514' not in report, report
+
+
+# The most dynamic shared memory one block may take on Hopper (H100 / H200): 227 KiB.
+_SM90_SHARED_BYTES = 227 * 1024
+
+
+def moe_configs_of(half: bool) -> set:
+    """Every tile config `moe.default_config` hands a call in half precision (`half`) or float32: the shipped
+    tables (for their devices), the large tiles and the untuned ones, over pair counts and expert counts."""
+    import glob
+    import json
+    configs = set()
+    for path in glob.glob(os.path.join(os.path.dirname(moe.__file__), 'moe_configs', '*.json')):
+        with open(path) as f:
+            device = json.load(f)['device']
+        for pairs in (1, 8, 100, 1000, 10 ** 4, 10 ** 5, 10 ** 6):
+            configs.add(moe.default_config(pairs, 64, 2048, 512, device, half))
+    for experts in (8, 64, 256, 512):
+        for rows in (1, 16, 40, 100, 255, 256, 4096):
+            configs.add(moe.default_config(rows * experts, experts, half=half))
+    return configs
+
+
+@pytest.mark.parametrize('half', [True, False], ids=['bf16', 'fp32'])
+def test_every_moe_config_fits_shared_memory(half):
+    """What a call can pick compiles within a Hopper block's shared memory in its dtype (a float32 call on the
+    half-precision tables' or large tiles would need up to 384 KiB: `default_config(half=False)`)."""
+    dtype, precision = ('bf16', 'tf32') if half else ('fp32', 'ieee')
+    pointers = {**_MOE_POINTERS, **{n: f'*{dtype}' for n in ('x_ptr', 'a_ptr', 'w_ptr', 'shared_ptr', 'out_ptr')}}
+    for config in moe_configs_of(half):
+        for kernel, (block_n, block_k, warps, stages) in ((moe._moe_up_kernel, config.up),
+                                                          (moe._moe_down_kernel, config.down)):
+            shape = dict(NUM_EXPERTS=64, HAS_SHARED=False, PRECISION=precision, BLOCK_M=config.block_m,
+                         BLOCK_N=block_n, BLOCK_K=block_k, TOP_K=8, stride_wk=1)
+            if kernel is moe._moe_down_kernel:
+                del shape['TOP_K']
+            shared = sm90_kernel(kernel, pointers, shape, _MOE_DIVISIBLE, warps, stages).metadata.shared
+            assert shared <= _SM90_SHARED_BYTES, (config, kernel.fn.__name__, shared)

@@ -68,6 +68,10 @@ def test_no_table_means_untuned_tiles(table_dir):
     assert moe.default_config(256 * 255, 256) != moe.LARGE_ROWS_CONFIG
     assert moe.default_config(256 * 256, 256) == moe.default_config(10 ** 6, 512) == moe.LARGE_ROWS_CONFIG
     assert moe.default_config(256 * 64, device_name=DEVICE, **SHAPE) == config_of(ENTRIES['8192'])  # a table first
+    # float32 experts: neither the tables nor the large tiles (their operands would outgrow shared memory)
+    small = moe.MoeConfig(64, (64, 64, 4, 3), (64, 64, 4, 3))
+    assert moe.default_config(256 * 64, device_name=DEVICE, half=False, **SHAPE) == small
+    assert moe.default_config(10 ** 6, 512, half=False) == small
 
 
 def test_the_environment_folder_comes_first(table_dir, tmp_path_factory, monkeypatch):
@@ -105,6 +109,10 @@ def test_warm_up_counts_reach_every_binary(table_dir, top_k):
     key = lambda tokens: (moe.default_config(tokens * top_k, SHAPE['num_experts']),  # noqa: E731
                           arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k))
     assert {key(t) for t in untuned} == {key(t) for t in range(1, max_tokens + 1)}   # no table: the untuned tiles
+    fp32 = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name=DEVICE, half=False, **SHAPE)
+    key = lambda tokens: (moe.default_config(tokens * top_k, device_name=DEVICE, half=False, **SHAPE),  # noqa: E731
+                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k))
+    assert {key(t) for t in fp32} == {key(t) for t in range(1, max_tokens + 1)}      # float32: never the table's
 
 
 def test_shipped_tables_are_well_formed():

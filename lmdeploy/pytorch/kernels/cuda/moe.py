@@ -270,14 +270,16 @@ LARGE_ROWS_CONFIG = MoeConfig(128, (128, 64, 8, 4), (128, 64, 8, 3))
 
 
 def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int = 0,
-                   device_name: str | None = None) -> MoeConfig:
+                   device_name: str | None = None, half: bool = True) -> MoeConfig:
     """The tuned entry nearest to `num_pairs` (by ratio) of this expert shape's table for `device_name` (a CUDA
     device's name), else the untuned tiles: `LARGE_ROWS_CONFIG` from `LARGE_ROWS` rows an expert, below it
-    (`row_block`, 64 x 64, 4 warps, 3 stages)."""
-    table = _table(num_experts, hidden, inter, device_name) if device_name else ()
+    (`row_block`, 64 x 64, 4 warps, 3 stages). `half=False` (float32 experts) takes the latter always: the tables
+    and the large tiles are half-precision ones, and in float32 their pipelined operands outgrow shared memory
+    (the up launch at 128 rows x 128 columns, 4 stages: 384 KiB)."""
+    table = _table(num_experts, hidden, inter, device_name) if device_name and half else ()
     if table:
         return min(table, key=lambda entry: abs(math.log(entry[0] / max(num_pairs, 1))))[1]
-    if num_pairs >= LARGE_ROWS * num_experts:
+    if half and num_pairs >= LARGE_ROWS * num_experts:
         return LARGE_ROWS_CONFIG
     return MoeConfig(row_block(num_pairs, num_experts), (64, 64, 4, 3), (64, 64, 4, 3))
 
@@ -336,7 +338,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     num_pairs = num_tokens * top_k
     if config is None:
         name = _device_name(x.device)
-        config = _call_config(num_pairs, num_experts, hidden, inter, name)
+        config = _call_config(num_pairs, num_experts, hidden, inter, name, x.dtype != torch.float32)
     block_m = config.block_m
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts + has_shared, block_m)
     num_blocks = block_expert.shape[0]
@@ -366,12 +368,12 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
 
 def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
-                         device_name: str | None) -> list[int]:
+                         device_name: str | None, half: bool = True) -> list[int]:
     """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count, alignment launch)
-    that any count there reaches (through this shape's table for `device_name`, or the untuned tiles): the first
-    count of each."""
+    that any count there reaches (through this shape's table for `device_name`, or the untuned tiles; `half`: as
+    `default_config`'s): the first count of each."""
     return first_counts(max_tokens, lambda tokens: (_call_config(tokens * top_k, num_experts, hidden, inter,
-                                                                 device_name), *pair_count_key(tokens * top_k)))
+                                                                 device_name, half), *pair_count_key(tokens * top_k)))
 
 
 def first_counts(max_tokens: int, key) -> list[int]:
@@ -412,7 +414,8 @@ def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: in
         runs.append((top_k + 1, min(max_tokens, shared_max_tokens), shared))
     calls = 0
     for k, limit, with_shared in runs:
-        for tokens in warm_up_token_counts(num_experts, hidden, double_inter // 2, k, limit, name):
+        for tokens in warm_up_token_counts(num_experts, hidden, double_inter // 2, k, limit, name,
+                                           gate_up_proj.dtype != torch.float32):
             x, weights, ids = warm_up_inputs(tokens, hidden, k, num_experts, gate_up_proj.dtype, device)
             if with_shared is not None:
                 ids[:, -1] = num_experts
