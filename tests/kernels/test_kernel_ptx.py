@@ -16,6 +16,8 @@ only Triton's CUDA backend, which its wheel carries. Compiled with the specializ
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
 import re
 import subprocess
@@ -183,8 +185,6 @@ _SM90_SHARED_BYTES = 227 * 1024
 def moe_configs_of(half: bool) -> set:
     """Every tile config `moe.default_config` hands a call in half precision (`half`) or float32: the shipped
     tables (for their devices), the large tiles and the untuned ones, over pair counts and expert counts."""
-    import glob
-    import json
     configs = set()
     for path in glob.glob(os.path.join(os.path.dirname(moe.__file__), 'moe_configs', '*.json')):
         with open(path) as f:
@@ -200,7 +200,7 @@ def moe_configs_of(half: bool) -> set:
 @pytest.mark.parametrize('half', [True, False], ids=['bf16', 'fp32'])
 def test_every_moe_config_fits_shared_memory(half):
     """What a call can pick compiles within a Hopper block's shared memory in its dtype (a float32 call on the
-    half-precision tables' or large tiles would need up to 384 KiB: `default_config(half=False)`)."""
+    half-precision tables' or large tiles would need up to 288 KiB: `default_config(half=False)`)."""
     dtype, precision = ('bf16', 'tf32') if half else ('fp32', 'ieee')
     pointers = {**_MOE_POINTERS, **{n: f'*{dtype}' for n in ('x_ptr', 'a_ptr', 'w_ptr', 'shared_ptr', 'out_ptr')}}
     for config in moe_configs_of(half):

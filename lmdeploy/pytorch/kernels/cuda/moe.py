@@ -275,7 +275,7 @@ def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int
     device's name), else the untuned tiles: `LARGE_ROWS_CONFIG` from `LARGE_ROWS` rows an expert, below it
     (`row_block`, 64 x 64, 4 warps, 3 stages). `half=False` (float32 experts) takes the latter always: the tables
     and the large tiles are half-precision ones, and in float32 their pipelined operands outgrow shared memory
-    (the up launch at 128 rows x 128 columns, 4 stages: 384 KiB)."""
+    (the up launch at 128 rows x 128 columns, 4 stages: 288 KiB)."""
     table = _table(num_experts, hidden, inter, device_name) if device_name and half else ()
     if table:
         return min(table, key=lambda entry: abs(math.log(entry[0] / max(num_pairs, 1))))[1]
