@@ -14,8 +14,9 @@ alignment against the torch one (`LMDEPLOY_MOE_ALIGN=torch`), eager and replayed
 each replay, and the device time of each. `--write-config DIR` writes the best configs as this shape's table
 (`moe.config_file_name`, keyed by (token, expert) pair counts), the file `kernels/cuda/moe_configs/` ships.
 
-`--orders`: also the table's tiles with the expert GEMMs' column tiles first (`moe._COLS_FIRST`, opt-in as
-LMDEPLOY_MOE_COLS_FIRST=1) against the default order, each output checked against the untuned config's.
+`--orders`: also the table's tiles in both of the expert GEMMs' program orders (row blocks first, column tiles first:
+`moe.cols_first`, which the engine picks by rows an expert, LMDEPLOY_MOE_COLS_FIRST), each output checked against
+the untuned config's.
 
 `--gemv`: also the few-token path of `kernels/cuda/moe_gemv.py` (which `fused_moe` takes for up to
 `moe_gemv.MAX_TOKENS` tokens unless `LMDEPLOY_MOE_GEMV=0`), called directly for every count up to 16 tokens (the
@@ -245,10 +246,11 @@ def main() -> None:
         if a.orders:  # the expert GEMMs' program order (LMDEPLOY_MOE_COLS_FIRST), on the tiles the engine runs
             tiles = moe.default_config(pairs, a.experts, a.hidden, a.inter, name) if has_table else untuned
             times = {}
+            mode = moe._COLS_FIRST_MODE
             for cols_first in (False, True):
-                moe._COLS_FIRST = cols_first
+                moe._COLS_FIRST_MODE = '1' if cols_first else '0'
                 times[cols_first] = try_time(case, tiles, a.layers, want)
-            moe._COLS_FIRST = False
+            moe._COLS_FIRST_MODE = mode
             print(f'ORDER tokens {tokens}: {tuple(tiles)} rows first {times[False]:.1f} us, cols first '
                   f'{times[True]:.1f} us (inf: output off)', flush=True)
         t_best, cfg = sweep(case, a, untuned, want) if a.sweep else (t_untuned, untuned)

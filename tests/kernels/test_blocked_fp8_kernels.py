@@ -155,7 +155,8 @@ def _moe_inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_
 def test_cpu_fused_moe_blocked_fp8_matches_reference(num_tokens, cols_first, torch_quantization, monkeypatch):
     from lmdeploy.pytorch.kernels.cuda import moe
     from lmdeploy.pytorch.kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
-    monkeypatch.setattr(moe, '_COLS_FIRST', cols_first)   # the expert GEMMs' program order, LMDEPLOY_MOE_COLS_FIRST
+    # the expert GEMMs' program order, LMDEPLOY_MOE_COLS_FIRST
+    monkeypatch.setattr(moe, '_COLS_FIRST_MODE', '1' if cols_first else '0')
     args = _moe_inputs(num_tokens, hidden=40, inter=32, num_experts=4, top_k=2, block=(16, 16), seed=num_tokens)
     out = fused_moe_blocked_fp8(*args, block_size=(16, 16))
     assert_close(out, ref.fused_moe_blocked_fp8(*args, block_size=(16, 16)), atol=2e-3, rtol=2e-3)

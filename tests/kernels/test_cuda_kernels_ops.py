@@ -282,7 +282,7 @@ MOE_CONFIGS = [cuda_moe.MoeConfig(32, (16, 128, 4, 3), (32, 16, 2, 4)), cuda_moe
                                                                                             (16, 64, 4, 3))]
 
 
-# the expert GEMMs' program order (`moe._COLS_FIRST`, LMDEPLOY_MOE_COLS_FIRST): the same result either way
+# the expert GEMMs' program order (`moe.cols_first`, LMDEPLOY_MOE_COLS_FIRST): the same result either way
 MOE_ORDERS = pytest.mark.parametrize('cols_first', [False, True], ids=['rows-first', 'cols-first'])
 
 
@@ -291,7 +291,7 @@ MOE_ORDERS = pytest.mark.parametrize('cols_first', [False, True], ids=['rows-fir
 @pytest.mark.parametrize('config', MOE_CONFIGS, ids=lambda c: f'M{c.block_m}-up{c.up[0]}x{c.up[1]}')
 @pytest.mark.parametrize('case', [MOE_CASES[1], MOE_CASES[3]], ids=str)
 def test_cpu_fused_moe_tile_configs(case, config, cols_first, monkeypatch):
-    monkeypatch.setattr(cuda_moe, '_COLS_FIRST', cols_first)
+    monkeypatch.setattr(cuda_moe, '_COLS_FIRST_MODE', '1' if cols_first else '0')
     check_moe(case, torch.float32, 'cpu', config)
     if cols_first:
         check_moe(case, torch.float32, 'cpu', config, with_shared=True)
@@ -302,7 +302,7 @@ def test_cpu_fused_moe_tile_configs(case, config, cols_first, monkeypatch):
 @pytest.mark.parametrize('config', MOE_CONFIGS, ids=lambda c: f'M{c.block_m}-up{c.up[0]}x{c.up[1]}')
 @pytest.mark.parametrize('case', MOE_CASES_LARGE, ids=str)
 def test_fused_moe_tile_configs_gpu(case, config, cols_first, monkeypatch):
-    monkeypatch.setattr(cuda_moe, '_COLS_FIRST', cols_first)
+    monkeypatch.setattr(cuda_moe, '_COLS_FIRST_MODE', '1' if cols_first else '0')
     check_moe(case, torch.bfloat16, 'cuda', config)
     check_moe(case, torch.bfloat16, 'cuda', None, with_shared=True)  # the table's tiles for this device
 

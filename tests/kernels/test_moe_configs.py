@@ -95,23 +95,26 @@ def test_a_malformed_table_is_a_clear_error(table_dir):
 
 @pytest.mark.parametrize('top_k', [1, 8, 10])
 def test_warm_up_counts_reach_every_binary(table_dir, top_k):
-    """Every token count up to the limit picks a (config, pair-count class, alignment launch) that one warm-up count
-    also picks, and the warm-up counts are few."""
+    """Every token count up to the limit picks a (config, pair-count class, alignment launch, program order) that
+    one warm-up count also picks, and the warm-up counts are few; both program orders among them (the column tiles
+    first from 128 rows an expert: 1,024 tokens at top-8)."""
     write(table_dir, ENTRIES)
     max_tokens = 3000
+    order = lambda tokens: tokens * top_k >= moe.COLS_FIRST_ROWS * SHAPE['num_experts']  # noqa: E731
     counts = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name=DEVICE, **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, device_name=DEVICE, **SHAPE),  # noqa: E731
-                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k), order(tokens))
     warmed = {key(t) for t in counts}
     assert all(key(t) in warmed for t in range(1, max_tokens + 1))
-    assert len(counts) == len(warmed) <= 4 * len(ENTRIES) and all(1 <= t <= max_tokens for t in counts)
+    assert len(counts) == len(warmed) <= 5 * len(ENTRIES) and all(1 <= t <= max_tokens for t in counts)
+    assert {k[-1] for k in warmed} == {False, order(max_tokens)}   # top-1: 3,000 pairs, never 128 rows an expert
     untuned = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name='Other GPU', **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, SHAPE['num_experts']),  # noqa: E731
-                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k), order(tokens))
     assert {key(t) for t in untuned} == {key(t) for t in range(1, max_tokens + 1)}   # no table: the untuned tiles
     fp32 = moe.warm_up_token_counts(top_k=top_k, max_tokens=max_tokens, device_name=DEVICE, half=False, **SHAPE)
     key = lambda tokens: (moe.default_config(tokens * top_k, device_name=DEVICE, half=False, **SHAPE),  # noqa: E731
-                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k))
+                          arg_key(tokens * top_k), moe_align.align_launch_key(tokens * top_k), order(tokens))
     assert {key(t) for t in fp32} == {key(t) for t in range(1, max_tokens + 1)}      # float32: never the table's
 
 
@@ -192,12 +195,38 @@ def test_the_two_launch_cursors_stay_16_byte_aligned(monkeypatch):
 @pytest.mark.parametrize('top_k, experts', [(8, 64), (10, 64), (2, 4)])
 def test_fp8_warm_up_counts_reach_every_binary(top_k, experts):
     """Block-wise FP8 experts: every token count up to the limit picks a (BLOCK_M, pair-count class, alignment
-    launch) that one warm-up count also picks; BLOCK_M 32 in the two-launch alignment (which the eager warm-up's
-    counts miss at top-8 of 64 experts) among them."""
+    launch, program order) that one warm-up count also picks; BLOCK_M 32 in the two-launch alignment (which the
+    eager warm-up's counts miss at top-8 of 64 experts) among them."""
     from lmdeploy.pytorch.kernels.cuda import blocked_fp8_moe
     key = lambda tokens: (moe.row_block(tokens * top_k, experts), arg_key(tokens * top_k),  # noqa: E731
-                          moe_align.align_launch_key(tokens * top_k))
+                          moe_align.align_launch_key(tokens * top_k),
+                          tokens * top_k >= moe.COLS_FIRST_ROWS * experts)
     counts = blocked_fp8_moe.warm_up_token_counts(experts, top_k, 3000)
     assert {key(t) for t in counts} == {key(t) for t in range(1, 3001)} and len(counts) == len(set(map(key, counts)))
     if (top_k, experts) == (8, 64):
         assert (32, ('two', 0)) in {(k[0], k[2]) for k in map(key, counts)}
+
+
+@pytest.mark.parametrize('mode, small, large', [('auto', False, True), ('0', False, False), ('1', True, True)])
+def test_program_order_by_rows_an_expert(monkeypatch, mode, small, large):
+    """The expert GEMMs launch a row block's column tiles together from 128 rows an expert (LMDEPLOY_MOE_COLS_FIRST
+    unset), at every count with =1, never with =0; the grid's dimensions follow."""
+    monkeypatch.setattr(moe, '_COLS_FIRST_MODE', mode)
+    experts = SHAPE['num_experts']
+    rows = moe.COLS_FIRST_ROWS * experts
+    assert moe.COLS_FIRST_ROWS == 128
+    assert (moe.cols_first(rows - 1, experts), moe.cols_first(rows, experts)) == (small, large)
+    assert moe.cols_first(rows, 2 * experts) == small    # rows an expert, not pairs
+    assert moe.expert_grid(70, 8, False) == (70, 8) and moe.expert_grid(70, 8, True) == (8, 70)
+    with pytest.raises(AssertionError, match='more than a grid dimension'):
+        moe.expert_grid(70000, 8, True)
+
+
+def test_program_order_rejects_a_bad_setting():
+    """An LMDEPLOY_MOE_COLS_FIRST other than 0, 1 or auto is refused when the module loads, naming the values."""
+    import subprocess
+    import sys
+    env = dict(os.environ, LMDEPLOY_MOE_COLS_FIRST='yes', CUDA_VISIBLE_DEVICES='')
+    run = subprocess.run([sys.executable, '-c', 'import lmdeploy.pytorch.kernels.cuda.moe'], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "LMDEPLOY_MOE_COLS_FIRST='yes': expected 0, 1 or auto" in run.stderr

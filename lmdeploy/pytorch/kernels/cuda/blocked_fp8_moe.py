@@ -114,34 +114,36 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     block_m, tile_n = row_block(num_pairs, num_experts), 64
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
+    order = moe.cols_first(num_pairs, num_experts)
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
-    _moe_up_fp8_kernel[moe._grid(num_blocks, triton.cdiv(inter, tile_n))](
+    _moe_up_fp8_kernel[moe.expert_grid(num_blocks, triton.cdiv(inter, tile_n), order)](
         xq, x_scale, gate_up_proj, gate_up_scale, act, sorted_pairs, block_expert, num_pairs=num_pairs,
         hidden=hidden, inter=inter, stride_xt=xq.stride(0), stride_xst=x_scale.stride(0),
         stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1), stride_wse=gate_up_scale.stride(0),
         stride_wsn=gate_up_scale.stride(1), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
-        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, COLS_FIRST=moe._COLS_FIRST,
+        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, COLS_FIRST=order,
         num_warps=4, num_stages=3)
 
     act_q, act_scale = quant_fp8(act, block_k)
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _moe_down_fp8_kernel[moe._grid(num_blocks, triton.cdiv(hidden, tile_n))](
+    _moe_down_fp8_kernel[moe.expert_grid(num_blocks, triton.cdiv(hidden, tile_n), order)](
         act_q, act_scale, down_proj, down_scale, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs,
         hidden=hidden, inter=inter, stride_at=act_q.stride(0), stride_ast=act_scale.stride(0),
         stride_we=down_proj.stride(0), stride_wn=down_proj.stride(1), stride_wse=down_scale.stride(0),
         stride_wsn=down_scale.stride(1), stride_ot=per_pair.stride(0), NUM_EXPERTS=num_experts,
-        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, COLS_FIRST=moe._COLS_FIRST,
+        BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, COLS_FIRST=order,
         num_warps=4, num_stages=3)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
-    """Token counts in 1..`max_tokens` whose calls reach every (BLOCK_M, class of the pair count, alignment launch)
-    that any count there reaches (every other tile and argument is fixed by the shape): the first count of each."""
+    """Token counts in 1..`max_tokens` whose calls reach every (BLOCK_M, class of the pair count, alignment launch,
+    program order) that any count there reaches (every other tile and argument is fixed by the shape): the first
+    count of each."""
     return moe.first_counts(max_tokens, lambda tokens: (row_block(tokens * top_k, num_experts),
-                                                        *moe.pair_count_key(tokens * top_k)))
+                                                        *moe.pair_count_key(tokens * top_k, num_experts)))
 
 
 def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_scale: torch.Tensor,

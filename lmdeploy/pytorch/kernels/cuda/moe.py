@@ -44,12 +44,17 @@ _MOE_GEMV = os.environ.get('LMDEPLOY_MOE_GEMV', '1') != '0'
 # since H100 runs 58-63 (its gpu tests and the MoE engine tests pass; with the state-row copies and packed GQA
 # below, the 80B suffix rows 0.6-0.8 ms faster); LMDEPLOY_MOE_COMBINE=0: the top-k sum and the torch add.
 _COMBINE = os.environ.get('LMDEPLOY_MOE_COMBINE', '1') != '0'
-# The expert GEMMs' program order (opt-in until timed on the device): LMDEPLOY_MOE_COLS_FIRST=1 launches a row block's
-# column tiles together (grid (column tiles, row blocks)) instead of one column tile of every row block, so that a
-# long prefill's rows (read once per column tile) and its experts' weight tiles are shared through L2 by programs
-# that run at the same time, where the row-first order rereads every row block once per column tile from memory.
-# `blocked_fp8_moe.py`'s expert GEMMs read it too.
-_COLS_FIRST = os.environ.get('LMDEPLOY_MOE_COLS_FIRST', '0') == '1'
+# The expert GEMMs' program order: from `COLS_FIRST_ROWS` rows an expert (prefills) a row block's column tiles are
+# launched together (grid (column tiles, row blocks)) instead of one column tile of every row block, so that a long
+# prefill's rows (read once per column tile) and its experts' weight tiles are shared through L2 by programs that run
+# at the same time, where the row-first order rereads every row block once per column tile from memory. H100 runs
+# 81-82: the down launch of a cold 8K prompt of the 35B-A3B 20.1 -> 13.4 ms over 40 layers, the kernel 1,229 ->
+# 1,054 us at 8,192 tokens, 653 -> 554 at 4,096, 221 -> 214 at 1,024 (128 rows an expert, the least measured).
+# LMDEPLOY_MOE_COLS_FIRST=1: column tiles first at every count, =0: never. `blocked_fp8_moe.py` follows it too.
+COLS_FIRST_ROWS = 128
+_COLS_FIRST_MODE = os.environ.get('LMDEPLOY_MOE_COLS_FIRST', 'auto')
+if _COLS_FIRST_MODE not in ('auto', '0', '1'):
+    raise ValueError(f'LMDEPLOY_MOE_COLS_FIRST={_COLS_FIRST_MODE!r}: expected 0, 1 or auto')
 # Tuned tile tables (`benchmark/bench_moe_kernel.py --write-config`): this package's `moe_configs/`, or the
 # folder LMDEPLOY_MOE_CONFIG_DIR names (searched first).
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'moe_configs')
@@ -60,7 +65,7 @@ def moe_block(sorted_pairs_ptr, block_expert_ptr, num_pairs, num_cols, BLOCK_M: 
               BLOCK_N: tl.constexpr, COLS_FIRST: tl.constexpr = False):
     """The program's row block (its expert; each row's pair, or the sentinel `num_pairs` in padding) and column
     tile: grid (row blocks, column tiles), or with COLS_FIRST (column tiles, row blocks), so that the programs
-    launched together are a row block's column tiles (`fused_moe`'s `_COLS_FIRST`). A block past the end has
+    launched together are a row block's column tiles (`cols_first`). A block past the end has
     expert E: the caller exits on it (the loads stay inside the padded buffers)."""
     block = tl.program_id(1) if COLS_FIRST else tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -288,10 +293,18 @@ def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int
 _call_config = functools.lru_cache(maxsize=4096)(default_config)
 
 
-def _grid(num_blocks: int, num_tiles: int) -> tuple[int, int]:
-    """The expert GEMMs' grid in `_COLS_FIRST`'s order (a grid's second dimension holds up to 65,535 programs: the
-    row blocks of 1M pairs at BLOCK_M 16)."""
-    if _COLS_FIRST:
+def cols_first(num_pairs: int, num_experts: int) -> bool:
+    """Whether the expert GEMMs of a call with `num_pairs` (token, expert) pairs launch a row block's column tiles
+    together (`COLS_FIRST_ROWS`, LMDEPLOY_MOE_COLS_FIRST)."""
+    if _COLS_FIRST_MODE != 'auto':
+        return _COLS_FIRST_MODE == '1'
+    return num_pairs >= COLS_FIRST_ROWS * num_experts
+
+
+def expert_grid(num_blocks: int, num_tiles: int, columns_first: bool) -> tuple[int, int]:
+    """The expert GEMMs' grid, (row blocks, column tiles) or with `columns_first` (column tiles, row blocks) (a
+    grid's second dimension holds up to 65,535 programs: the row blocks of 1M pairs at BLOCK_M 16)."""
+    if columns_first:
         assert num_blocks <= 65535, f'{num_blocks} row blocks: more than a grid dimension holds'
         return num_tiles, num_blocks
     return num_blocks, num_tiles
@@ -343,25 +356,26 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts + has_shared, block_m)
     num_blocks = block_expert.shape[0]
     precision = 'ieee' if x.dtype == torch.float32 else 'tf32'
+    order = cols_first(num_pairs, num_experts)
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config.up
-    _moe_up_kernel[_grid(num_blocks, triton.cdiv(inter, block_n))](
+    _moe_up_kernel[expert_grid(num_blocks, triton.cdiv(inter, block_n), order)](
         x, gate_up_proj, shared_gate_up, act, sorted_pairs, block_expert, num_pairs=num_pairs, hidden=hidden,
         inter=inter, stride_xt=x.stride(0), stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1),
         stride_wk=gate_up_proj.stride(2), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
         HAS_SHARED=has_shared, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        COLS_FIRST=_COLS_FIRST, num_warps=warps, num_stages=stages)
+        COLS_FIRST=order, num_warps=warps, num_stages=stages)
 
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     block_n, block_k, warps, stages = config.down
-    _moe_down_kernel[_grid(num_blocks, triton.cdiv(hidden, block_n))](
+    _moe_down_kernel[expert_grid(num_blocks, triton.cdiv(hidden, block_n), order)](
         act, down_proj, shared_down, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs,
         hidden=hidden, inter=inter, stride_at=act.stride(0), stride_we=down_proj.stride(0),
         stride_wn=down_proj.stride(1), stride_wk=down_proj.stride(2), stride_ot=per_pair.stride(0),
         NUM_EXPERTS=num_experts, HAS_SHARED=has_shared, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, COLS_FIRST=_COLS_FIRST, num_warps=warps, num_stages=stages)
+        BLOCK_K=block_k, COLS_FIRST=order, num_warps=warps, num_stages=stages)
     if gated_shared is not None and _COMBINE:
         return combine_pairs(per_pair, top_k, gated_shared)
     return add_gated_shared(per_pair.view(num_tokens, top_k, hidden).sum(dim=1), gated_shared)
@@ -369,11 +383,12 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
 def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, max_tokens: int,
                          device_name: str | None, half: bool = True) -> list[int]:
-    """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count, alignment launch)
-    that any count there reaches (through this shape's table for `device_name`, or the untuned tiles; `half`: as
-    `default_config`'s): the first count of each."""
+    """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count, alignment launch,
+    program order) that any count there reaches (through this shape's table for `device_name`, or the untuned
+    tiles; `half`: as `default_config`'s): the first count of each."""
     return first_counts(max_tokens, lambda tokens: (_call_config(tokens * top_k, num_experts, hidden, inter,
-                                                                 device_name, half), *pair_count_key(tokens * top_k)))
+                                                                 device_name, half),
+                                                    *pair_count_key(tokens * top_k, num_experts)))
 
 
 def first_counts(max_tokens: int, key) -> list[int]:
@@ -384,10 +399,10 @@ def first_counts(max_tokens: int, key) -> list[int]:
     return sorted(first.values())
 
 
-def pair_count_key(num_pairs: int) -> tuple:
+def pair_count_key(num_pairs: int, num_experts: int) -> tuple:
     """What of a call's compiled binaries the pair count decides beyond the tiles: its integer class (the GEMMs'
-    `num_pairs`) and the alignment's launch."""
-    return arg_key(num_pairs), align_launch_key(num_pairs)
+    `num_pairs`), the alignment's launch and the GEMMs' program order (`cols_first`)."""
+    return arg_key(num_pairs), align_launch_key(num_pairs), cols_first(num_pairs, num_experts)
 
 
 def warm_up_inputs(tokens: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,
