@@ -210,13 +210,19 @@ def test_fp8_warm_up_counts_reach_every_binary(top_k, experts):
 @pytest.mark.parametrize('mode, small, large', [('auto', False, True), ('0', False, False), ('1', True, True)])
 def test_program_order_by_rows_an_expert(monkeypatch, mode, small, large):
     """The expert GEMMs launch a row block's column tiles together from 128 rows an expert (LMDEPLOY_MOE_COLS_FIRST
-    unset), at every count with =1, never with =0; the grid's dimensions follow."""
+    unset), at every count with =1, never with =0, and never where the row blocks could outnumber a grid's second
+    dimension (65,535); the grid's dimensions follow."""
     monkeypatch.setattr(moe, '_COLS_FIRST_MODE', mode)
     experts = SHAPE['num_experts']
     rows = moe.COLS_FIRST_ROWS * experts
     assert moe.COLS_FIRST_ROWS == 128
-    assert (moe.cols_first(rows - 1, experts), moe.cols_first(rows, experts)) == (small, large)
-    assert moe.cols_first(rows, 2 * experts) == small    # rows an expert, not pairs
+    assert (moe.cols_first(rows - 1, experts, 64), moe.cols_first(rows, experts, 64)) == (small, large)
+    assert moe.cols_first(rows, 2 * experts, 64) == small    # rows an expert, not pairs
+    # 1M pairs: 65,536 + 65 row blocks at BLOCK_M 16 (with a shared expert's), 8,257 at BLOCK_M 128
+    assert (moe.cols_first(1 << 20, experts, 16), moe.cols_first(1 << 20, experts, 128)) == (False, large)
+    most = (moe.MAX_GRID_Y - experts - 1) * 16   # the most pairs whose blocks still fit at BLOCK_M 16
+    assert moe_align.block_bound(most, experts + 1, 16) == moe.MAX_GRID_Y
+    assert (moe.cols_first(most, experts, 16), moe.cols_first(most + 1, experts, 16)) == (large, False)
     assert moe.expert_grid(70, 8, False) == (70, 8) and moe.expert_grid(70, 8, True) == (8, 70)
     with pytest.raises(AssertionError, match='more than a grid dimension'):
         moe.expert_grid(70000, 8, True)

@@ -114,7 +114,7 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     block_m, tile_n = row_block(num_pairs, num_experts), 64
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
-    order = moe.cols_first(num_pairs, num_experts)
+    order = moe.cols_first(num_pairs, num_experts, block_m)
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
     _moe_up_fp8_kernel[moe.expert_grid(num_blocks, triton.cdiv(inter, tile_n), order)](
@@ -142,8 +142,10 @@ def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[
     """Token counts in 1..`max_tokens` whose calls reach every (BLOCK_M, class of the pair count, alignment launch,
     program order) that any count there reaches (every other tile and argument is fixed by the shape): the first
     count of each."""
-    return moe.first_counts(max_tokens, lambda tokens: (row_block(tokens * top_k, num_experts),
-                                                        *moe.pair_count_key(tokens * top_k, num_experts)))
+    def key(tokens: int) -> tuple:
+        block_m = row_block(tokens * top_k, num_experts)
+        return block_m, *moe.pair_count_key(tokens * top_k, num_experts, block_m)
+    return moe.first_counts(max_tokens, key)
 
 
 def warm_up_tiles(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_scale: torch.Tensor,

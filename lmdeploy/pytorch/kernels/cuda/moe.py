@@ -30,7 +30,7 @@ import triton.language as tl
 from ..default.expert_groups import add_gated_shared
 from . import moe_gemv
 from .launch import arg_key, fast_kernel, wait_for_inputs
-from .moe_align import align_launch_key, align_mode, align_pairs, align_pairs_reference
+from .moe_align import align_launch_key, align_mode, align_pairs, align_pairs_reference, block_bound
 from .moe_gemv import expert_weights
 
 # The alignment: Triton, one launch for up to 2048 pairs and two above (default, `LMDEPLOY_MOE_ALIGN=one`; three above
@@ -294,19 +294,24 @@ def default_config(num_pairs: int, num_experts: int, hidden: int = 0, inter: int
 _call_config = functools.lru_cache(maxsize=4096)(default_config)
 
 
-def cols_first(num_pairs: int, num_experts: int) -> bool:
-    """Whether the expert GEMMs of a call with `num_pairs` (token, expert) pairs launch a row block's column tiles
-    together (`COLS_FIRST_ROWS`, LMDEPLOY_MOE_COLS_FIRST)."""
-    if _COLS_FIRST_MODE != 'auto':
-        return _COLS_FIRST_MODE == '1'
-    return num_pairs >= COLS_FIRST_ROWS * num_experts
+# the most programs a CUDA grid's second dimension holds (the column-first order's row blocks)
+MAX_GRID_Y = 65535
+
+
+def cols_first(num_pairs: int, num_experts: int, block_m: int) -> bool:
+    """Whether the expert GEMMs of a call with `num_pairs` (token, expert) pairs over `num_experts` routed experts
+    at BLOCK_M `block_m` launch a row block's column tiles together (`COLS_FIRST_ROWS`, LMDEPLOY_MOE_COLS_FIRST);
+    never where its row blocks (with one more for a shared expert run as an expert) could outnumber a grid's second
+    dimension (`MAX_GRID_Y`: more than a million pairs at BLOCK_M 16)."""
+    if block_bound(num_pairs, num_experts + 1, block_m) > MAX_GRID_Y or _COLS_FIRST_MODE == '0':
+        return False
+    return _COLS_FIRST_MODE == '1' or num_pairs >= COLS_FIRST_ROWS * num_experts
 
 
 def expert_grid(num_blocks: int, num_tiles: int, columns_first: bool) -> tuple[int, int]:
-    """The expert GEMMs' grid, (row blocks, column tiles) or with `columns_first` (column tiles, row blocks) (a
-    grid's second dimension holds up to 65,535 programs: the row blocks of 1M pairs at BLOCK_M 16)."""
+    """The expert GEMMs' grid, (row blocks, column tiles) or with `columns_first` (column tiles, row blocks)."""
     if columns_first:
-        assert num_blocks <= 65535, f'{num_blocks} row blocks: more than a grid dimension holds'
+        assert num_blocks <= MAX_GRID_Y, f'{num_blocks} row blocks: more than a grid dimension holds'
         return num_tiles, num_blocks
     return num_blocks, num_tiles
 
@@ -357,7 +362,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts + has_shared, block_m)
     num_blocks = block_expert.shape[0]
     precision = 'ieee' if x.dtype == torch.float32 else 'tf32'
-    order = cols_first(num_pairs, num_experts)
+    order = cols_first(num_pairs, num_experts, block_m)
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config.up
@@ -387,9 +392,10 @@ def warm_up_token_counts(num_experts: int, hidden: int, inter: int, top_k: int, 
     """Token counts in 1..`max_tokens` whose calls reach every (config, class of the pair count, alignment launch,
     program order) that any count there reaches (through this shape's table for `device_name`, or the untuned
     tiles; `half`: as `default_config`'s): the first count of each."""
-    return first_counts(max_tokens, lambda tokens: (_call_config(tokens * top_k, num_experts, hidden, inter,
-                                                                 device_name, half),
-                                                    *pair_count_key(tokens * top_k, num_experts)))
+    def key(tokens: int) -> tuple:
+        config = _call_config(tokens * top_k, num_experts, hidden, inter, device_name, half)
+        return config, *pair_count_key(tokens * top_k, num_experts, config.block_m)
+    return first_counts(max_tokens, key)
 
 
 def first_counts(max_tokens: int, key) -> list[int]:
@@ -400,10 +406,10 @@ def first_counts(max_tokens: int, key) -> list[int]:
     return sorted(first.values())
 
 
-def pair_count_key(num_pairs: int, num_experts: int) -> tuple:
+def pair_count_key(num_pairs: int, num_experts: int, block_m: int) -> tuple:
     """What of a call's compiled binaries the pair count decides beyond the tiles: its integer class (the GEMMs'
     `num_pairs`), the alignment's launch and the GEMMs' program order (`cols_first`)."""
-    return arg_key(num_pairs), align_launch_key(num_pairs), cols_first(num_pairs, num_experts)
+    return arg_key(num_pairs), align_launch_key(num_pairs), cols_first(num_pairs, num_experts, block_m)
 
 
 def warm_up_inputs(tokens: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,

@@ -237,6 +237,12 @@ def _histogram_bins(num_experts: int) -> int:
     return max(32, triton.next_power_of_2(num_experts + 1))
 
 
+def block_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The row blocks `align_pairs` lays out (and the expert GEMMs launch) for `num_pairs` pairs of `num_experts`:
+    ``cdiv(N, BLOCK_M) + min(E, N)``."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, form: str | None = None,
                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M] int64, block_expert [max_blocks] int64); see the module docstring.
@@ -247,7 +253,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, form: st
     if flat.stride(0) != 1:
         flat = flat.contiguous()
     num_pairs = flat.numel()
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    max_blocks = block_bound(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int64, device=device)
     if num_pairs == 0:
@@ -294,7 +300,7 @@ def align_pairs_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    max_blocks = block_bound(num_pairs, num_experts, block_m)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
