@@ -12,6 +12,8 @@ BLOCK_K equals the weight block's bk, so each K step reads one scale per operand
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -92,11 +94,27 @@ def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sor
     store_routed(acc, out_ptr, weights_ptr, pairs, cols, row_mask, col_mask, stride_ot)
 
 
+class Fp8MoeConfig(NamedTuple):
+    """Tiles of one FP8 MoE call: BLOCK_M (also the alignment's padding) and, per GEMM, (BLOCK_N, num_warps,
+    num_stages); BLOCK_K is the weights' block width."""
+    block_m: int
+    up: tuple[int, int, int]
+    down: tuple[int, int, int]
+
+
+def default_fp8_config(num_pairs: int, num_experts: int) -> Fp8MoeConfig:
+    """The tiles every FP8 MoE call takes unless given others (`benchmark/bench_fp8_moe.py` sweeps them): the bf16
+    experts' untuned row block (`moe.row_block`), 64 columns, 4 warps, 3 stages."""
+    return Fp8MoeConfig(row_block(num_pairs, num_experts), (64, 4, 3), (64, 4, 3))
+
+
 def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up_scale: torch.Tensor,
-                          down_scale: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+                          down_scale: torch.Tensor, block_size: tuple[int, int],
+                          config: Fp8MoeConfig | None = None) -> torch.Tensor:
     """x [T, H] bf16 / fp16; gate_up_proj [E, 2I, H] / down_proj [E, H, I] FP8 with scales [E, ceil(2I / bn),
-    ceil(H / bk)] / [E, ceil(H / bn), ceil(I / bk)]; I a multiple of bn. Returns [T, H] in x's dtype."""
+    ceil(H / bk)] / [E, ceil(H / bn), ceil(I / bk)]; I a multiple of bn. Returns [T, H] in x's dtype. `config`
+    overrides `default_fp8_config`'s tiles (benchmarks)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, double_inter, _ = gate_up_proj.shape
@@ -111,40 +129,42 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
         return torch.zeros_like(x)
     xq, x_scale = quant_fp8(x if x.stride(-1) == 1 else x.contiguous(), block_k)
     num_pairs = num_tokens * top_k
-    block_m, tile_n = row_block(num_pairs, num_experts), 64
+    block_m, up, down = config or default_fp8_config(num_pairs, num_experts)
     sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
     order = moe.cols_first(num_pairs, num_experts, block_m)
 
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
+    tile_n, warps, stages = up
     _moe_up_fp8_kernel[moe.expert_grid(num_blocks, triton.cdiv(inter, tile_n), order)](
         xq, x_scale, gate_up_proj, gate_up_scale, act, sorted_pairs, block_expert, num_pairs=num_pairs,
         hidden=hidden, inter=inter, stride_xt=xq.stride(0), stride_xst=x_scale.stride(0),
         stride_we=gate_up_proj.stride(0), stride_wn=gate_up_proj.stride(1), stride_wse=gate_up_scale.stride(0),
         stride_wsn=gate_up_scale.stride(1), stride_ot=act.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts,
         BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, COLS_FIRST=order,
-        num_warps=4, num_stages=3)
+        num_warps=warps, num_stages=stages)
 
     act_q, act_scale = quant_fp8(act, block_k)
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
+    tile_n, warps, stages = down
     _moe_down_fp8_kernel[moe.expert_grid(num_blocks, triton.cdiv(hidden, tile_n), order)](
         act_q, act_scale, down_proj, down_scale, per_pair, weights, sorted_pairs, block_expert, num_pairs=num_pairs,
         hidden=hidden, inter=inter, stride_at=act_q.stride(0), stride_ast=act_scale.stride(0),
         stride_we=down_proj.stride(0), stride_wn=down_proj.stride(1), stride_wse=down_scale.stride(0),
         stride_wsn=down_scale.stride(1), stride_ot=per_pair.stride(0), NUM_EXPERTS=num_experts,
         BLOCK_SIZE_N=block_n, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, COLS_FIRST=order,
-        num_warps=4, num_stages=3)
+        num_warps=warps, num_stages=stages)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
-    """Token counts in 1..`max_tokens` whose calls reach every (BLOCK_M, class of the pair count, alignment launch,
-    program order) that any count there reaches (every other tile and argument is fixed by the shape): the first
-    count of each."""
+    """Token counts in 1..`max_tokens` whose calls reach every (tiles, class of the pair count, alignment launch,
+    program order) that any count there reaches (every other argument is fixed by the shape): the first count of
+    each."""
     def key(tokens: int) -> tuple:
-        block_m = row_block(tokens * top_k, num_experts)
-        return block_m, *moe.pair_count_key(tokens * top_k, num_experts, block_m)
+        config = default_fp8_config(tokens * top_k, num_experts)
+        return config, *moe.pair_count_key(tokens * top_k, num_experts, config.block_m)
     return moe.first_counts(max_tokens, key)
 
 
