@@ -21,7 +21,7 @@ import triton.language as tl
 from . import moe
 from .blocked_fp8 import quant_fp8
 from .launch import fast_kernel, wait_for_inputs
-from .moe import _align_pairs, moe_block, row_block, store_routed, store_swiglu
+from .moe import align_expert_pairs, moe_block, row_block, store_routed, store_swiglu
 
 
 @fast_kernel
@@ -130,7 +130,7 @@ def fused_moe_blocked_fp8(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     xq, x_scale = quant_fp8(x if x.stride(-1) == 1 else x.contiguous(), block_k)
     num_pairs = num_tokens * top_k
     block_m, up, down = config or default_fp8_config(num_pairs, num_experts)
-    sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts, block_m)
+    sorted_pairs, block_expert = align_expert_pairs(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
     order = moe.cols_first(num_pairs, num_experts, block_m)
 

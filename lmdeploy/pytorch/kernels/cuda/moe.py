@@ -207,7 +207,7 @@ def few_token_path_enabled() -> bool:
     return _MOE_GEMV
 
 
-def _align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_expert_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M], block_expert [max_blocks]) as described in the module docstring:
     `moe_align.py`'s Triton form (one launch, two or three), or its torch form with `LMDEPLOY_MOE_ALIGN=torch`."""
     if not _TRITON_ALIGN:
@@ -359,7 +359,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         name = _device_name(x.device)
         config = _call_config(num_pairs, num_experts, hidden, inter, name, x.dtype != torch.float32)
     block_m = config.block_m
-    sorted_pairs, block_expert = _align_pairs(topk_ids, num_experts + has_shared, block_m)
+    sorted_pairs, block_expert = align_expert_pairs(topk_ids, num_experts + has_shared, block_m)
     num_blocks = block_expert.shape[0]
     precision = 'ieee' if x.dtype == torch.float32 else 'tf32'
     order = cols_first(num_pairs, num_experts, block_m)
