@@ -273,6 +273,26 @@ def test_fused_moe_blocked_fp8_matches_reference_on_cuda(num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize('cols_first', [False, True], ids=['rows-first', 'cols-first'])
+@pytest.mark.parametrize('block_m', [16, 32, 64, 128])
+def test_fused_moe_blocked_fp8_every_row_block_matches_reference_on_cuda(block_m, cols_first, monkeypatch):
+    """A prefill's 256 rows an expert (the two-launch alignment) at every row block a config may take, in both program
+    orders (`bench_fp8_moe.py`'s sweep found BLOCK_M 32 off the 64 by more than its elementwise tolerance at 256 rows
+    an expert: mma.sync against wgmma accumulation, re-quantized to FP8, or a misplaced tile; the RMS tells them
+    apart: ~2.5% for the first under the interpreter with torch's quantization, ~100% for the second). The reference
+    runs on the GPU in float32."""
+    from lmdeploy.pytorch.kernels.cuda import blocked_fp8_moe, moe
+    monkeypatch.setattr(moe, '_COLS_FIRST_MODE', '1' if cols_first else '0')
+    x, *rest = _moe_inputs(2048, hidden=512, inter=256, num_experts=32, top_k=4, block=(128, 128), device='cuda',
+                           seed=block_m)
+    config = blocked_fp8_moe.Fp8MoeConfig(block_m, (64, 4, 3), (64, 4, 3))
+    out = blocked_fp8_moe.fused_moe_blocked_fp8(x.bfloat16(), *rest, (128, 128), config=config)
+    expected = ref.fused_moe_blocked_fp8(x.bfloat16().float(), *rest, block_size=(128, 128))
+    rms = ((out.float() - expected).pow(2).mean() / expected.pow(2).mean()).sqrt().item()
+    assert rms < 0.1, f'RMS error {rms:.3f} of the outputs RMS'
+
+
+@pytest.mark.gpu
 def test_fp8_moe_warm_up_compiles_every_binary_a_forward_takes():
     """After `warm_up_tiles` (what start-up runs for block-wise FP8 experts), no token count up to its limit compiles
     another binary of the FP8 MoE or of the alignment (top-8 of 64 experts: BLOCK_M 16 / 32 / 64, the one-program
