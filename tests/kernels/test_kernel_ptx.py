@@ -163,16 +163,20 @@ def test_moe_expert_gemms_keep_their_wgmma_pipelined(which, tiles, dtype, tmp_pa
     assert 'C7514' not in report, report
 
 
+@pytest.mark.parametrize('rows_per_expert', [100, blocked_fp8_moe.LARGE_ROWS], ids=['rows100', 'large'])
 @pytest.mark.parametrize('which', ['up', 'down'])
-def test_fp8_moe_expert_gemms_keep_their_wgmma_pipelined(which, tmp_path):
+def test_fp8_moe_expert_gemms_keep_their_wgmma_pipelined(which, rows_per_expert, tmp_path):
+    """The default tiles at BLOCK_M 64, below and from `LARGE_ROWS` rows an expert."""
     kernel = blocked_fp8_moe._moe_up_fp8_kernel if which == 'up' else blocked_fp8_moe._moe_down_fp8_kernel
     fp8 = '*fp8e4nv'
     pointers = {**_MOE_POINTERS, 'x_ptr': fp8, 'a_ptr': fp8, 'w_ptr': fp8, 'xs_ptr': '*fp32', 'as_ptr': '*fp32',
                 'ws_ptr': '*fp32', 'out_ptr': '*bf16'}
-    shape = dict(NUM_EXPERTS=64, BLOCK_SIZE_N=128, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+    config = blocked_fp8_moe.default_fp8_config(64 * rows_per_expert, 64)
+    block_n, warps, stages = config.up if which == 'up' else config.down
+    shape = dict(NUM_EXPERTS=64, BLOCK_SIZE_N=128, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=128)
     if which == 'up':
         shape['TOP_K'] = 8
-    ptx = sm90_ptx(kernel, pointers, shape, _MOE_DIVISIBLE, 4, num_stages=3)
+    ptx = sm90_ptx(kernel, pointers, shape, _MOE_DIVISIBLE, warps, num_stages=stages)
     assert 'wgmma.mma_async' in ptx
     report = ptxas_report(ptx, tmp_path)
     assert 'C7514' not in report, report
