@@ -14,6 +14,7 @@ set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-./out}"
 mkdir -p "$OUT/j"
+T0=$SECONDS  # LIMIT counts from here: the wheels' install and the fla check are inside the device call's limit too
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -23,7 +24,6 @@ export PYTHONPATH=/tmp/site:$PWD
 python3 -c 'from lmdeploy.pytorch.backends.cuda import fla_version, fla_takes_chunk_indices as ok
 print("fla-core", fla_version()); raise SystemExit(0 if ok() else "fla-core >= 0.6.0 needed: carry its wheel in .whl/")' \
   || exit 1
-T0=$SECONDS
 stamp() { echo "=== [$((SECONDS - T0))s] $*"; }
 
 make_jobs() {  # every gpu test file as a job, long ones split by -k
@@ -59,7 +59,7 @@ rm -rf "$OUT/j" "$jobs_file"
 
 [ -n "${BENCH_LIST:-}" ] && while read -r name t cmd; do
   [ -z "$name" ] || [ "${name:0:1}" = "#" ] && continue
-  left=$(( ${LIMIT:-585} - (SECONDS - T0) ))
+  left=$(( ${LIMIT:-585} - (SECONDS - T0) - 10 ))  # 10 s for timeout's kill grace and the log's copy
   if [ "$left" -lt 30 ]; then stamp "$name SKIPPED (only ${left}s left)"; continue; fi
   [ "$t" -gt "$left" ] && t=$left
   stamp "$name ($t s)"
