@@ -141,6 +141,17 @@ _MOE_POINTERS = {'sorted_pairs_ptr': '*i64', 'block_expert_ptr': '*i64', 'weight
 _MOE_DIVISIBLE = ('hidden', 'inter', 'stride_xt', 'stride_at', 'stride_we', 'stride_wn', 'stride_ot')
 
 
+def assert_moe_wgmma_pipelined(kernel, which: str, pointers: dict, shape: dict, warps: int, stages: int,
+                                tmp_path) -> None:
+    """An expert GEMM launch (`which`: up / down) built for sm90 runs wgmma, and ptxas does not serialize it (C7514)."""
+    if which == 'up':
+        shape = {**shape, 'TOP_K': 8}
+    ptx = sm90_ptx(kernel, pointers, shape, _MOE_DIVISIBLE, warps, num_stages=stages)
+    assert 'wgmma.mma_async' in ptx
+    report = ptxas_report(ptx, tmp_path)
+    assert 'C7514' not in report, report
+
+
 @pytest.mark.parametrize('dtype', ['bf16', 'fp16'])
 @pytest.mark.parametrize('tiles', [(64, (64, 64, 4, 3)), (128, (128, 64, 8, 3)), (128, (64, 64, 8, 3)),
                                    (128, (128, 64, 8, 4))], ids=lambda t: f'M{t[0]}-N{t[1][0]}-w{t[1][2]}-s{t[1][3]}')
@@ -155,12 +166,7 @@ def test_moe_expert_gemms_keep_their_wgmma_pipelined(which, tiles, dtype, tmp_pa
     pointers = {**_MOE_POINTERS, **{n: f'*{dtype}' for n in ('x_ptr', 'a_ptr', 'w_ptr', 'shared_ptr', 'out_ptr')}}
     shape = dict(NUM_EXPERTS=64, HAS_SHARED=False, PRECISION='tf32', BLOCK_M=block_m, BLOCK_N=block_n,
                  BLOCK_K=block_k, stride_wk=1)
-    if which == 'up':
-        shape['TOP_K'] = 8
-    ptx = sm90_ptx(kernel, pointers, shape, _MOE_DIVISIBLE, warps, num_stages=stages)
-    assert 'wgmma.mma_async' in ptx
-    report = ptxas_report(ptx, tmp_path)
-    assert 'C7514' not in report, report
+    assert_moe_wgmma_pipelined(kernel, which, pointers, shape, warps, stages, tmp_path)
 
 
 @pytest.mark.parametrize('rows_per_expert', [100, blocked_fp8_moe.LARGE_ROWS], ids=['rows100', 'large'])
@@ -174,12 +180,7 @@ def test_fp8_moe_expert_gemms_keep_their_wgmma_pipelined(which, rows_per_expert,
     config = blocked_fp8_moe.default_fp8_config(64 * rows_per_expert, 64)
     block_n, warps, stages = config.up if which == 'up' else config.down
     shape = dict(NUM_EXPERTS=64, BLOCK_SIZE_N=128, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=128)
-    if which == 'up':
-        shape['TOP_K'] = 8
-    ptx = sm90_ptx(kernel, pointers, shape, _MOE_DIVISIBLE, warps, num_stages=stages)
-    assert 'wgmma.mma_async' in ptx
-    report = ptxas_report(ptx, tmp_path)
-    assert 'C7514' not in report, report
+    assert_moe_wgmma_pipelined(kernel, which, pointers, shape, warps, stages, tmp_path)
 
 
 # The most dynamic shared memory one block may take on Hopper (H100 / H200): 227 KiB.
