@@ -153,7 +153,7 @@ def _moe_inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_
 @pytest.mark.parametrize('cols_first', [False, True], ids=['rows-first', 'cols-first'])
 @pytest.mark.parametrize('num_tokens', [1, 7, 256], ids=['T1', 'T7', 'T256'])
 def test_cpu_fused_moe_blocked_fp8_matches_reference(num_tokens, cols_first, torch_quantization, monkeypatch):
-    """The default tiles: a decode's, a short prompt's and (T256: 128 rows an expert) `LARGE_ROWS`'."""
+    """The default tiles: a decode's, a short prompt's and (T256: 128 rows an expert) `FP8_LARGE_ROWS`'."""
     from lmdeploy.pytorch.kernels.cuda import moe
     from lmdeploy.pytorch.kernels.cuda.blocked_fp8_moe import fused_moe_blocked_fp8
     # the expert GEMMs' program order, LMDEPLOY_MOE_COLS_FIRST

@@ -169,10 +169,10 @@ def test_moe_expert_gemms_keep_their_wgmma_pipelined(which, tiles, dtype, tmp_pa
     assert_moe_wgmma_pipelined(kernel, which, pointers, shape, warps, stages, tmp_path)
 
 
-@pytest.mark.parametrize('rows_per_expert', [100, blocked_fp8_moe.LARGE_ROWS], ids=['rows100', 'large'])
+@pytest.mark.parametrize('rows_per_expert', [100, blocked_fp8_moe.FP8_LARGE_ROWS], ids=['rows100', 'large'])
 @pytest.mark.parametrize('which', ['up', 'down'])
 def test_fp8_moe_expert_gemms_keep_their_wgmma_pipelined(which, rows_per_expert, tmp_path):
-    """The default tiles at BLOCK_M 64, below and from `LARGE_ROWS` rows an expert."""
+    """The default tiles at BLOCK_M 64, below and from `FP8_LARGE_ROWS` rows an expert."""
     kernel = blocked_fp8_moe._moe_up_fp8_kernel if which == 'up' else blocked_fp8_moe._moe_down_fp8_kernel
     fp8 = '*fp8e4nv'
     pointers = {**_MOE_POINTERS, 'x_ptr': fp8, 'a_ptr': fp8, 'w_ptr': fp8, 'xs_ptr': '*fp32', 'as_ptr': '*fp32',

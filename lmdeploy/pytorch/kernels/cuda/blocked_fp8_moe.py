@@ -105,16 +105,17 @@ class Fp8MoeConfig(NamedTuple):
 # From this many rows an expert (the column-first order's threshold, `moe.COLS_FIRST_ROWS`) the up launch takes 4
 # stages and the down launch 128 columns: the best of `bench_fp8_moe.py`'s sweep at both released expert counts on
 # the H100 (8,192 tokens: 256 experts top-8, 256 rows an expert, 1,697.7 -> 1,640.0 us; 512 experts top-10, 160 rows,
-# 2,307.2 -> 2,183.9 us; docs/benchmarks.md, "H100 runs 84-85").
-LARGE_ROWS = 128
+# 2,307.2 -> 2,183.9 us: about the bench's noise, but both sweeps chose these tiles; docs/benchmarks.md, "H100 runs
+# 84-85"). Not `moe.LARGE_ROWS`, the bf16 experts' threshold for their large untuned tiles.
+FP8_LARGE_ROWS = 128
 
 
 def default_fp8_config(num_pairs: int, num_experts: int) -> Fp8MoeConfig:
     """The tiles every FP8 MoE call takes unless given others (`benchmark/bench_fp8_moe.py` sweeps them): the bf16
-    experts' untuned row block (`moe.row_block`), 64 columns, 4 warps, 3 stages; from `LARGE_ROWS` rows an expert
+    experts' untuned row block (`moe.row_block`), 64 columns, 4 warps, 3 stages; from `FP8_LARGE_ROWS` rows an expert
     the up launch's 4 stages and the down launch's 128 columns."""
     block_m = row_block(num_pairs, num_experts)
-    if num_pairs >= LARGE_ROWS * num_experts:
+    if num_pairs >= FP8_LARGE_ROWS * num_experts:
         return Fp8MoeConfig(block_m, (64, 4, 4), (128, 4, 3))
     return Fp8MoeConfig(block_m, (64, 4, 3), (64, 4, 3))
 
